@@ -1,0 +1,38 @@
+//! Pipelined ring broadcast: the root streams segments to its right
+//! neighbour, every other rank forwards each segment as soon as it lands.
+
+use super::{OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::Key;
+
+pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let segment_bytes = ctx.segment_bytes;
+    if world == 1 || buf.len == 0 {
+        return Ok(());
+    }
+    let pos = (rank + world - root) % world;
+    let right = (rank + 1) % world;
+    let left = (rank + world - 1) % world;
+    let nseg = buf.len.div_ceil(segment_bytes);
+    let segment = |j: usize| (j * segment_bytes, segment_bytes.min(buf.len - j * segment_bytes));
+
+    let tr = &mut ctx.transfers();
+    let mut ids = Vec::with_capacity(nseg);
+    if pos != 0 {
+        for j in 0..nseg {
+            let (off, len) = segment(j);
+            ids.push(unsafe { tr.recv(left, Key::collective(ctx.seq, j as u64), buf.ptr.add(off), len)? });
+        }
+    }
+    for j in 0..nseg {
+        if pos != 0 {
+            tr.wait(ids[j])?;
+        }
+        if pos != world - 1 {
+            let (off, len) = segment(j);
+            unsafe { tr.send(right, Key::collective(ctx.seq, j as u64), buf.slice(off, len))? };
+        }
+    }
+    tr.wait_all()
+}

@@ -1,0 +1,77 @@
+//! Collective algorithms, written against `Transfers` (send/recv of byte
+//! ranges by rank). They know nothing of sockets or of torch.
+
+use crate::transport::{Transfers, Transport};
+use std::time::Duration;
+
+mod broadcast;
+mod ring_allreduce;
+
+pub use broadcast::ring_broadcast;
+pub use ring_allreduce::ring_allreduce;
+
+/// Payload bytes per message in pipelined algorithms: large enough to amortise
+/// the 32-byte header and a syscall, small enough that send, receive and
+/// reduce of consecutive segments overlap.
+pub const ENV_SEGMENT_BYTES: &str = "RUSTC10D_SEGMENT_BYTES";
+const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
+
+pub fn segment_bytes() -> usize {
+    std::env::var(ENV_SEGMENT_BYTES).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(DEFAULT_SEGMENT_BYTES)
+}
+
+/// What an algorithm needs to know about the op it runs.
+pub struct OpCtx<'a> {
+    pub transport: &'a dyn Transport,
+    /// Collective sequence number: the same on every rank for the same call.
+    pub seq: u64,
+    pub timeout: Duration,
+    /// "allreduce #4 on rank 1", for errors.
+    pub what: String,
+    pub segment_bytes: usize,
+}
+
+impl OpCtx<'_> {
+    /// Transfers for this op. Algorithms create them after any scratch memory,
+    /// so that cleanup finishes before the scratch is freed.
+    pub fn transfers(&self) -> Transfers<'_> {
+        Transfers::new(self.transport, self.timeout, self.what.clone())
+    }
+}
+
+/// A caller-owned byte range (a tensor's storage) that outlives the op.
+#[derive(Clone, Copy, Debug)]
+pub struct RawBuf {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+// The op's owner keeps the memory alive until the op finishes.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    /// # Safety
+    /// The range must be valid and not written by anyone else while the slice lives.
+    pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {
+        assert!(off + len <= self.len);
+        std::slice::from_raw_parts(self.ptr.add(off), len)
+    }
+
+    /// # Safety
+    /// The range must be valid and not accessed by anyone else while the slice lives.
+    pub unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {
+        assert!(off + len <= self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(off), len)
+    }
+}
+
+/// 8-byte aligned scratch memory, so kernels can view it as any dtype.
+pub struct Scratch(Vec<u64>);
+
+impl Scratch {
+    pub fn new(bytes: usize) -> Scratch {
+        Scratch(vec![0u64; bytes.div_ceil(8)])
+    }
+    pub fn raw(&mut self) -> RawBuf {
+        RawBuf { ptr: self.0.as_mut_ptr().cast(), len: self.0.len() * 8 }
+    }
+}

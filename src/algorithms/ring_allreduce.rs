@@ -1,0 +1,90 @@
+//! Ring allreduce: a reduce-scatter then an all-gather around the ring, each
+//! chunk cut into segments so that sending, receiving and reducing overlap.
+//! Every chunk is reduced by exactly one rank, so all ranks end bit-identical.
+
+use super::{OpCtx, RawBuf, Scratch};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::{divide_by, reduce_into};
+use crate::transport::{Key, TransferId, Transfers};
+
+pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let es = dtype.size();
+    let n = buf.len / es;
+    if world == 1 || n == 0 {
+        return Ok(());
+    }
+    let right = (rank + 1) % world;
+    let left = (rank + world - 1) % world;
+
+    // Chunk c holds elements [start(c), start(c + 1)); sizes differ by at most one.
+    let start = |c: usize| c * n / world;
+    let max_chunk = n.div_ceil(world);
+    let seg_elems = (ctx.segment_bytes / es).max(1);
+    let nseg = max_chunk.div_ceil(seg_elems);
+    // Byte range of segment j of chunk c (possibly empty for short chunks).
+    let segment = |c: usize, j: usize| {
+        let clen = start(c + 1) - start(c);
+        let lo = start(c) + (j * seg_elems).min(clen);
+        let hi = start(c) + ((j + 1) * seg_elems).min(clen);
+        (lo * es, (hi - lo) * es)
+    };
+    // Step t receives chunk (rank - t - 1) and sends chunk (rank - t), mod world.
+    let incoming = |t: usize| (rank + 2 * world - t - 1) % world;
+    let steps = 2 * (world - 1);
+    let reduce_steps = world - 1;
+    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * nseg + j) as u64);
+
+    // Reduce-scatter steps receive into alternating scratch halves; all-gather
+    // steps receive straight into the output.
+    let mut scratch = [Scratch::new(max_chunk * es), Scratch::new(max_chunk * es)];
+    let halves = [scratch[0].raw(), scratch[1].raw()];
+    // Declared after the scratch, so dropped (and drained) before it.
+    let tr = &mut ctx.transfers();
+    let mut posted: [Vec<TransferId>; 2] = [Vec::new(), Vec::new()];
+    let post = |tr: &mut Transfers, t: usize, posted: &mut [Vec<TransferId>; 2]| -> Result<()> {
+        let c = incoming(t);
+        let ids = &mut posted[t % 2];
+        ids.clear();
+        let base = halves[t % 2];
+        for j in 0..nseg {
+            let (off, len) = segment(c, j);
+            let dst = if t < reduce_steps { unsafe { base.ptr.add(off - start(c) * es) } } else { unsafe { buf.ptr.add(off) } };
+            ids.push(unsafe { tr.recv(left, key(t, j), dst, len)? });
+        }
+        Ok(())
+    };
+
+    post(tr, 0, &mut posted)?;
+    if steps > 1 {
+        post(tr, 1, &mut posted)?;
+    }
+    for j in 0..nseg {
+        let (off, len) = segment(rank, j);
+        unsafe { tr.send(right, key(0, j), buf.slice(off, len))? };
+    }
+    for t in 0..steps {
+        // Scratch half (t + 1) % 2 was fully consumed by step t - 1.
+        if t >= 1 && t + 1 < steps {
+            post(tr, t + 1, &mut posted)?;
+        }
+        let c = incoming(t);
+        for j in 0..nseg {
+            tr.wait(posted[t % 2][j])?;
+            let (off, len) = segment(c, j);
+            if t < reduce_steps {
+                let theirs = unsafe { halves[t % 2].slice(off - start(c) * es, len) };
+                let mine = unsafe { buf.slice_mut(off, len) };
+                reduce_into(dtype, op, mine, theirs);
+                if t == reduce_steps - 1 && op == ReduceOp::Avg {
+                    divide_by(dtype, mine, world);
+                }
+            }
+            if t + 1 < steps {
+                unsafe { tr.send(right, key(t + 1, j), buf.slice(off, len))? };
+            }
+        }
+    }
+    tr.wait_all()
+}

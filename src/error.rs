@@ -1,0 +1,57 @@
+//! The one error type of the core. Messages are complete sentences meant for
+//! the Python user: they name the op, the rank and the peer where one is known.
+
+/// What went wrong, so callers can tell bad input from a failed peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The caller passed something we cannot use (rank out of range, size mismatch).
+    InvalidArgument,
+    /// A valid request this backend does not implement (yet).
+    Unsupported,
+    /// A blocking step ran past its deadline.
+    Timeout,
+    /// A peer closed its connection or failed.
+    PeerLost,
+    /// Socket or system call failure.
+    Io,
+    /// The process group was shut down or is broken by an earlier failure.
+    Aborted,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error { kind, message: message.into() }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidArgument, message)
+    }
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unsupported, message)
+    }
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Timeout, message)
+    }
+    pub fn peer_lost(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::PeerLost, message)
+    }
+    pub fn io(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Io, message)
+    }
+    pub fn aborted(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Aborted, message)
+    }
+
+    /// Prefix the message with the context of the op that hit it.
+    pub fn context(self, what: impl std::fmt::Display) -> Self {
+        Error { kind: self.kind, message: format!("{what}: {}", self.message) }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

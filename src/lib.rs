@@ -1,0 +1,20 @@
+//! rustc10d: a torch.distributed (c10d) backend in Rust.
+//!
+//! Layers, bottom up: `transport` moves bytes between ranks; `algorithms` are
+//! collectives written against it; `engine` orders ops and completes them;
+//! `rendezvous` brings a group up through a Store. The torch shim (C++, `cpp/`)
+//! and the Python module sit on top, behind the `extension` feature.
+
+pub mod algorithms;
+pub mod dtype;
+pub mod engine;
+pub mod error;
+pub mod reduce;
+pub mod rendezvous;
+pub mod status;
+pub mod transport;
+
+#[cfg(feature = "extension")]
+mod ffi;
+#[cfg(feature = "extension")]
+mod python;

@@ -1,0 +1,215 @@
+//! Element-wise reduction kernels: `dst[i] = op(dst[i], src[i])` on raw bytes
+//! of a known dtype. bool follows NCCL (SUM/MAX = OR, PRODUCT/MIN = AND) so the
+//! stored bytes stay 0 or 1.
+
+use crate::dtype::{DType, ReduceOp};
+use half::{bf16, f16};
+
+/// Reinterpret a byte slice as `T`. Buffers are tensor storage or scratch
+/// allocated with 8-byte alignment, and lengths are whole elements.
+fn typed<T>(bytes: &[u8]) -> &[T] {
+    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0, "misaligned buffer");
+    assert!(bytes.len() % std::mem::size_of::<T>() == 0, "partial element");
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) }
+}
+
+fn typed_mut<T>(bytes: &mut [u8]) -> &mut [T] {
+    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0, "misaligned buffer");
+    assert!(bytes.len() % std::mem::size_of::<T>() == 0, "partial element");
+    unsafe {
+        std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut T, bytes.len() / std::mem::size_of::<T>())
+    }
+}
+
+#[inline]
+fn zip_apply<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
+    let d = typed_mut::<T>(dst);
+    let s = typed::<T>(src);
+    for (a, b) in d.iter_mut().zip(s) {
+        *a = f(*a, *b);
+    }
+}
+
+/// NaN-propagating min/max, as torch.min/torch.max do.
+#[inline]
+fn fmin<T: PartialOrd + Copy>(a: T, b: T) -> T {
+    #[allow(clippy::eq_op)]
+    if a != a {
+        a
+    } else if b != b || b < a {
+        b
+    } else {
+        a
+    }
+}
+
+#[inline]
+fn fmax<T: PartialOrd + Copy>(a: T, b: T) -> T {
+    #[allow(clippy::eq_op)]
+    if a != a {
+        a
+    } else if b != b || b > a {
+        b
+    } else {
+        a
+    }
+}
+
+macro_rules! float_kernel {
+    ($t:ty, $op:expr, $dst:expr, $src:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => zip_apply::<$t>($dst, $src, |a, b| a + b),
+            ReduceOp::Product => zip_apply::<$t>($dst, $src, |a, b| a * b),
+            ReduceOp::Min => zip_apply::<$t>($dst, $src, fmin),
+            ReduceOp::Max => zip_apply::<$t>($dst, $src, fmax),
+            _ => unreachable!("checked by ReduceOp::check"),
+        }
+    };
+}
+
+/// Half types compute in f32 and round once per element, like torch's CPU kernels.
+macro_rules! half_kernel {
+    ($t:ty, $op:expr, $dst:expr, $src:expr) => {{
+        let f = |a: $t, b: $t, g: fn(f32, f32) -> f32| <$t>::from_f32(g(a.to_f32(), b.to_f32()));
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => zip_apply::<$t>($dst, $src, |a, b| f(a, b, |x, y| x + y)),
+            ReduceOp::Product => zip_apply::<$t>($dst, $src, |a, b| f(a, b, |x, y| x * y)),
+            ReduceOp::Min => zip_apply::<$t>($dst, $src, |a, b| f(a, b, fmin)),
+            ReduceOp::Max => zip_apply::<$t>($dst, $src, |a, b| f(a, b, fmax)),
+            _ => unreachable!("checked by ReduceOp::check"),
+        }
+    }};
+}
+
+macro_rules! int_kernel {
+    ($t:ty, $op:expr, $dst:expr, $src:expr) => {
+        match $op {
+            ReduceOp::Sum => zip_apply::<$t>($dst, $src, |a, b| a.wrapping_add(b)),
+            ReduceOp::Product => zip_apply::<$t>($dst, $src, |a, b| a.wrapping_mul(b)),
+            ReduceOp::Min => zip_apply::<$t>($dst, $src, |a, b| a.min(b)),
+            ReduceOp::Max => zip_apply::<$t>($dst, $src, |a, b| a.max(b)),
+            ReduceOp::BAnd => zip_apply::<$t>($dst, $src, |a, b| a & b),
+            ReduceOp::BOr => zip_apply::<$t>($dst, $src, |a, b| a | b),
+            ReduceOp::BXor => zip_apply::<$t>($dst, $src, |a, b| a ^ b),
+            ReduceOp::Avg => unreachable!("checked by ReduceOp::check"),
+        }
+    };
+}
+
+/// `dst = op(dst, src)` element-wise. `op` must have passed `ReduceOp::check`.
+pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "reduce_into: length mismatch");
+    match dtype {
+        DType::F32 => float_kernel!(f32, op, dst, src),
+        DType::F64 => float_kernel!(f64, op, dst, src),
+        DType::F16 => half_kernel!(f16, op, dst, src),
+        DType::BF16 => half_kernel!(bf16, op, dst, src),
+        DType::I8 => int_kernel!(i8, op, dst, src),
+        DType::U8 => int_kernel!(u8, op, dst, src),
+        DType::I16 => int_kernel!(i16, op, dst, src),
+        DType::I32 => int_kernel!(i32, op, dst, src),
+        DType::I64 => int_kernel!(i64, op, dst, src),
+        DType::Bool => match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => zip_apply::<u8>(dst, src, |a, b| a | b),
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => zip_apply::<u8>(dst, src, |a, b| a & b),
+            ReduceOp::BXor => zip_apply::<u8>(dst, src, |a, b| a ^ b),
+            ReduceOp::Avg => unreachable!("checked by ReduceOp::check"),
+        },
+    }
+}
+
+/// The last step of AVG: divide the fully reduced sum by the world size.
+pub fn divide_by(dtype: DType, buf: &mut [u8], world: usize) {
+    let w = world as f64;
+    match dtype {
+        DType::F32 => typed_mut::<f32>(buf).iter_mut().for_each(|x| *x /= w as f32),
+        DType::F64 => typed_mut::<f64>(buf).iter_mut().for_each(|x| *x /= w),
+        DType::F16 => typed_mut::<f16>(buf).iter_mut().for_each(|x| *x = f16::from_f32(x.to_f32() / w as f32)),
+        DType::BF16 => typed_mut::<bf16>(buf).iter_mut().for_each(|x| *x = bf16::from_f32(x.to_f32() / w as f32)),
+        _ => unreachable!("AVG is float-only, checked by ReduceOp::check"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reduce two typed vectors through the byte kernel (Vec<T> is T-aligned).
+    fn run<T: Copy + Default>(dtype: DType, op: ReduceOp, a: &[T], b: &[T]) -> Vec<T> {
+        let mut da: Vec<T> = a.to_vec();
+        let db: Vec<T> = b.to_vec();
+        let dst = unsafe { std::slice::from_raw_parts_mut(da.as_mut_ptr() as *mut u8, std::mem::size_of_val(a)) };
+        let src = unsafe { std::slice::from_raw_parts(db.as_ptr() as *const u8, std::mem::size_of_val(b)) };
+        reduce_into(dtype, op, dst, src);
+        da
+    }
+
+    #[test]
+    fn float_ops() {
+        let a = [1.0f32, -2.0, 3.5, f32::NAN];
+        let b = [2.0f32, 5.0, -1.0, 0.0];
+        assert_eq!(run(DType::F32, ReduceOp::Sum, &a[..3], &b[..3]), vec![3.0, 3.0, 2.5]);
+        assert_eq!(run(DType::F32, ReduceOp::Product, &a[..3], &b[..3]), vec![2.0, -10.0, -3.5]);
+        assert_eq!(run(DType::F32, ReduceOp::Min, &a[..3], &b[..3]), vec![1.0, -2.0, -1.0]);
+        assert_eq!(run(DType::F32, ReduceOp::Max, &a[..3], &b[..3]), vec![2.0, 5.0, 3.5]);
+        assert!(run(DType::F32, ReduceOp::Max, &a, &b)[3].is_nan(), "NaN propagates like torch.max");
+        assert!(run(DType::F32, ReduceOp::Min, &b, &a)[3].is_nan(), "NaN propagates like torch.min");
+        let d = run(DType::F64, ReduceOp::Sum, &[1.5f64, 2.0], &[0.25, -4.0]);
+        assert_eq!(d, vec![1.75, -2.0]);
+    }
+
+    #[test]
+    fn half_ops() {
+        let a: Vec<f16> = [1.0f32, 2.0, -3.0].iter().map(|&x| f16::from_f32(x)).collect();
+        let b: Vec<f16> = [0.5f32, 4.0, 1.0].iter().map(|&x| f16::from_f32(x)).collect();
+        let s: Vec<f32> = run(DType::F16, ReduceOp::Sum, &a, &b).iter().map(|x| x.to_f32()).collect();
+        assert_eq!(s, vec![1.5, 6.0, -2.0]);
+        let a: Vec<bf16> = [1.0f32, 2.0, -3.0].iter().map(|&x| bf16::from_f32(x)).collect();
+        let b: Vec<bf16> = [0.5f32, 4.0, 1.0].iter().map(|&x| bf16::from_f32(x)).collect();
+        let m: Vec<f32> = run(DType::BF16, ReduceOp::Min, &a, &b).iter().map(|x| x.to_f32()).collect();
+        assert_eq!(m, vec![0.5, 2.0, -3.0]);
+        let p: Vec<f32> = run(DType::BF16, ReduceOp::Product, &a, &b).iter().map(|x| x.to_f32()).collect();
+        assert_eq!(p, vec![0.5, 8.0, -3.0]);
+    }
+
+    #[test]
+    fn int_ops_wrap_like_torch() {
+        assert_eq!(run(DType::I8, ReduceOp::Sum, &[127i8, -128], &[1, -1]), vec![-128, 127]);
+        assert_eq!(run(DType::U8, ReduceOp::Product, &[16u8, 3], &[16, 5]), vec![0, 15]);
+        assert_eq!(run(DType::I16, ReduceOp::Min, &[5i16, -7], &[3, 9]), vec![3, -7]);
+        assert_eq!(run(DType::I32, ReduceOp::Max, &[5i32, -7], &[3, 9]), vec![5, 9]);
+        assert_eq!(run(DType::I64, ReduceOp::BAnd, &[0b1100i64], &[0b1010]), vec![0b1000]);
+        assert_eq!(run(DType::I64, ReduceOp::BOr, &[0b1100i64], &[0b1010]), vec![0b1110]);
+        assert_eq!(run(DType::I64, ReduceOp::BXor, &[0b1100i64], &[0b1010]), vec![0b0110]);
+    }
+
+    #[test]
+    fn bool_stays_bool() {
+        let a = [0u8, 1, 1, 0];
+        let b = [0u8, 0, 1, 1];
+        assert_eq!(run(DType::Bool, ReduceOp::Sum, &a, &b), vec![0, 1, 1, 1]);
+        assert_eq!(run(DType::Bool, ReduceOp::Max, &a, &b), vec![0, 1, 1, 1]);
+        assert_eq!(run(DType::Bool, ReduceOp::Product, &a, &b), vec![0, 0, 1, 0]);
+        assert_eq!(run(DType::Bool, ReduceOp::Min, &a, &b), vec![0, 0, 1, 0]);
+        assert_eq!(run(DType::Bool, ReduceOp::BXor, &a, &b), vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn avg_divides() {
+        let mut v = vec![3.0f32, 9.0];
+        let buf = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 8) };
+        divide_by(DType::F32, buf, 3);
+        assert_eq!(v, vec![1.0, 3.0]);
+    }
+
+    #[test]
+    fn op_dtype_checks() {
+        assert!(ReduceOp::Avg.check(DType::I32).is_err());
+        assert!(ReduceOp::Avg.check(DType::BF16).is_ok());
+        assert!(ReduceOp::BXor.check(DType::F32).is_err());
+        assert!(ReduceOp::BXor.check(DType::Bool).is_ok());
+        let msg = ReduceOp::BAnd.check(DType::F16).unwrap_err().message;
+        assert!(msg.contains("rustc10d") && msg.contains("BAND") && msg.contains("float16"), "{msg}");
+        assert!(ReduceOp::from_code(8).unwrap_err().message.contains("PREMUL_SUM"));
+    }
+}

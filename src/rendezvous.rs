@@ -1,0 +1,210 @@
+//! Store-based rendezvous: pick the address peers can reach, publish it with
+//! a protocol version, agree on the group's token, and bring up the mesh.
+
+use crate::error::{Error, Result};
+use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
+use crate::transport::tcp::TcpMesh;
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Forces the interface whose IPv4 address is advertised (like GLOO_SOCKET_IFNAME).
+pub const ENV_SOCKET_IFNAME: &str = "RUSTC10D_SOCKET_IFNAME";
+
+/// The key/value store the group rendezvous through (torch's c10d Store, already
+/// prefixed per group; an in-memory one in tests).
+pub trait Store {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// Blocks until `key` exists or `timeout` passes.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+}
+
+/// A Store for tests: threads in one process share it.
+#[derive(Default)]
+pub struct MemStore {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    cv: Condvar,
+}
+
+impl Store for MemStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.map.lock().unwrap().insert(key.to_string(), value.to_vec());
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut map = self.map.lock().unwrap();
+        loop {
+            if let Some(v) = map.get(key) {
+                return Ok(v.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::timeout(format!("key {key} not set within {timeout:?}")));
+            }
+            map = self.cv.wait_timeout(map, deadline - now).unwrap().0;
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    pub rank: usize,
+    pub size: usize,
+    pub timeout: Duration,
+    /// Host of the Store's server, when known: we advertise the local address
+    /// that routes to it, so that ranks on other machines can reach us.
+    pub store_host: Option<String>,
+}
+
+/// Rendezvous through `store` and connect the ring neighbours.
+pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<TcpMesh> {
+    let (rank, size) = (cfg.rank, cfg.size);
+    if size == 0 || rank >= size {
+        return Err(Error::invalid(format!("rustc10d: rank {rank} is out of range for world size {size}")));
+    }
+    let deadline = Instant::now() + cfg.timeout;
+    let ip = choose_local_ip(cfg.store_host.as_deref())?;
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+        .map_err(|e| Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {e}")))?;
+    let me = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
+
+    let token = agree_on_token(store, rank, cfg.timeout)?;
+    store.set(&addr_key(rank), format!("v{PROTOCOL_VERSION} {me}").as_bytes())?;
+    let addrs = (0..size)
+        .map(|peer| if peer == rank { Ok(me) } else { lookup_peer(store, rank, peer, cfg.timeout) })
+        .collect::<Result<Vec<_>>>()?;
+
+    let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    let ring: &[usize] = if size > 1 { &[right] } else { &[] };
+    let from: &[usize] = if size > 1 { &[left] } else { &[] };
+    let mesh = TcpMesh::start(listener, hello, addrs, ring, from, deadline)?;
+    tracing::debug!("rustc10d: rank {rank}/{size} listening on {me}");
+    Ok(mesh)
+}
+
+fn addr_key(rank: usize) -> String {
+    format!("rustc10d/addr/{rank}")
+}
+
+/// Rank 0 draws the group's token; the others read it. Only members of the
+/// Store can learn it, so strangers fail the handshake.
+fn agree_on_token(store: &dyn Store, rank: usize, timeout: Duration) -> Result<[u8; TOKEN_LEN]> {
+    const KEY: &str = "rustc10d/token";
+    let bytes = if rank == 0 {
+        let mut t = [0u8; TOKEN_LEN];
+        let n = unsafe { libc::getrandom(t.as_mut_ptr().cast(), TOKEN_LEN, 0) };
+        if n != TOKEN_LEN as isize {
+            return Err(Error::io("rustc10d: getrandom failed"));
+        }
+        store.set(KEY, &t)?;
+        t.to_vec()
+    } else {
+        store
+            .get(KEY, timeout)
+            .map_err(|e| e.context(format!("rustc10d: rank {rank} timed out waiting for rank 0 to publish the group token")))?
+    };
+    bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
+}
+
+fn lookup_peer(store: &dyn Store, rank: usize, peer: usize, timeout: Duration) -> Result<SocketAddr> {
+    let raw = store.get(&addr_key(peer), timeout).map_err(|e| {
+        e.context(format!("rustc10d: rank {rank} timed out after {} ms waiting for rank {peer} to publish its address", timeout.as_millis()))
+    })?;
+    let text = String::from_utf8_lossy(&raw);
+    let (version, addr) = text.split_once(' ').unwrap_or(("", &text));
+    if version != format!("v{PROTOCOL_VERSION}") {
+        return Err(Error::invalid(format!(
+            "rustc10d: rank {peer} speaks protocol {version:?}, rank {rank} speaks v{PROTOCOL_VERSION}: all ranks must run the same rustc10d version"
+        )));
+    }
+    addr.parse().map_err(|_| Error::io(format!("rustc10d: rank {peer} published a malformed address {addr:?}")))
+}
+
+/// The address to advertise: the forced interface's, else the one that routes
+/// to the Store's host, else the first non-loopback interface, else loopback.
+/// Never the hostname's resolution, which Debian maps to 127.0.1.1.
+pub fn choose_local_ip(store_host: Option<&str>) -> Result<IpAddr> {
+    if let Ok(name) = std::env::var(ENV_SOCKET_IFNAME) {
+        return interface_ipv4(&name);
+    }
+    let host = store_host.filter(|h| !h.is_empty()).map(str::to_string).or_else(|| std::env::var("MASTER_ADDR").ok());
+    if let Some(ip) = host.as_deref().and_then(route_to) {
+        return Ok(ip);
+    }
+    let first = interfaces()?.into_iter().find(|(_, ip)| !ip.is_loopback());
+    Ok(first.map(|(_, ip)| IpAddr::V4(ip)).unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+}
+
+/// The local address the kernel would use to reach `host` (no packet is sent).
+fn route_to(host: &str) -> Option<IpAddr> {
+    let target = (host, 9).to_socket_addrs().ok()?.find(|a| a.is_ipv4())?;
+    let sock = UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect(target).ok()?;
+    Some(sock.local_addr().ok()?.ip())
+}
+
+fn interface_ipv4(name: &str) -> Result<IpAddr> {
+    let all = interfaces()?;
+    if let Some((_, ip)) = all.iter().find(|(n, _)| n == name) {
+        return Ok(IpAddr::V4(*ip));
+    }
+    let names: Vec<_> = all.iter().map(|(n, _)| n.as_str()).collect();
+    Err(Error::invalid(format!(
+        "rustc10d: {ENV_SOCKET_IFNAME}={name}: no interface of that name with an IPv4 address (have: {})",
+        names.join(", ")
+    )))
+}
+
+/// (name, IPv4 address) of every interface that is up.
+fn interfaces() -> Result<Vec<(String, Ipv4Addr)>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(Error::io(format!("rustc10d: getifaddrs failed: {}", std::io::Error::last_os_error())));
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        let ifa = unsafe { &*cur };
+        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+        if up && !ifa.ifa_addr.is_null() && unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET {
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+            out.push((name, ip));
+        }
+        cur = ifa.ifa_next;
+    }
+    unsafe { libc::freeifaddrs(head) };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_store_host_gives_loopback() {
+        assert_eq!(choose_local_ip(Some("127.0.0.1")).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+
+    #[test]
+    fn lo_is_listed() {
+        assert!(interfaces().unwrap().iter().any(|(n, ip)| n == "lo" && ip.is_loopback()));
+        assert!(interface_ipv4("nosuchif0").unwrap_err().message.contains("nosuchif0"));
+    }
+
+    #[test]
+    fn version_mismatch_is_reported() {
+        let store = MemStore::default();
+        store.set(&addr_key(1), b"v999 127.0.0.1:1").unwrap();
+        let err = lookup_peer(&store, 0, 1, Duration::from_millis(10)).unwrap_err();
+        assert!(err.message.contains("v999") && err.message.contains("rank 1"), "{}", err.message);
+        let err = lookup_peer(&store, 0, 2, Duration::from_millis(10)).unwrap_err();
+        assert!(err.message.contains("waiting for rank 2"), "{}", err.message);
+    }
+}

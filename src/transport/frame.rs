@@ -1,0 +1,159 @@
+//! Wire format: a fixed 32-byte frame header before every payload, and a
+//! 32-byte hello exchanged once per connection. Pure encode/decode, no I/O.
+
+use crate::error::{Error, Result};
+
+pub const PROTOCOL_VERSION: u32 = 1;
+const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
+const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
+pub const HEADER_LEN: usize = 32;
+pub const HELLO_LEN: usize = 32;
+pub const TOKEN_LEN: usize = 16;
+
+/// Which matching space a message belongs to.
+pub const KIND_COLLECTIVE: u8 = 1;
+pub const KIND_P2P: u8 = 2;
+
+/// What a message is matched on at the receiver, together with its sender.
+/// Collectives use (sequence number, step); p2p uses (user tag, 0) and FIFO order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub kind: u8,
+    pub channel: u64,
+    pub sub: u64,
+}
+
+impl Key {
+    pub fn collective(seq: u64, step: u64) -> Key {
+        Key { kind: KIND_COLLECTIVE, channel: seq, sub: step }
+    }
+    pub fn p2p(tag: i64) -> Key {
+        Key { kind: KIND_P2P, channel: tag as u64, sub: 0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub key: Key,
+    pub len: u64,
+}
+
+impl FrameHeader {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+        b[4] = self.key.kind;
+        b[8..16].copy_from_slice(&self.key.channel.to_le_bytes());
+        b[16..24].copy_from_slice(&self.key.sub.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<FrameHeader> {
+        let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
+        if magic != FRAME_MAGIC || b[5..8] != [0, 0, 0] {
+            return Err(Error::io(format!("corrupt frame header (magic {magic:#x})")));
+        }
+        let kind = b[4];
+        if kind != KIND_COLLECTIVE && kind != KIND_P2P {
+            return Err(Error::io(format!("corrupt frame header (kind {kind})")));
+        }
+        Ok(FrameHeader {
+            key: Key {
+                kind,
+                channel: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+                sub: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            },
+            len: u64::from_le_bytes(b[24..32].try_into().unwrap()),
+        })
+    }
+}
+
+/// First bytes on every connection, both ways: who I am and proof that I
+/// belong to this group (the token comes from the group's Store).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    pub version: u32,
+    pub rank: u32,
+    pub size: u32,
+    pub token: [u8; TOKEN_LEN],
+}
+
+impl Hello {
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.version.to_le_bytes());
+        b[8..12].copy_from_slice(&self.rank.to_le_bytes());
+        b[12..16].copy_from_slice(&self.size.to_le_bytes());
+        b[16..32].copy_from_slice(&self.token);
+        b
+    }
+
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Hello> {
+        if u32::from_le_bytes(b[0..4].try_into().unwrap()) != HELLO_MAGIC {
+            return Err(Error::io("not a rustc10d hello"));
+        }
+        Ok(Hello {
+            version: u32::from_le_bytes(b[4..8].try_into().unwrap()),
+            rank: u32::from_le_bytes(b[8..12].try_into().unwrap()),
+            size: u32::from_le_bytes(b[12..16].try_into().unwrap()),
+            token: b[16..32].try_into().unwrap(),
+        })
+    }
+
+    /// Check a peer's hello against what this group expects.
+    pub fn verify(&self, expected: &Hello, expected_rank: Option<u32>) -> Result<()> {
+        if self.version != expected.version {
+            return Err(Error::io(format!(
+                "protocol version mismatch: peer speaks v{}, this rank v{}",
+                self.version, expected.version
+            )));
+        }
+        if self.size != expected.size || self.token != expected.token {
+            return Err(Error::io("peer belongs to a different group (size or token mismatch)"));
+        }
+        if self.rank >= expected.size || self.rank == expected.rank {
+            return Err(Error::io(format!("peer claims invalid rank {}", self.rank)));
+        }
+        if let Some(r) = expected_rank {
+            if self.rank != r {
+                return Err(Error::io(format!("expected rank {r}, peer says it is rank {}", self.rank)));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_roundtrip_and_corruption() {
+        let h = FrameHeader { key: Key::collective(7, 3), len: 1 << 33 };
+        assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
+        let p = FrameHeader { key: Key::p2p(-5), len: 0 };
+        assert_eq!(FrameHeader::decode(&p.encode()).unwrap(), p);
+        let mut bad = h.encode();
+        bad[0] ^= 1;
+        assert!(FrameHeader::decode(&bad).is_err());
+        let mut bad = h.encode();
+        bad[4] = 9;
+        assert!(FrameHeader::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn hello_verification() {
+        let me = Hello { version: PROTOCOL_VERSION, rank: 0, size: 4, token: [7; TOKEN_LEN] };
+        let peer = Hello { rank: 2, ..me };
+        assert_eq!(Hello::decode(&peer.encode()).unwrap(), peer);
+        assert!(peer.verify(&me, Some(2)).is_ok());
+        assert!(peer.verify(&me, Some(1)).is_err());
+        assert!(Hello { token: [8; TOKEN_LEN], ..peer }.verify(&me, None).is_err());
+        assert!(Hello { version: 99, ..peer }.verify(&me, None).is_err());
+        assert!(Hello { rank: 4, ..peer }.verify(&me, None).is_err());
+        assert!(Hello { rank: 0, ..peer }.verify(&me, None).is_err(), "a peer cannot be me");
+        assert!(Hello::decode(&[0u8; HELLO_LEN]).is_err());
+    }
+}

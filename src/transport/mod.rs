@@ -1,0 +1,148 @@
+//! The transport layer: move bytes to and from ranks. It knows nothing of
+//! collectives; algorithms see only `send`/`recv` of byte ranges keyed by `Key`.
+
+pub mod frame;
+pub mod mailbox;
+pub mod tcp;
+
+pub use frame::Key;
+
+use crate::error::{Error, Result};
+use crate::status::Status;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub trait Transport: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// "rank 3 (10.0.0.4:40123)", for error messages.
+    fn describe_peer(&self, peer: usize) -> String;
+
+    /// Queue `len` bytes at `data` for `peer`; `status` finishes when they are written.
+    ///
+    /// # Safety
+    /// The bytes must stay valid and unchanged until `status` finishes.
+    unsafe fn send(&self, peer: usize, key: Key, data: *const u8, len: usize, status: Arc<Status>, deadline: Instant)
+        -> Result<()>;
+
+    /// Post a buffer for the next message from `peer` with `key`; `status`
+    /// finishes when it is filled (or the peer is lost, or sizes differ).
+    ///
+    /// # Safety
+    /// The buffer must stay valid, and not be read, until `status` finishes.
+    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()>;
+
+    /// Withdraw a posted receive that has not begun. False if it is already
+    /// being filled or finished; the caller must then wait for `status`.
+    fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool;
+
+    /// Give up on `peer`: close its connections so that every transfer
+    /// with it finishes (with `reason`) promptly.
+    fn break_peer(&self, peer: usize, reason: &Error);
+
+    /// Close every connection; all pending transfers fail. Idempotent.
+    fn shutdown(&self);
+}
+
+/// How long cleanup after a failure waits for a transfer before it breaks
+/// the connection to free the buffer.
+const CLEANUP_GRACE: Duration = Duration::from_millis(500);
+
+/// The transfers of one operation. It waits with the op's deadline and, when
+/// dropped (success or error), makes sure no transfer still touches the op's
+/// buffers: that is what makes the raw pointers handed to the transport safe.
+pub struct Transfers<'t> {
+    transport: &'t dyn Transport,
+    deadline: Instant,
+    timeout: Duration,
+    what: String,
+    pending: Vec<Pending>,
+}
+
+struct Pending {
+    peer: usize,
+    /// Some for receives (they can be cancelled), None for sends.
+    recv_key: Option<Key>,
+    status: Arc<Status>,
+}
+
+/// Index of a transfer within its `Transfers`.
+#[derive(Clone, Copy, Debug)]
+pub struct TransferId(usize);
+
+impl<'t> Transfers<'t> {
+    /// `what` names the op for errors, e.g. "allreduce #4 on rank 1".
+    pub fn new(transport: &'t dyn Transport, timeout: Duration, what: String) -> Self {
+        Transfers { transport, deadline: Instant::now() + timeout, timeout, what, pending: Vec::new() }
+    }
+
+    pub fn transport(&self) -> &'t dyn Transport {
+        self.transport
+    }
+
+    /// # Safety
+    /// `data` must stay valid and unchanged until this `Transfers` is dropped.
+    pub unsafe fn send(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
+        let status = Status::new();
+        self.transport
+            .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline)
+            .map_err(|e| e.context(&self.what))?;
+        self.pending.push(Pending { peer, recv_key: None, status });
+        Ok(TransferId(self.pending.len() - 1))
+    }
+
+    /// # Safety
+    /// `data` must stay valid, and not be read, until the transfer is waited
+    /// for or this `Transfers` is dropped.
+    pub unsafe fn recv(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
+        let status = Status::new();
+        self.transport.recv(peer, key, data, len, status.clone()).map_err(|e| e.context(&self.what))?;
+        self.pending.push(Pending { peer, recv_key: Some(key), status });
+        Ok(TransferId(self.pending.len() - 1))
+    }
+
+    /// Wait for one transfer, bounded by the op's deadline.
+    pub fn wait(&self, id: TransferId) -> Result<()> {
+        let p = &self.pending[id.0];
+        match p.status.wait(Some(self.deadline)) {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(Error::new(
+                e.kind,
+                format!("rustc10d: {} failed with {}: {}", self.what, self.transport.describe_peer(p.peer), e.message),
+            )),
+            None => Err(Error::timeout(format!(
+                "rustc10d: {} timed out after {} ms waiting for {} {}",
+                self.what,
+                self.timeout.as_millis(),
+                if p.recv_key.is_some() { "data from" } else { "a send to" },
+                self.transport.describe_peer(p.peer)
+            ))),
+        }
+    }
+
+    /// Wait for every transfer (the sends that nobody waited for, too).
+    pub fn wait_all(&self) -> Result<()> {
+        (0..self.pending.len()).try_for_each(|i| self.wait(TransferId(i)))
+    }
+}
+
+impl Drop for Transfers<'_> {
+    fn drop(&mut self) {
+        for p in &self.pending {
+            if p.status.is_done() {
+                continue;
+            }
+            if let Some(key) = p.recv_key {
+                if self.transport.cancel_recv(p.peer, key, &p.status) {
+                    p.status.finish(Err(Error::aborted("cancelled")));
+                    continue;
+                }
+            }
+            if p.status.wait(Some(Instant::now() + CLEANUP_GRACE)).is_none() {
+                let reason = Error::aborted(format!("rustc10d: {} was abandoned", self.what));
+                self.transport.break_peer(p.peer, &reason);
+                p.status.wait(None);
+            }
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! `TcpMesh`: one TCP connection (occasionally two) per peer, opened lazily
+//! when a rank first sends to it. Each connection has a reader thread that
+//! fills posted buffers straight from the socket; the connection a rank sends
+//! on has a writer thread, so queued sends never block the caller.
+
+use super::frame::{FrameHeader, Hello, Key, HEADER_LEN, HELLO_LEN};
+use super::mailbox::{fail_mismatch, Delivery, Mailbox, PostedRecv, RecvBuf};
+use super::Transport;
+use crate::error::{Error, Result};
+use crate::status::Status;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Upper bound on one handshake, so a silent client cannot pin a thread.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub struct TcpMesh {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    me: Hello,
+    addrs: Vec<SocketAddr>,
+    peers: Vec<Peer>,
+    listener: TcpListener,
+    stopping: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct Peer {
+    mailbox: Mutex<Mailbox>,
+    link: Mutex<Link>,
+    linked: Condvar,
+}
+
+#[derive(Default)]
+struct Link {
+    /// The writer queue of the connection this rank sends on.
+    sender: Option<Sender<SendReq>>,
+    /// Every connection with the peer, kept to shut them down.
+    streams: Vec<TcpStream>,
+    lost: Option<Error>,
+}
+
+struct SendReq {
+    header: [u8; HEADER_LEN],
+    data: *const u8,
+    len: usize,
+    status: Arc<Status>,
+}
+// The sender keeps `data` alive until `status` finishes (Transport::send's contract).
+unsafe impl Send for SendReq {}
+
+impl TcpMesh {
+    /// Start accepting on `listener`, connect to `eager` peers and wait until
+    /// each of `expect` has connected to us, all before `deadline`.
+    pub fn start(
+        listener: TcpListener,
+        me: Hello,
+        addrs: Vec<SocketAddr>,
+        eager: &[usize],
+        expect: &[usize],
+        deadline: Instant,
+    ) -> Result<TcpMesh> {
+        let peers = (0..addrs.len()).map(|_| Peer::default()).collect();
+        let inner = Arc::new(Inner {
+            me,
+            addrs,
+            peers,
+            listener,
+            stopping: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+        });
+        let acceptor = inner.clone();
+        inner.spawn("rustc10d-accept", move || acceptor.accept_loop());
+        let mesh = TcpMesh { inner };
+        for &p in eager {
+            mesh.inner.sender(p, deadline)?;
+        }
+        for &p in expect {
+            mesh.inner.wait_linked(p, deadline)?;
+        }
+        Ok(mesh)
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.listener.local_addr().expect("bound listener")
+    }
+
+}
+
+impl Drop for TcpMesh {
+    fn drop(&mut self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Transport for TcpMesh {
+    fn rank(&self) -> usize {
+        self.inner.me.rank as usize
+    }
+
+    fn size(&self) -> usize {
+        self.inner.me.size as usize
+    }
+
+    fn describe_peer(&self, peer: usize) -> String {
+        self.inner.describe(peer)
+    }
+
+    unsafe fn send(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let tx = self.inner.sender(peer, deadline)?;
+        let header = FrameHeader { key, len: len as u64 }.encode();
+        if let Err(e) = tx.send(SendReq { header, data, len, status }) {
+            // The writer has exited: the peer was lost after we took its queue.
+            let err = self.inner.lost_error(peer);
+            e.0.status.finish(Err(err));
+        }
+        Ok(())
+    }
+
+    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
+        self.inner.peers[peer].mailbox.lock().unwrap().post(key, PostedRecv { buf: RecvBuf { ptr: data, len }, status });
+        Ok(())
+    }
+
+    fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool {
+        self.inner.peers[peer].mailbox.lock().unwrap().cancel(key, status)
+    }
+
+    fn break_peer(&self, peer: usize, reason: &Error) {
+        self.inner.lose_peer(peer, reason.clone());
+    }
+
+    fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Inner {
+    fn rank(&self) -> usize {
+        self.me.rank as usize
+    }
+
+    fn describe(&self, peer: usize) -> String {
+        format!("rank {peer} ({})", self.addrs[peer])
+    }
+
+    fn spawn(&self, name: &str, f: impl FnOnce() + Send + 'static) {
+        let handle = std::thread::Builder::new().name(name.into()).spawn(f).expect("spawn thread");
+        self.threads.lock().unwrap().push(handle);
+    }
+
+    fn lost_error(&self, peer: usize) -> Error {
+        let link = self.peers[peer].link.lock().unwrap();
+        link.lost.clone().unwrap_or_else(|| Error::peer_lost(format!("connection to {} closed", self.describe(peer))))
+    }
+
+    /// The queue to send to `peer` on, dialling it first if we have no connection.
+    fn sender(self: &Arc<Self>, peer: usize, deadline: Instant) -> Result<Sender<SendReq>> {
+        if peer == self.rank() || peer >= self.peers.len() {
+            return Err(Error::invalid(format!("rank {} cannot send to rank {peer}", self.rank())));
+        }
+        loop {
+            {
+                let link = self.peers[peer].link.lock().unwrap();
+                if let Some(err) = &link.lost {
+                    return Err(err.clone());
+                }
+                if let Some(tx) = &link.sender {
+                    return Ok(tx.clone());
+                }
+            }
+            let stream = self.dial(peer, deadline)?;
+            self.register(peer, stream);
+        }
+    }
+
+    fn dial(&self, peer: usize, deadline: Instant) -> Result<TcpStream> {
+        let addr = self.addrs[peer];
+        let mut backoff = Duration::from_millis(20);
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
+            let err = match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), HANDSHAKE_TIMEOUT)) {
+                Ok(stream) => match self.handshake(&stream, Some(peer), deadline) {
+                    Ok(_) => return Ok(stream),
+                    // A wrong peer at that address will not become right by retrying.
+                    Err(e) => {
+                        return Err(Error::io(format!(
+                            "rustc10d: rank {} could not connect to {}: handshake failed: {}",
+                            self.rank(),
+                            self.describe(peer),
+                            e.message
+                        )))
+                    }
+                },
+                Err(e) => e,
+            };
+            if self.stopping.load(Ordering::SeqCst) || Instant::now() + backoff >= deadline {
+                return Err(Error::timeout(format!(
+                    "rustc10d: rank {} could not connect to {} after {attempts} attempts: {err}",
+                    self.rank(),
+                    self.describe(peer)
+                )));
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Exchange hellos; on success the stream is ready for frames.
+    fn handshake(&self, stream: &TcpStream, expected: Option<usize>, deadline: Instant) -> Result<usize> {
+        let io_err = |e: io::Error| Error::io(e.to_string());
+        let limit = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), HANDSHAKE_TIMEOUT);
+        stream.set_nodelay(true).map_err(io_err)?;
+        stream.set_read_timeout(Some(limit)).map_err(io_err)?;
+        stream.set_write_timeout(Some(limit)).map_err(io_err)?;
+        (&*stream).write_all(&self.me.encode()).map_err(io_err)?;
+        let mut buf = [0u8; HELLO_LEN];
+        (&*stream).read_exact(&mut buf).map_err(io_err)?;
+        let theirs = Hello::decode(&buf)?;
+        theirs.verify(&self.me, expected.map(|r| r as u32))?;
+        stream.set_read_timeout(None).map_err(io_err)?;
+        stream.set_write_timeout(None).map_err(io_err)?;
+        Ok(theirs.rank as usize)
+    }
+
+    fn accept_loop(self: Arc<Self>) {
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    if self.stopping.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    tracing::warn!("rustc10d: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            if self.stopping.load(Ordering::SeqCst) {
+                return;
+            }
+            // Handshake off the accept thread: a slow client must not block others.
+            let me = self.clone();
+            self.spawn("rustc10d-hello", move || {
+                let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                match me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT) {
+                    Ok(peer) => me.register(peer, stream),
+                    Err(e) => tracing::warn!("rustc10d: rank {} dropped a connection from {from}: {}", me.rank(), e.message),
+                }
+            });
+        }
+    }
+
+    /// Adopt a connection that passed the handshake: read from it, and send on
+    /// it if we have no sending connection to that peer yet.
+    fn register(self: &Arc<Self>, peer: usize, stream: TcpStream) {
+        let (Ok(reader), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else {
+            return;
+        };
+        let p = &self.peers[peer];
+        let mut link = p.link.lock().unwrap();
+        if link.lost.is_some() || self.stopping.load(Ordering::SeqCst) {
+            let _ = stream.shutdown(Shutdown::Both);
+            return;
+        }
+        link.streams.push(keep);
+        let me = self.clone();
+        self.spawn("rustc10d-recv", move || me.read_loop(peer, reader));
+        if link.sender.is_none() {
+            let (tx, rx) = channel();
+            link.sender = Some(tx);
+            let me = self.clone();
+            self.spawn("rustc10d-send", move || me.write_loop(peer, stream, rx));
+        }
+        p.linked.notify_all();
+    }
+
+    fn wait_linked(&self, peer: usize, deadline: Instant) -> Result<()> {
+        let p = &self.peers[peer];
+        let mut link = p.link.lock().unwrap();
+        while link.streams.is_empty() {
+            if let Some(e) = &link.lost {
+                return Err(e.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::timeout(format!(
+                    "rustc10d: rank {} timed out waiting for {} to connect",
+                    self.rank(),
+                    self.describe(peer)
+                )));
+            }
+            link = p.linked.wait_timeout(link, deadline - now).unwrap().0;
+        }
+        Ok(())
+    }
+
+    fn read_loop(&self, peer: usize, mut stream: TcpStream) {
+        let err = loop {
+            if let Err(e) = self.read_frame(peer, &mut stream) {
+                break e;
+            }
+        };
+        if self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        self.lose_peer(peer, Error::peer_lost(format!("lost connection to {}: {err}", self.describe(peer))));
+    }
+
+    fn read_frame(&self, peer: usize, stream: &mut TcpStream) -> io::Result<()> {
+        let mut hb = [0u8; HEADER_LEN];
+        stream.read_exact(&mut hb)?;
+        let header = FrameHeader::decode(&hb).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
+        let delivery = self.peers[peer].mailbox.lock().unwrap().on_header(header.key, header.len);
+        match delivery {
+            Delivery::Direct(p) => {
+                let buf = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr, p.buf.len) };
+                match stream.read_exact(buf) {
+                    Ok(()) => p.status.finish(Ok(buf.len() as i64)),
+                    Err(e) => {
+                        p.status.finish(Err(Error::peer_lost(e.to_string())));
+                        return Err(e);
+                    }
+                };
+            }
+            Delivery::Mismatch(p) => {
+                io::copy(&mut (&*stream).take(header.len), &mut io::sink())?;
+                fail_mismatch(p, header.len);
+            }
+            Delivery::Stash => {
+                let mut data = Vec::new();
+                (&*stream).take(header.len).read_to_end(&mut data)?;
+                if data.len() as u64 != header.len {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                self.peers[peer].mailbox.lock().unwrap().stash(header.key, data);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_loop(&self, peer: usize, mut stream: TcpStream, rx: Receiver<SendReq>) {
+        for req in rx.iter() {
+            let payload = unsafe { std::slice::from_raw_parts(req.data, req.len) };
+            match write_frame(&mut stream, &req.header, payload) {
+                Ok(()) => {
+                    req.status.finish(Ok(req.len as i64));
+                }
+                Err(e) => {
+                    let err = Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer)));
+                    req.status.finish(Err(err.clone()));
+                    self.lose_peer(peer, err);
+                }
+            }
+        }
+    }
+
+    /// Mark `peer` gone: close its connections, fail its receives now and its
+    /// queued sends as the writer drains them.
+    fn lose_peer(&self, peer: usize, err: Error) {
+        {
+            let mut link = self.peers[peer].link.lock().unwrap();
+            if link.lost.is_none() {
+                if !self.stopping.load(Ordering::SeqCst) {
+                    tracing::warn!("rustc10d: rank {}: {}", self.rank(), err.message);
+                }
+                link.lost = Some(err.clone());
+            }
+            link.sender = None;
+            for s in &link.streams {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            self.peers[peer].linked.notify_all();
+        }
+        self.peers[peer].mailbox.lock().unwrap().close(err);
+    }
+
+    fn shutdown(&self) {
+        if self.stopping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        let err = Error::aborted("rustc10d: the process group was shut down");
+        for peer in 0..self.peers.len() {
+            if peer != self.rank() {
+                self.lose_peer(peer, err.clone());
+            }
+        }
+        let me = std::thread::current().id();
+        loop {
+            let batch: Vec<_> = std::mem::take(&mut *self.threads.lock().unwrap());
+            if batch.is_empty() {
+                break;
+            }
+            for h in batch {
+                if h.thread().id() != me {
+                    let _ = h.join();
+                }
+            }
+        }
+    }
+}
+
+/// Header and payload in as few syscalls as possible (one for small frames).
+fn write_frame(stream: &mut TcpStream, mut header: &[u8], mut payload: &[u8]) -> io::Result<()> {
+    while !header.is_empty() || !payload.is_empty() {
+        let n = if header.is_empty() {
+            stream.write(payload)
+        } else {
+            stream.write_vectored(&[IoSlice::new(header), IoSlice::new(payload)])
+        };
+        let n = match n {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let from_header = n.min(header.len());
+        header = &header[from_header..];
+        payload = &payload[n - from_header..];
+    }
+    Ok(())
+}

@@ -1,0 +1,187 @@
+//! The core end to end without torch: W ranks as threads of one process,
+//! rendezvous through an in-memory Store, real TCP sockets on loopback.
+
+use rustc10d::algorithms::RawBuf;
+use rustc10d::dtype::{DType, ReduceOp};
+use rustc10d::engine::{Engine, OpHandle, Waited};
+use rustc10d::rendezvous::{connect, GroupConfig, MemStore};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn group(world: usize, timeout: Duration) -> Vec<Engine> {
+    let store = Arc::new(MemStore::default());
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
+                Engine::new(Arc::new(connect(&*store, &cfg).unwrap()), timeout)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Run `f(rank, engine)` on every rank at once.
+fn on_all<T: Send>(engines: &[Engine], f: impl Fn(usize, &Engine) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = engines.iter().enumerate().map(|(r, e)| { let f = &f; s.spawn(move || f(r, e)) }).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn raw<T>(v: &mut [T]) -> RawBuf {
+    RawBuf { ptr: v.as_mut_ptr().cast(), len: std::mem::size_of_val(v) }
+}
+
+fn noop() -> rustc10d::status::Callback {
+    Box::new(|_| {})
+}
+
+fn wait_ok(h: OpHandle) {
+    assert_eq!(h.wait(None), Waited::Done);
+}
+
+#[test]
+fn allreduce_matches_arithmetic_for_many_sizes_and_worlds() {
+    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
+    for world in [2, 3, 4] {
+        let engines = group(world, Duration::from_secs(10));
+        for n in [0usize, 1, world - 1, 7, 1001, 4096] {
+            let results = on_all(&engines, |rank, e| {
+                let mut v: Vec<i64> = (0..n as i64).map(|i| i * 10 + rank as i64).collect();
+                wait_ok(unsafe { e.all_reduce(raw(&mut v), DType::I64, ReduceOp::Sum, None, noop()).unwrap() });
+                let mut m: Vec<f32> = (0..n).map(|i| ((i + rank) % 5) as f32).collect();
+                wait_ok(unsafe { e.all_reduce(raw(&mut m), DType::F32, ReduceOp::Max, None, noop()).unwrap() });
+                (v, m)
+            });
+            let w = world as i64;
+            for (v, m) in results {
+                let want: Vec<i64> = (0..n as i64).map(|i| i * 10 * w + w * (w - 1) / 2).collect();
+                assert_eq!(v, want, "sum world={world} n={n}");
+                let want: Vec<f32> = (0..n).map(|i| (0..world).map(|r| ((i + r) % 5) as f32).fold(0.0, f32::max)).collect();
+                assert_eq!(m, want, "max world={world} n={n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn avg_broadcast_barrier_and_many_in_flight() {
+    let engines = group(3, Duration::from_secs(10));
+    let out = on_all(&engines, |rank, e| {
+        let mut avg = vec![rank as f64 * 3.0; 5];
+        let h1 = unsafe { e.all_reduce(raw(&mut avg), DType::F64, ReduceOp::Avg, None, noop()).unwrap() };
+        let mut b = if rank == 2 { vec![7u8, 8, 9] } else { vec![0u8; 3] };
+        let h2 = unsafe { e.broadcast(raw(&mut b), 2, None, noop()).unwrap() };
+        let mut many: Vec<Vec<i32>> = (0..8).map(|k| vec![k + rank as i32; 33]).collect();
+        let hs: Vec<_> = many
+            .iter_mut()
+            .map(|v| unsafe { e.all_reduce(raw(v), DType::I32, ReduceOp::Sum, None, noop()).unwrap() })
+            .collect();
+        wait_ok(e.barrier(None, noop()).unwrap());
+        for h in [h1, h2].into_iter().chain(hs) {
+            assert!(h.is_done(), "ops issued before a barrier are done when it is");
+            wait_ok(h);
+        }
+        (avg, b, many)
+    });
+    for (avg, b, many) in out {
+        assert_eq!(avg, vec![3.0; 5]);
+        assert_eq!(b, vec![7, 8, 9]);
+        for (k, v) in many.iter().enumerate() {
+            assert_eq!(v, &vec![3 * k as i32 + 3; 33]);
+        }
+    }
+}
+
+#[test]
+fn p2p_in_any_order_and_recv_timeout() {
+    let engines = group(2, Duration::from_secs(10));
+    on_all(&engines, |rank, e| {
+        let peer = 1 - rank;
+        let mut inbox = vec![vec![0u32; 4]; 3];
+        let mut outbox: Vec<Vec<u32>> = (0..3).map(|t| vec![rank as u32 * 100 + t; 4]).collect();
+        let order: [usize; 3] = if rank == 0 { [2, 0, 1] } else { [1, 2, 0] };
+        let recvs: Vec<_> = order
+            .iter()
+            .map(|&t| unsafe { e.recv(raw(&mut inbox[t]), peer, t as i64, None, noop()).unwrap() })
+            .collect();
+        let sends: Vec<_> = [0usize, 1, 2]
+            .iter()
+            .rev()
+            .map(|&t| unsafe { e.send(raw(&mut outbox[t]), peer, t as i64, None, noop()).unwrap() })
+            .collect();
+        for h in recvs.into_iter().chain(sends) {
+            wait_ok(h);
+        }
+        for t in 0..3 {
+            assert_eq!(inbox[t], vec![peer as u32 * 100 + t as u32; 4]);
+        }
+
+        let mut never = vec![0u8; 4];
+        let h = unsafe { e.recv(raw(&mut never), peer, 999, Some(Duration::from_millis(300)), noop()).unwrap() };
+        assert!(!h.is_done());
+        assert_eq!(h.wait(Some(Duration::from_millis(50))), Waited::TimedOut, "caller timeout leaves the op running");
+        let t0 = Instant::now();
+        match h.wait(None) {
+            Waited::Failed(msg) => assert!(msg.contains("timed out") && msg.contains("tag 999"), "{msg}"),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(2));
+    });
+}
+
+#[test]
+fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
+    let mut engines = group(3, Duration::from_secs(20));
+    let dead = engines.pop().unwrap();
+    let t0 = Instant::now();
+    let handles = on_all(&engines, |_, e| {
+        let mut v = vec![1.0f32; 1000];
+        let h = unsafe { e.all_reduce(raw(&mut v), DType::F32, ReduceOp::Sum, None, noop()).unwrap() };
+        (h, v)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    drop(dead);
+    for (h, _v) in &handles {
+        match h.wait(None) {
+            Waited::Failed(msg) => assert!(msg.contains("rank 2") || msg.contains("rank 0") || msg.contains("rank 1"), "{msg}"),
+            other => panic!("expected failure, got {other:?}"),
+        }
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "failure must not wait for the full timeout");
+    let mut v = vec![1.0f32; 4];
+    let h = unsafe { engines[0].all_reduce(raw(&mut v), DType::F32, ReduceOp::Sum, None, noop()).unwrap() };
+    match h.wait(None) {
+        Waited::Failed(msg) => assert!(msg.contains("broken"), "{msg}"),
+        other => panic!("expected broken group, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_is_refused_before_the_wire() {
+    let engines = group(2, Duration::from_secs(5));
+    let e = &engines[0];
+    let mut v = vec![1.0f32; 3];
+    assert!(unsafe { e.all_reduce(raw(&mut v), DType::F32, ReduceOp::BXor, None, noop()) }.is_err());
+    assert!(unsafe { e.broadcast(raw(&mut v), 5, None, noop()) }.is_err());
+    assert!(unsafe { e.send(raw(&mut v), 0, 0, None, noop()) }.is_err(), "send to self");
+    assert!(unsafe { e.recv(raw(&mut v), 7, 0, None, noop()) }.is_err());
+    // Still usable.
+    on_all(&engines, |_, e| {
+        let mut v = vec![2i16; 3];
+        wait_ok(unsafe { e.all_reduce(raw(&mut v), DType::I16, ReduceOp::Product, None, noop()).unwrap() });
+        assert_eq!(v, vec![4; 3]);
+    });
+}
+
+#[test]
+fn init_without_peer_times_out_naming_it() {
+    let store = MemStore::default();
+    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(500), store_host: Some("127.0.0.1".into()) };
+    let t0 = Instant::now();
+    let err = connect(&store, &cfg).err().expect("no peer: must fail");
+    assert!(err.message.contains("rank 1"), "{}", err.message);
+    assert!(t0.elapsed() < Duration::from_secs(3));
+}
