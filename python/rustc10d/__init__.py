@@ -1,0 +1,47 @@
+"""rustc10d: a torch.distributed backend written in Rust.
+
+Importing this package registers the backend ``"rustc10d"`` for CPU (and,
+later, CUDA) tensors::
+
+    import torch.distributed as dist
+    import rustc10d  # optional: the entry point registers it too
+    dist.init_process_group(backend="rustc10d")
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:
+    from . import _native
+except ImportError as exc:  # usually a torch upgraded under a built rustc10d
+    raise ImportError(
+        f"rustc10d's native module could not be loaded with torch {torch.__version__}: {exc}. "
+        "Rebuild it against this torch: pip install --no-build-isolation --force-reinstall --no-deps rustc10d"
+    ) from exc
+
+if _native.TORCH_VERSION != torch.__version__:
+    raise ImportError(
+        f"rustc10d was built against torch {_native.TORCH_VERSION}, but torch {torch.__version__} is installed. "
+        "Rebuild it against this torch: pip install --no-build-isolation --force-reinstall --no-deps rustc10d"
+    )
+
+__version__: str = _native.__version__
+BACKEND_NAME = "rustc10d"
+__all__ = ["BACKEND_NAME", "register"]
+
+
+def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None):
+    timeout_ms = int(opts.timeout.total_seconds() * 1000)
+    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout_ms)
+
+
+def register() -> None:
+    """Register the backend with torch.distributed (idempotent; also the entry point)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+
+
+register()
