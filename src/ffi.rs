@@ -78,7 +78,7 @@ fn timeout(ms: i64) -> Option<Duration> {
 }
 
 fn buf(t: &bridge::TensorDesc) -> RawBuf {
-    RawBuf { ptr: t.ptr as *mut u8, len: t.nbytes }
+    RawBuf::new(t.ptr as *mut u8, t.nbytes)
 }
 
 fn rank(r: i64, what: &str) -> Result<usize> {

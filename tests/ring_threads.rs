@@ -160,6 +160,22 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
 }
 
 #[test]
+fn empty_tensors_without_storage() {
+    let engines = group(2, Duration::from_secs(5));
+    on_all(&engines, |rank, e| {
+        let empty = || RawBuf::new(std::ptr::null_mut(), 0);
+        wait_ok(unsafe { e.all_reduce(empty(), DType::F32, ReduceOp::Sum, None, noop()).unwrap() });
+        wait_ok(unsafe { e.broadcast(empty(), 1, None, noop()).unwrap() });
+        let h = if rank == 0 {
+            unsafe { e.send(empty(), 1, 3, None, noop()).unwrap() }
+        } else {
+            unsafe { e.recv(empty(), 0, 3, None, noop()).unwrap() }
+        };
+        wait_ok(h);
+    });
+}
+
+#[test]
 fn bad_input_is_refused_before_the_wire() {
     let engines = group(2, Duration::from_secs(5));
     let e = &engines[0];

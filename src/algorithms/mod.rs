@@ -49,6 +49,13 @@ pub struct RawBuf {
 unsafe impl Send for RawBuf {}
 
 impl RawBuf {
+    /// Empty tensors may have no storage (a null pointer); slices still need
+    /// an aligned non-null one.
+    pub fn new(ptr: *mut u8, len: usize) -> RawBuf {
+        let ptr = if len == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr().cast() } else { ptr };
+        RawBuf { ptr, len }
+    }
+
     /// # Safety
     /// The range must be valid and not written by anyone else while the slice lives.
     pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {

@@ -1,0 +1,22 @@
+"""Shared fixtures.
+
+    .venv/bin/python -m pytest                                 # against rustc10d
+    RUSTC10D_TEST_BACKEND=gloo .venv/bin/python -m pytest      # the same checks against Gloo
+
+Most tests only look up one check's result from a job that runs every check at once per world
+size (harness.Job, checks.py), because starting ranks costs seconds each.
+"""
+
+import pytest
+
+import checks
+import harness
+
+
+def pytest_report_header(config):
+    return f"backend under test: {checks.BACKEND} (RUSTC10D_TEST_BACKEND)"
+
+
+@pytest.fixture(scope="session")
+def jobs(tmp_path_factory) -> harness.JobCache:
+    return harness.JobCache(tmp_path_factory)

@@ -1,0 +1,172 @@
+"""Launches test processes for pytest and reads their results back.
+
+Ranks of a job are worker.py processes joined through a TCPStore hosted by this (the pytest)
+process on a port the OS picks, so there is no free-port race. Every process started here runs
+in its own session and is killed when its deadline passes, so a hung backend fails the suite
+instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import checks
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("worker.py")
+JOB_TIMEOUT = 300  # one job runs every check for one world size
+
+
+@dataclass
+class Proc:
+    name: str
+    returncode: int | None  # None: killed at the deadline
+    seconds: float
+    stdout_path: Path
+    stderr_path: Path
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def describe(self, tail=3000) -> str:
+        state = "killed at the deadline" if self.returncode is None else f"exit code {self.returncode}"
+        return f"{self.name}: {state} after {self.seconds:.1f} s; stderr tail:\n{self.stderr[-tail:]}"
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the re-sync group is Gloo; all ranks are local
+    env.update(extra or {})
+    return env
+
+
+def run_processes(cmds: dict[str, list[str]], *, timeout: float, log_dir: Path, env=None) -> list[Proc]:
+    """Run the commands concurrently (name -> argv), output to log_dir/<name>.out/.err; kill
+    whatever still runs after `timeout` seconds (also when the caller is interrupted)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    running, done = {}, {}
+    try:
+        for name, cmd in cmds.items():
+            with open(log_dir / f"{name}.out", "wb") as out, open(log_dir / f"{name}.err", "wb") as err:
+                running[name] = subprocess.Popen(cmd, cwd=REPO, env=env or worker_env(), stdout=out,
+                                                 stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        while running and time.monotonic() - t0 < timeout:
+            for name, p in list(running.items()):
+                if p.poll() is not None:
+                    done[name] = (p.returncode, time.monotonic() - t0)
+                    del running[name]
+            time.sleep(0.05)
+    finally:
+        _stop(running.values())
+        for name in running:
+            done[name] = (None, time.monotonic() - t0)
+    return [Proc(name, *done[name], log_dir / f"{name}.out", log_dir / f"{name}.err") for name in cmds]
+
+
+def _stop(procs, grace=5.0):
+    """SIGTERM first (worker.py dumps its Python stacks, torchrun stops its workers), then
+    SIGKILL to the session of each process that is still running."""
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # still running, so its session id is still its own
+            p.wait()
+
+
+def launch_ranks(world: int, args: list[str], *, timeout: float, log_dir: Path, env=None) -> list[Proc]:
+    """Run `worker.py <args>` as ranks 0..world-1 around a fresh TCPStore."""
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    cmds = {
+        f"rank{r}": [sys.executable, str(WORKER), *args, "--rank", str(r), "--world", str(world),
+                     "--store", f"127.0.0.1:{store.port}"]
+        for r in range(world)
+    }
+    procs = run_processes(cmds, timeout=timeout, log_dir=log_dir, env=env)
+    del store  # kept alive until every rank is gone
+    return procs
+
+
+class Job:
+    """Every check for one world size, run once; `verify(name)` reports one check's outcome."""
+
+    def __init__(self, world: int, log_dir: Path):
+        self.world, self.log_dir = world, log_dir
+        self.procs = launch_ranks(world, ["job", "--out", str(log_dir)], timeout=JOB_TIMEOUT, log_dir=log_dir)
+        self.results = [self._load(r) for r in range(world)]
+
+    def _load(self, rank) -> dict:
+        try:
+            return json.loads((self.log_dir / f"rank{rank}.json").read_text())
+        except (OSError, ValueError):
+            return {"checks": {}}
+
+    def verify(self, name: str):
+        outcomes = [res["checks"].get(name) for res in self.results]
+        problems = []
+        for rank, outcome in enumerate(outcomes):
+            if outcome is None:
+                verb = "did not finish" if self.results[rank].get("current") == name else "did not run"
+                problems.append(f"--- rank {rank}: {verb}; {self.why_stopped(rank)}")
+            elif outcome["status"] == "fail":
+                problems.append(f"--- rank {rank} failed:\n{outcome['message']}")
+        if problems:
+            pytest.fail(f"{name} (world size {self.world}, logs in {self.log_dir}):\n" + "\n".join(problems),
+                        pytrace=False)
+
+    def why_stopped(self, rank: int) -> str:
+        res = self.results[rank]
+        reasons = [f"{key}: {res[key]}" for key in ("init_error", "aborted") if res.get(key)]
+        if res.get("current"):
+            reasons.append(f"was running {res['current']}")
+        return "\n".join(reasons + [self.procs[rank].describe()])
+
+
+class JobCache:
+    """Starts the job for a world size the first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.jobs: dict[int, Job] = {}
+
+    def get(self, world: int) -> Job:
+        if world not in self.jobs:
+            self.jobs[world] = Job(world, self.tmp_path_factory.mktemp(f"job-w{world}"))
+        return self.jobs[world]
+
+
+def check_params(suite: str) -> list:
+    """(world, check name) for every check of the suite, world-major so jobs run one by one;
+    checks the backend under test cannot run are skipped here, without starting anything."""
+    params = []
+    for world in checks.WORLD_SIZES:
+        for c in checks.CHECKS.values():
+            if c.suite != suite or world not in c.worlds:
+                continue
+            reason = c.skip_reason(checks.BACKEND)
+            marks = [pytest.mark.skip(reason=f"{checks.BACKEND}: {reason}")] if reason else []
+            params.append(pytest.param(world, c.name, id=f"w{world}-{c.name}", marks=marks))
+    return params

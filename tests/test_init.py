@@ -1,0 +1,62 @@
+"""Registration, initialisation failures and shutdown."""
+
+import re
+import sys
+
+import pytest
+
+import checks
+import harness
+
+
+@pytest.mark.parametrize(("world", "check"), harness.check_params("init"))
+def test_registration(jobs, world, check):
+    jobs.get(world).verify(check)
+
+
+@pytest.mark.parametrize("world", checks.WORLD_SIZES)
+def test_job_shuts_down_cleanly(jobs, world):
+    """After its checks every rank destroys the process group and exits 0."""
+    job = jobs.get(world)
+    for rank, proc in enumerate(job.procs):
+        assert proc.returncode == 0 and job.results[rank].get("finished"), job.why_stopped(rank)
+
+
+def _init_failure(proc: harness.Proc) -> tuple[float, str]:
+    """(seconds init took, error) from a worker.py init run that must have failed in init."""
+    assert proc.returncode is not None, proc.describe()
+    found = re.search(r"init failed after ([\d.]+) s: (.*)", proc.stderr, re.S)
+    assert proc.returncode == 1 and found, f"expected init to fail: {proc.describe()}"
+    return float(found.group(1)), found.group(2)
+
+
+@pytest.mark.timeout(90)
+def test_init_without_peer_fails_in_time(tmp_path):
+    """Rank 0 of 2 whose rank 1 never starts: init must raise within its 5 s timeout (plus
+    slack), not hang."""
+    cmd = [sys.executable, str(harness.WORKER), "init", "--host-store",
+           "--rank", "0", "--world", "2", "--timeout", "5"]
+    [proc] = harness.run_processes({"rank0": cmd}, timeout=60, log_dir=tmp_path)
+    seconds, error = _init_failure(proc)
+    # A late peer is normal, so giving up well before the timeout is as wrong as hanging
+    # (and an import or setup error fails quickly, too).
+    assert 2.5 <= seconds < 20, f"init failed after {seconds} s with a 5 s timeout: {error}"
+    words = ("rustc10d", "timeout", "timed out", "peer", "rank 1")
+    assert any(w in error.lower() for w in words), f"error names none of {words}: {error}"
+
+
+IFNAME_VAR = {"rustc10d": "RUSTC10D_SOCKET_IFNAME", "gloo": "GLOO_SOCKET_IFNAME"}[checks.BACKEND]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ifname", ["doesnotexist0", "lo"])
+def test_socket_ifname(tmp_path, ifname):
+    """The interface env var is honoured: a missing interface fails init naming it; lo works."""
+    procs = harness.launch_ranks(2, ["init", "--timeout", "10"], timeout=60, log_dir=tmp_path,
+                                 env=harness.worker_env({IFNAME_VAR: ifname}))
+    for proc in procs:
+        if ifname == "lo":
+            assert proc.returncode == 0, proc.describe()
+        else:
+            _, error = _init_failure(proc)
+            assert ifname in error, f"error does not name {ifname}: {error}"
