@@ -163,15 +163,11 @@ class RustBackend final : public c10d::Backend {
   RustBackend(rust::Box<Group> group, int rank, int size, milliseconds timeout)
       : Backend(rank, size), group_(std::move(group)), timeout_(timeout) {}
 
-  ~RustBackend() override {
-    // Engine threads may be finishing futures whose callbacks need the GIL.
-    if (Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      group_->shutdown();
-    } else {
-      group_->shutdown();
-    }
-  }
+  ~RustBackend() override { stop(); }
+
+  // destroy_process_group() and abort: fail what is pending, close sockets, join threads.
+  void shutdown() override { stop(); }
+  void abort() override { stop(); }
 
   const std::string getBackendName() const override { return "rustc10d"; }
 
@@ -252,6 +248,16 @@ class RustBackend final : public c10d::Backend {
       return c10::make_intrusive<RustWork>(getRank(), type, std::move(op), future, std::vector<at::Tensor>{t});
     } catch (const rust::Error& e) {
       throw c10::Error(here(name), e.what());
+    }
+  }
+
+  void stop() {
+    // Engine threads may be finishing futures whose callbacks need the GIL.
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      group_->shutdown();
+    } else {
+      group_->shutdown();
     }
   }
 

@@ -4,7 +4,7 @@
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Engine, OpHandle, Waited};
-use rustc10d::rendezvous::{connect, GroupConfig, MemStore};
+use rustc10d::rendezvous::{connect, GroupConfig, MemStore, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -199,5 +199,17 @@ fn init_without_peer_times_out_naming_it() {
     let t0 = Instant::now();
     let err = connect(&store, &cfg).err().expect("no peer: must fail");
     assert!(err.message.contains("rank 1"), "{}", err.message);
+    assert!(t0.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn init_with_unreachable_peer_names_its_address() {
+    let store = MemStore::default();
+    // Rank 1 "published" an address where nothing listens.
+    store.set("rustc10d/addr/1", b"v1 127.0.0.1:1").unwrap();
+    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(800), store_host: Some("127.0.0.1".into()) };
+    let t0 = Instant::now();
+    let err = connect(&store, &cfg).err().expect("unreachable peer: must fail");
+    assert!(err.message.contains("rank 1 (127.0.0.1:1)"), "{}", err.message);
     assert!(t0.elapsed() < Duration::from_secs(3));
 }
