@@ -25,11 +25,6 @@ std::exception_ptr dist_error(const std::string& msg) {
   return std::make_exception_ptr(c10::DistBackendError(here(__func__), msg));
 }
 
-// Engine failures surface as torch.distributed.DistBackendError.
-[[noreturn]] void rethrow_engine_error(const rust::Error& e) {
-  throw c10::DistBackendError(here(__func__), e.what());
-}
-
 int64_t to_ms(milliseconds t) {
   return t.count();
 }
@@ -146,17 +141,185 @@ class RustWork final : public c10d::Work {
   std::vector<at::Tensor> outputs_;
 };
 
-TensorDesc describe(const at::Tensor& t) {
+// The engine's dtype codes; reductions need one, data movement does not.
+constexpr uint8_t kOpaque = 255;
+
+uint8_t dtype_code(at::ScalarType type) {
   static const std::pair<at::ScalarType, uint8_t> codes[] = {
-      {at::kFloat, 0}, {at::kDouble, 1}, {at::kHalf, 2},  {at::kBFloat16, 3}, {at::kChar, 4},
-      {at::kByte, 5},  {at::kShort, 6},  {at::kInt, 7},   {at::kLong, 8},     {at::kBool, 9}};
-  for (auto [type, code] : codes) {
-    if (t.scalar_type() == type) {
-      return TensorDesc{reinterpret_cast<size_t>(t.data_ptr()), t.nbytes(), code};
-    }
+      {at::kFloat, 0}, {at::kDouble, 1}, {at::kHalf, 2}, {at::kBFloat16, 3}, {at::kChar, 4},
+      {at::kByte, 5},  {at::kShort, 6},  {at::kInt, 7},  {at::kLong, 8},     {at::kBool, 9}};
+  for (auto [t, code] : codes) {
+    if (t == type) return code;
   }
-  TORCH_CHECK(false, "rustc10d does not support dtype ", t.scalar_type(), " yet");
+  return kOpaque;
 }
+
+TensorDesc desc_of(const at::Tensor& t) {
+  return TensorDesc{reinterpret_cast<size_t>(t.data_ptr()), t.nbytes(), dtype_code(t.scalar_type())};
+}
+
+// `n` equal consecutive blocks of a contiguous tensor's storage.
+std::vector<TensorDesc> split_desc(const TensorDesc& whole, size_t n, const char* op) {
+  TORCH_CHECK(n > 0 && whole.nbytes % n == 0, "rustc10d: ", op, ": a tensor of ", whole.nbytes,
+              " bytes does not split into ", n, " equal blocks");
+  std::vector<TensorDesc> out;
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(TensorDesc{whole.ptr + i * (whole.nbytes / n), whole.nbytes / n, whole.dtype});
+  }
+  return out;
+}
+
+// Blocks of a contiguous tensor cut along dim 0 by `splits` (rows); empty: equal.
+std::vector<TensorDesc> split_rows(const at::Tensor& t, const TensorDesc& whole, std::vector<int64_t> splits,
+                                   size_t world, const char* op) {
+  if (splits.empty()) return split_desc(whole, world, op);
+  TORCH_CHECK(splits.size() == world, "rustc10d: ", op, ": expected ", world, " split sizes, got ", splits.size());
+  int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  int64_t total = 0;
+  for (auto s : splits) {
+    TORCH_CHECK(s >= 0, "rustc10d: ", op, ": negative split size ", s);
+    total += s;
+  }
+  TORCH_CHECK(total == rows, "rustc10d: ", op, ": split sizes sum to ", total, " but the tensor has ", rows, " rows");
+  size_t row_bytes = rows == 0 ? 0 : whole.nbytes / rows;
+  std::vector<TensorDesc> out;
+  size_t off = 0;
+  for (auto s : splits) {
+    out.push_back(TensorDesc{whole.ptr + off, static_cast<size_t>(s) * row_bytes, whole.dtype});
+    off += s * row_bytes;
+  }
+  return out;
+}
+
+// Everything one op needs on the torch side: the tensors it reads (staged
+// contiguous if necessary), the tensors it writes (staged, copied back on
+// success), and the future/Completion pair that finishing it completes.
+class Staging {
+ public:
+  Staging(const char* op, std::vector<at::Tensor> results) : op_(op) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    done_ = std::make_unique<Completion>();
+    done_->impl = std::make_unique<Completion::Impl>();
+    done_->impl->future = future_;
+    done_->impl->outputs = results;
+    results_ = std::move(results);
+  }
+
+  TensorDesc input(const at::Tensor& t) { return stage(t, false); }
+  TensorDesc output(const at::Tensor& t) { return stage(t, true); }
+  template <typename Ts>
+  std::vector<TensorDesc> inputs(const Ts& ts) { return stage_all(ts, false); }
+  template <typename Ts>
+  std::vector<TensorDesc> outputs(const Ts& ts) { return stage_all(ts, true); }
+
+  std::unique_ptr<Completion> completion() { return std::move(done_); }
+
+  c10::intrusive_ptr<c10d::Work> work(int rank, OpType type, rust::Box<Op> op) {
+    return c10::make_intrusive<RustWork>(rank, type, std::move(op), future_, results_);
+  }
+
+  const char* name() const { return op_; }
+
+ private:
+  TensorDesc stage(const at::Tensor& t, bool written) {
+    TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", t.layout(),
+                " tensors; pass a dense (strided) tensor");
+    TORCH_CHECK(t.device().is_cpu(), "rustc10d: ", op_, " does not support tensors on ", t.device(),
+                " yet; only CPU tensors are supported");
+    at::Tensor staged = t.is_contiguous() ? t : t.contiguous();
+    done_->impl->keep_alive.push_back(staged);
+    if (written && !staged.is_same(t)) done_->impl->copy_back.emplace_back(t, staged);
+    return desc_of(staged);
+  }
+
+  template <typename Ts>
+  std::vector<TensorDesc> stage_all(const Ts& ts, bool written) {
+    std::vector<TensorDesc> out;
+    for (const auto& t : ts) out.push_back(stage(t, written));
+    return out;
+  }
+
+  const char* op_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::unique_ptr<Completion> done_;
+  std::vector<at::Tensor> results_;
+};
+
+ReduceSpec spec_of(const c10d::ReduceOp& op, const std::vector<TensorDesc>& ds, const char* name) {
+  for (auto& d : ds) {
+    TORCH_CHECK(d.dtype != kOpaque, "rustc10d: ", name, " does not support reductions on this dtype yet");
+    TORCH_CHECK(d.dtype == ds[0].dtype, "rustc10d: ", name, ": all tensors must have the same dtype");
+  }
+  double premul = 1.0;
+  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK(s && !s->tensor_factor.defined(),
+                "rustc10d: ", name, " supports PREMUL_SUM with a Python scalar factor only");
+    premul = s->double_factor;
+  }
+  return ReduceSpec{static_cast<uint8_t>(op.op_), premul};
+}
+
+std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (auto& l : lists) out.insert(out.end(), l.begin(), l.end());
+  return out;
+}
+
+// Waits for the Works issued between startCoalescing() and endCoalescing().
+class CoalescedWork final : public c10d::Work {
+ public:
+  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : Work(rank, OpType::COALESCED), works_(std::move(works)) {
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    for (auto& w : works_) futures.push_back(w->getFuture());
+    auto list = c10::List<c10::intrusive_ptr<c10::ivalue::Future>>(c10::FutureType::create(c10::ListType::create(c10::TensorType::get())));
+    for (auto& f : futures) list.push_back(f);
+    auto all = c10::collectAll(list);
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    std::vector<at::Tensor> results;
+    for (auto& w : works_) {
+      auto r = w->result();
+      results.insert(results.end(), r.begin(), r.end());
+    }
+    all->addCallback([fut = future_, results](c10::ivalue::Future& done) {
+      for (const c10::IValue& f : done.value().toList().vec()) {
+        auto one = f.toFuture();
+        if (one->hasError()) {
+          fut->setError(one->exception_ptr());
+          return;
+        }
+      }
+      fut->markCompleted(c10::IValue(results));
+    });
+  }
+
+  bool isCompleted() override {
+    for (auto& w : works_)
+      if (!w->isCompleted()) return false;
+    return true;
+  }
+  bool isSuccess() const override {
+    for (auto& w : works_)
+      if (!w->isSuccess()) return false;
+    return true;
+  }
+  std::exception_ptr exception() const override {
+    for (auto& w : works_)
+      if (auto e = w->exception()) return e;
+    return nullptr;
+  }
+  bool wait(milliseconds timeout = kNoTimeout) override {
+    for (auto& w : works_) w->wait(timeout);
+    return true;
+  }
+  void synchronize() override { wait(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
 
 class RustBackend final : public c10d::Backend {
  public:
@@ -170,85 +333,278 @@ class RustBackend final : public c10d::Backend {
   void abort() override { stop(); }
 
   const std::string getBackendName() const override { return "rustc10d"; }
+  bool supportsCoalescing() const override { return true; }
+  uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
+  void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
+  void setTimeout(milliseconds timeout) override {
+    timeout_ = timeout;
+    group_->set_timeout(to_ms(timeout));
+  }
+
+  void startCoalescing() override {
+    TORCH_CHECK(!coalescing_, "rustc10d: startCoalescing() called twice without endCoalescing()");
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    TORCH_CHECK(coalescing_, "rustc10d: endCoalescing() without startCoalescing()");
+    coalescing_ = false;
+    return c10::make_intrusive<CoalescedWork>(getRank(), std::move(coalesced_));
+  }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    auto& t = single(tensors, "allreduce");
-    uint8_t op = static_cast<uint8_t>(opts.reduceOp.op_);
-    return submit(OpType::ALLREDUCE, "allreduce", t, true, [&](TensorDesc d, auto done) {
-      return group_->all_reduce(d, op, to_ms(opts.timeout), std::move(done));
+    Staging s("allreduce", tensors);
+    auto ds = s.outputs(tensors);
+    auto spec = spec_of(opts.reduceOp, ds, s.name());
+    return run(s, OpType::ALLREDUCE, [&](auto done) {
+      return group_->all_reduce(slice(ds), spec, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    Staging s("allreduce_coalesced", tensors);
+    auto ds = s.outputs(tensors);
+    auto spec = spec_of(opts.reduceOp, ds, s.name());
+    return run(s, OpType::ALLREDUCE_COALESCED, [&](auto done) {
+      return group_->all_reduce(slice(ds), spec, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    auto& t = single(tensors, "reduce");
+    Staging s("reduce", {t});
+    auto d = s.output(t);
+    auto spec = spec_of(opts.reduceOp, {d}, s.name());
+    return run(s, OpType::REDUCE, [&](auto done) {
+      return group_->reduce(d, opts.rootRank, spec, to_ms(opts.timeout), std::move(done));
     });
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
     auto& t = single(tensors, "broadcast");
-    return submit(OpType::BROADCAST, "broadcast", t, true, [&](TensorDesc d, auto done) {
+    Staging s("broadcast", {t});
+    auto d = s.output(t);
+    return run(s, OpType::BROADCAST, [&](auto done) {
       return group_->broadcast(d, opts.rootRank, to_ms(opts.timeout), std::move(done));
     });
   }
 
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    auto [future, done] = prepare({});
-    try {
-      auto op = group_->barrier(to_ms(opts.timeout), std::move(done));
-      return c10::make_intrusive<RustWork>(getRank(), OpType::BARRIER, std::move(op), future,
-                                           std::vector<at::Tensor>{});
-    } catch (const rust::Error& e) {
-      rethrow_engine_error(e);
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    auto& in = single(inputs, "allgather");
+    TORCH_CHECK(outputs.size() == 1, "rustc10d: allgather takes one output list, got ", outputs.size());
+    Staging s("allgather", outputs[0]);
+    auto i = s.input(in);
+    auto os = s.outputs(outputs[0]);
+    return run(s, OpType::ALLGATHER, [&](auto done) {
+      return group_->all_gather(slice1(i), slice(os), to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    Staging s("all_gather_into_tensor", {output});
+    auto i = s.input(input);
+    auto os = split_desc(s.output(output), getSize(), s.name());
+    return run(s, OpType::_ALLGATHER_BASE, [&](auto done) {
+      return group_->all_gather(slice1(i), slice(os), to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    auto flat = flatten(outputs);
+    Staging s("allgather_coalesced", flat);
+    auto is = s.inputs(inputs);
+    auto os = s.outputs(flat);
+    return run(s, OpType::ALLGATHER_COALESCED, [&](auto done) {
+      return group_->all_gather(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    Staging s("allgather_into_tensor_coalesced", outputs);
+    auto is = s.inputs(inputs);
+    std::vector<TensorDesc> os;
+    for (auto& o : outputs) {
+      auto blocks = split_desc(s.output(o), getSize(), s.name());
+      os.insert(os.end(), blocks.begin(), blocks.end());
     }
+    return run(s, OpType::ALLGATHER_INTO_TENSOR_COALESCED, [&](auto done) {
+      return group_->all_gather(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    auto& in = single(inputs, "gather");
+    bool root = opts.rootRank == getRank();
+    auto results = root && !outputs.empty() ? outputs[0] : std::vector<at::Tensor>{};
+    Staging s("gather", results);
+    auto i = s.input(in);
+    auto os = s.outputs(results);
+    return run(s, OpType::GATHER, [&](auto done) {
+      return group_->gather(i, slice(os), opts.rootRank, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                                    const c10d::GatherOptions& opts) override {
+    bool root = opts.rootRank == getRank();
+    Staging s("gather_into_tensor", root ? std::vector<at::Tensor>{output} : std::vector<at::Tensor>{});
+    auto i = s.input(input);
+    auto os = root ? split_desc(s.output(output), getSize(), s.name()) : std::vector<TensorDesc>{};
+    return run(s, OpType::GATHER, [&](auto done) {
+      return group_->gather(i, slice(os), opts.rootRank, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    auto& out = single(outputs, "scatter");
+    bool root = opts.rootRank == getRank();
+    Staging s("scatter", {out});
+    auto is = root && !inputs.empty() ? s.inputs(inputs[0]) : std::vector<TensorDesc>{};
+    auto o = s.output(out);
+    return run(s, OpType::SCATTER, [&](auto done) {
+      return group_->scatter(slice(is), o, opts.rootRank, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    auto& out = single(outputs, "reduce_scatter");
+    TORCH_CHECK(inputs.size() == 1, "rustc10d: reduce_scatter takes one input list, got ", inputs.size());
+    Staging s("reduce_scatter", {out});
+    auto is = s.inputs(inputs[0]);
+    auto o = s.output(out);
+    check_same_dtype(is, o, s.name());
+    auto spec = spec_of(opts.reduceOp, {o}, s.name());
+    return run(s, OpType::REDUCE_SCATTER, [&](auto done) {
+      return group_->reduce_scatter(slice(is), slice1(o), spec, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    Staging s("reduce_scatter_tensor", {output});
+    auto is = split_desc(s.input(input), getSize(), s.name());
+    auto o = s.output(output);
+    check_same_dtype(is, o, s.name());
+    auto spec = spec_of(opts.reduceOp, {o}, s.name());
+    return run(s, OpType::_REDUCE_SCATTER_BASE, [&](auto done) {
+      return group_->reduce_scatter(slice(is), slice1(o), spec, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    Staging s("reduce_scatter_tensor_coalesced", outputs);
+    std::vector<TensorDesc> is;
+    for (auto& i : inputs) {
+      auto blocks = split_desc(s.input(i), getSize(), s.name());
+      is.insert(is.end(), blocks.begin(), blocks.end());
+    }
+    auto os = s.outputs(outputs);
+    check_same_dtype(is, os.empty() ? TensorDesc{} : os[0], s.name());
+    auto spec = spec_of(opts.reduceOp, os, s.name());
+    return run(s, OpType::REDUCE_SCATTER_TENSOR_COALESCED, [&](auto done) {
+      return group_->reduce_scatter(slice(is), slice(os), spec, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override {
+    Staging s("all_to_all_single", {output});
+    size_t w = getSize();
+    auto is = split_rows(input, s.input(input), inputSplits, w, s.name());
+    auto os = split_rows(output, s.output(output), outputSplits, w, s.name());
+    return run(s, OpType::ALLTOALL_BASE, [&](auto done) {
+      return group_->all_to_all(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    Staging s("all_to_all", outputs);
+    auto is = s.inputs(inputs);
+    auto os = s.outputs(outputs);
+    return run(s, OpType::ALLTOALL, [&](auto done) {
+      return group_->all_to_all(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    Staging s("barrier", {});
+    return run(s, OpType::BARRIER, [&](auto done) { return group_->barrier(to_ms(opts.timeout), std::move(done)); });
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
+    Staging s("monitored_barrier", {});
+    auto ms = opts.timeout == c10d::kUnsetTimeout ? to_ms(timeout_) : to_ms(opts.timeout);
+    run(s, OpType::BARRIER, [&](auto done) {
+      return group_->monitored_barrier(waitAllRanks, ms, std::move(done));
+    })->wait();
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
     auto& t = single(tensors, "send");
-    return submit(OpType::SEND, "send", t, false, [&](TensorDesc d, auto done) {
-      return group_->send(d, dst, tag, -1, std::move(done));
-    });
+    Staging s("send", {t});
+    auto d = s.input(t);
+    return run(s, OpType::SEND, [&](auto done) { return group_->send(d, dst, tag, -1, std::move(done)); });
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     auto& t = single(tensors, "recv");
-    return submit(OpType::RECV, "recv", t, true, [&](TensorDesc d, auto done) {
-      return group_->recv(d, src, tag, -1, std::move(done));
-    });
+    Staging s("recv", {t});
+    auto d = s.output(t);
+    return run(s, OpType::RECV, [&](auto done) { return group_->recv(d, src, tag, -1, std::move(done)); });
   }
 
  private:
   static at::Tensor& single(std::vector<at::Tensor>& tensors, const char* op) {
     TORCH_CHECK(tensors.size() == 1, "rustc10d: ", op, " takes exactly one tensor, got ", tensors.size());
-    auto& t = tensors[0];
-    TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op, " does not support ", t.layout(),
-                " tensors; pass a dense (strided) tensor");
-    TORCH_CHECK(t.device().is_cpu(), "rustc10d: ", op, " does not support tensors on ", t.device(),
-                " yet; only CPU tensors are supported");
-    return t;
+    return tensors[0];
   }
 
-  std::pair<c10::intrusive_ptr<c10::ivalue::Future>, std::unique_ptr<Completion>> prepare(
-      std::vector<at::Tensor> outputs) {
-    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    auto done = std::make_unique<Completion>();
-    done->impl = std::make_unique<Completion::Impl>();
-    done->impl->future = future;
-    done->impl->outputs = std::move(outputs);
-    return {future, std::move(done)};
+  static rust::Slice<const TensorDesc> slice(const std::vector<TensorDesc>& v) {
+    return rust::Slice<const TensorDesc>(v.data(), v.size());
   }
+  static rust::Slice<const TensorDesc> slice1(const TensorDesc& d) { return rust::Slice<const TensorDesc>(&d, 1); }
 
-  // Stage a non-contiguous tensor through a contiguous copy (copied back on
-  // success when `writes` is set), hand the engine its storage, wrap the op.
-  template <typename Call>
-  c10::intrusive_ptr<c10d::Work> submit(OpType type, const char* name, at::Tensor& t, bool writes, Call call) {
-    at::Tensor staged = t.is_contiguous() ? t : t.contiguous();
-    TensorDesc desc = describe(staged);
-    auto [future, done] = prepare({t});
-    done->impl->keep_alive.push_back(staged);
-    if (writes && !staged.is_same(t)) done->impl->copy_back.emplace_back(t, staged);
-    try {
-      auto op = call(desc, std::move(done));
-      return c10::make_intrusive<RustWork>(getRank(), type, std::move(op), future, std::vector<at::Tensor>{t});
-    } catch (const rust::Error& e) {
-      throw c10::Error(here(name), e.what());
+  static void check_same_dtype(const std::vector<TensorDesc>& inputs, const TensorDesc& output, const char* op) {
+    for (auto& i : inputs) {
+      TORCH_CHECK(i.dtype == output.dtype, "rustc10d: ", op, ": input and output dtypes differ");
     }
+  }
+
+  // Hand the op to the engine and wrap it in a Work (remembered while coalescing).
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> run(Staging& s, OpType type, Call call) {
+    rust::Box<Op> op = [&] {
+      try {
+        return call(s.completion());
+      } catch (const rust::Error& e) {
+        throw c10::Error(here(s.name()), e.what());
+      }
+    }();
+    auto work = s.work(getRank(), type, std::move(op));
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
   }
 
   void stop() {
@@ -263,6 +619,8 @@ class RustBackend final : public c10d::Backend {
 
   rust::Box<Group> group_;
   milliseconds timeout_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
 }  // namespace

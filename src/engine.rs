@@ -3,8 +3,12 @@
 //! ops go straight to the transport, so they never queue behind collectives.
 //! The engine owns every op until it finishes; a handle only observes it.
 
-use crate::algorithms::{ring_allreduce, ring_broadcast, segment_bytes, OpCtx, RawBuf, Scratch};
+use crate::algorithms::{
+    copy_buf, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, ring_allgather, ring_allreduce,
+    ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes, OpCtx, RawBuf, Scratch,
+};
 use crate::dtype::{DType, ReduceOp};
+use crate::reduce::scale;
 use crate::error::{Error, ErrorKind, Result};
 use crate::status::{Callback, Status};
 use crate::transport::{Key, Transport};
@@ -22,7 +26,7 @@ pub struct Engine {
 
 struct Shared {
     transport: Arc<dyn Transport>,
-    timeout: Duration,
+    timeout_ms: AtomicU64,
     segment_bytes: usize,
     next_seq: AtomicU64,
     stopping: AtomicBool,
@@ -31,25 +35,131 @@ struct Shared {
     broken: Mutex<Option<Error>>,
 }
 
-enum Collective {
-    AllReduce { buf: RawBuf, dtype: DType, op: ReduceOp },
+/// How values combine: a reduce op on a dtype, with PREMUL_SUM's factor if any.
+#[derive(Clone, Copy, Debug)]
+pub struct Reduction {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// PREMUL_SUM: every contribution is multiplied by this before summing.
+    pub premul: Option<f64>,
+}
+
+impl Reduction {
+    pub fn new(dtype: DType, op: ReduceOp) -> Reduction {
+        Reduction { dtype, op, premul: None }
+    }
+
+    fn check(&self) -> Result<()> {
+        self.op.check(self.dtype)?;
+        if self.premul.is_some() && !self.dtype.is_float() {
+            return Err(Error::unsupported(format!(
+                "rustc10d does not support ReduceOp.PREMUL_SUM on {} tensors",
+                self.dtype.torch_name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One collective call. Buffers are the caller's (see `Engine::submit`).
+pub enum Collective {
+    AllReduce { buf: RawBuf, red: Reduction },
+    /// In place at the root; other ranks' buffers are left as they were.
+    Reduce { buf: RawBuf, root: usize, red: Reduction },
     Broadcast { buf: RawBuf, root: usize },
+    /// `outputs[i]` receives rank i's input.
+    AllGather { input: RawBuf, outputs: Vec<RawBuf> },
+    /// `outputs` only at the root.
+    Gather { input: RawBuf, outputs: Vec<RawBuf>, root: usize },
+    /// `inputs` only at the root.
+    Scatter { inputs: Vec<RawBuf>, output: RawBuf, root: usize },
+    /// `inputs[i]` is this rank's contribution to rank i's `output`.
+    ReduceScatter { inputs: Vec<RawBuf>, output: RawBuf, red: Reduction },
+    /// `inputs[i]` goes to rank i, `outputs[i]` comes from rank i.
+    AllToAll { inputs: Vec<RawBuf>, outputs: Vec<RawBuf> },
     Barrier,
+    MonitoredBarrier { wait_all: bool },
 }
 
 impl Collective {
     fn name(&self) -> &'static str {
         match self {
             Collective::AllReduce { .. } => "allreduce",
+            Collective::Reduce { .. } => "reduce",
             Collective::Broadcast { .. } => "broadcast",
+            Collective::AllGather { .. } => "allgather",
+            Collective::Gather { .. } => "gather",
+            Collective::Scatter { .. } => "scatter",
+            Collective::ReduceScatter { .. } => "reduce_scatter",
+            Collective::AllToAll { .. } => "alltoall",
             Collective::Barrier => "barrier",
+            Collective::MonitoredBarrier { .. } => "monitored_barrier",
         }
+    }
+
+    /// Refuse what cannot work before anything goes on the wire.
+    fn check(&self, rank: usize, world: usize) -> Result<()> {
+        let name = self.name();
+        let bad = |msg: String| Err(Error::invalid(format!("rustc10d: {name}: {msg}")));
+        let root_ok = |root: usize| if root < world { Ok(()) } else { bad(format!("root rank {root} is out of range for a group of size {world}")) };
+        let whole = |b: &RawBuf, red: &Reduction| {
+            if b.len % red.dtype.size() == 0 { Ok(()) } else { bad(format!("{} bytes is not a whole number of {} elements", b.len, red.dtype.torch_name())) }
+        };
+        let blocks = |what: &str, bufs: &[RawBuf], want: usize| {
+            if bufs.len() != world {
+                return bad(format!("expected {world} {what} (one per rank), got {}", bufs.len()));
+            }
+            match bufs.iter().position(|b| b.len != want) {
+                Some(i) => bad(format!("{what} {i} has {} bytes, expected {want} like the others", bufs[i].len)),
+                None => Ok(()),
+            }
+        };
+        match self {
+            Collective::AllReduce { buf, red } => {
+                red.check()?;
+                whole(buf, red)
+            }
+            Collective::Reduce { buf, root, red } => {
+                red.check()?;
+                root_ok(*root)?;
+                whole(buf, red)
+            }
+            Collective::Broadcast { root, .. } => root_ok(*root),
+            Collective::AllGather { input, outputs } => blocks("outputs", outputs, input.len),
+            Collective::Gather { input, outputs, root } => {
+                root_ok(*root)?;
+                if rank == *root { blocks("outputs", outputs, input.len) } else { Ok(()) }
+            }
+            Collective::Scatter { inputs, output, root } => {
+                root_ok(*root)?;
+                if rank == *root { blocks("inputs", inputs, output.len) } else { Ok(()) }
+            }
+            Collective::ReduceScatter { inputs, output, red } => {
+                red.check()?;
+                whole(output, red)?;
+                blocks("inputs", inputs, output.len)
+            }
+            Collective::AllToAll { inputs, outputs } => {
+                if inputs.len() != world || outputs.len() != world {
+                    return bad(format!("expected {world} input and output blocks, got {} and {}", inputs.len(), outputs.len()));
+                }
+                Ok(())
+            }
+            Collective::Barrier | Collective::MonitoredBarrier { .. } => Ok(()),
+        }
+    }
+
+    /// A failed monitored barrier only reports who is missing; anything else
+    /// leaves the ranks out of step.
+    fn failure_breaks_group(&self) -> bool {
+        !matches!(self, Collective::MonitoredBarrier { .. })
     }
 }
 
 struct Job {
-    seq: u64,
-    op: Collective,
+    /// Parts run in order; part i has sequence number first_seq + i.
+    first_seq: u64,
+    parts: Vec<Collective>,
     timeout: Duration,
     status: Arc<Status>,
 }
@@ -85,7 +195,7 @@ impl Engine {
     pub fn new(transport: Arc<dyn Transport>, timeout: Duration) -> Engine {
         let shared = Arc::new(Shared {
             transport,
-            timeout,
+            timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
             segment_bytes: segment_bytes(),
             next_seq: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
@@ -112,39 +222,44 @@ impl Engine {
         self.shared.transport.size()
     }
 
-    /// In-place allreduce of `buf`.
+    /// Queue collectives that run back to back as one op (several parts for
+    /// the coalesced variants); `done` runs once all have finished.
     ///
     /// # Safety
-    /// `buf` must stay valid, and untouched by the caller, until `done` has run.
-    pub unsafe fn all_reduce(
-        &self,
-        buf: RawBuf,
-        dtype: DType,
-        op: ReduceOp,
-        timeout: Option<Duration>,
-        done: Callback,
-    ) -> Result<OpHandle> {
-        op.check(dtype)?;
-        self.check_elements(buf, dtype)?;
-        self.submit(Collective::AllReduce { buf, dtype, op }, timeout, done)
+    /// Every buffer must stay valid until `done` has run; the caller must not
+    /// touch output buffers, nor change input buffers, before that.
+    pub unsafe fn submit(&self, parts: Vec<Collective>, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
+        let (rank, world) = (self.rank(), self.size());
+        parts.iter().try_for_each(|p| p.check(rank, world))?;
+        let queue = self.queue.lock().unwrap();
+        let Some(tx) = queue.as_ref() else {
+            return Err(Error::aborted("rustc10d: the process group was shut down"));
+        };
+        let first_seq = self.shared.next_seq.fetch_add(parts.len().max(1) as u64, Ordering::SeqCst);
+        let status = Status::with_callback(done);
+        let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
+        let job = Job { first_seq, parts, timeout, status: status.clone() };
+        if let Err(e) = tx.send(job) {
+            e.0.status.finish(Err(Error::aborted("rustc10d: the engine has stopped")));
+        }
+        Ok(OpHandle { status, seq: first_seq, source_rank: -1, expiry: None })
     }
 
-    /// # Safety
-    /// As for `all_reduce`.
-    pub unsafe fn broadcast(&self, buf: RawBuf, root: usize, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
-        self.check_rank("broadcast", "root", root)?;
-        self.submit(Collective::Broadcast { buf, root }, timeout, done)
+    /// Collectives issued so far (the group's sequence number).
+    pub fn sequence_number(&self) -> u64 {
+        self.shared.next_seq.load(Ordering::SeqCst)
     }
 
-    pub fn barrier(&self, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
-        self.submit(Collective::Barrier, timeout, done)
+    /// The default timeout of later ops.
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.shared.timeout_ms.store(timeout.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// # Safety
     /// `buf` must stay valid and unchanged until `done` has run.
     pub unsafe fn send(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
         self.check_peer("send", dst)?;
-        let timeout = timeout.unwrap_or(self.shared.timeout);
+        let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
         let t = &self.shared.transport;
         let status = Status::with_callback(done);
         let deadline = Instant::now() + timeout;
@@ -164,7 +279,7 @@ impl Engine {
     /// `buf` must stay valid, and not be read, until `done` has run.
     pub unsafe fn recv(&self, buf: RawBuf, src: usize, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
         self.check_peer("recv", src)?;
-        let timeout = timeout.unwrap_or(self.shared.timeout);
+        let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
         let t = &self.shared.transport;
         let rank = self.rank();
         let describe = t.describe_peer(src);
@@ -194,27 +309,6 @@ impl Engine {
         }
     }
 
-    fn submit(&self, op: Collective, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
-        let queue = self.queue.lock().unwrap();
-        let Some(tx) = queue.as_ref() else {
-            return Err(Error::aborted(format!("rustc10d: {} after the process group was shut down", op.name())));
-        };
-        let seq = self.shared.next_seq.fetch_add(1, Ordering::SeqCst);
-        let status = Status::with_callback(done);
-        let job = Job { seq, op, timeout: timeout.unwrap_or(self.shared.timeout), status: status.clone() };
-        if let Err(e) = tx.send(job) {
-            e.0.status.finish(Err(Error::aborted("rustc10d: the engine has stopped")));
-        }
-        Ok(OpHandle { status, seq, source_rank: -1, expiry: None })
-    }
-
-    fn check_elements(&self, buf: RawBuf, dtype: DType) -> Result<()> {
-        if buf.len % dtype.size() != 0 {
-            return Err(Error::invalid(format!("rustc10d: {} bytes is not a whole number of {} elements", buf.len, dtype.torch_name())));
-        }
-        Ok(())
-    }
-
     fn check_rank(&self, op: &str, what: &str, r: usize) -> Result<()> {
         if r >= self.size() {
             return Err(Error::invalid(format!("rustc10d: {op}: {what} rank {r} is out of range for a group of size {}", self.size())));
@@ -238,24 +332,35 @@ impl Drop for Engine {
 }
 
 impl Shared {
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::SeqCst))
+    }
+
     fn run(&self, job: Job) {
-        let what = format!("{} #{} on rank {}", job.op.name(), job.seq, self.transport.rank());
-        let broken = self.broken.lock().unwrap().clone();
-        let result = if self.stopping.load(Ordering::SeqCst) {
-            Err(Error::aborted(format!("rustc10d: {what} was cancelled: the process group was shut down")))
-        } else if let Some(cause) = broken {
-            Err(Error::new(cause.kind, format!("rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}", cause.message)))
-        } else {
-            let ctx = OpCtx { transport: &*self.transport, seq: job.seq, timeout: job.timeout, what: what.clone(), segment_bytes: self.segment_bytes };
-            let r = execute(&ctx, &job.op);
-            if let Err(e) = &r {
-                if !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
-                    self.break_group(e);
-                }
-            }
-            r
-        };
+        let result = job.parts.iter().enumerate().try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout));
         job.status.finish(result.map(|()| 0));
+    }
+
+    fn run_part(&self, seq: u64, part: &Collective, timeout: Duration) -> Result<()> {
+        let what = format!("{} #{seq} on rank {}", part.name(), self.transport.rank());
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(Error::aborted(format!("rustc10d: {what} was cancelled: the process group was shut down")));
+        }
+        let broken = self.broken.lock().unwrap().clone();
+        if let Some(cause) = broken {
+            return Err(Error::new(
+                cause.kind,
+                format!("rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}", cause.message),
+            ));
+        }
+        let ctx = OpCtx { transport: &*self.transport, seq, timeout, what, segment_bytes: self.segment_bytes };
+        let r = execute(&ctx, part);
+        if let Err(e) = &r {
+            if part.failure_breaks_group() && !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
+                self.break_group(e);
+            }
+        }
+        r
     }
 }
 
@@ -273,17 +378,73 @@ impl Shared {
     }
 }
 
-fn execute(ctx: &OpCtx, op: &Collective) -> Result<()> {
-    match *op {
-        Collective::AllReduce { buf, dtype, op } => ring_allreduce(ctx, buf, dtype, op),
-        Collective::Broadcast { buf, root } => ring_broadcast(ctx, buf, root),
+fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
+    let world = ctx.transport.size();
+    match part {
+        Collective::AllReduce { buf, red } => {
+            let op = premultiply(buf, red);
+            ring_allreduce(ctx, *buf, red.dtype, op)
+        }
+        Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
+            let op = premultiply(buf, red);
+            ring_reduce(ctx, *buf, *root, red.dtype, op)
+        }
+        Collective::Reduce { buf, root, red } => {
+            // Not the root: the caller's buffer must stay as it was.
+            let mut copy = Scratch::new(if red.premul.is_some() { buf.len } else { 0 });
+            let input = if red.premul.is_some() { scaled_copy(&mut copy, *buf, red) } else { *buf };
+            ring_reduce(ctx, input, *root, red.dtype, red.op)
+        }
+        Collective::Broadcast { buf, root } => ring_broadcast(ctx, *buf, *root),
+        Collective::AllGather { input, outputs } => ring_allgather(ctx, *input, outputs),
+        Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
+        Collective::Scatter { inputs, output, root } => direct_scatter(ctx, inputs, *output, *root),
+        Collective::ReduceScatter { inputs, output, red } => {
+            let len = output.len;
+            let mut copy = Scratch::new(if red.premul.is_some() { len * world } else { 0 });
+            let scaled: Vec<RawBuf>;
+            let inputs = if red.premul.is_some() {
+                let all = copy.raw();
+                scaled = inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| {
+                        let dst = RawBuf::new(unsafe { all.ptr.add(i * len) }, len);
+                        unsafe { copy_buf(dst, *b) };
+                        scale(red.dtype, unsafe { dst.slice_mut(0, len) }, red.premul.unwrap());
+                        dst
+                    })
+                    .collect();
+                &scaled
+            } else {
+                inputs
+            };
+            ring_reduce_scatter(ctx, inputs, *output, red.dtype, red.op)
+        }
+        Collective::AllToAll { inputs, outputs } => pairwise_alltoall(ctx, inputs, outputs),
         // An allreduce of one byte: nobody finishes before everybody has arrived.
         Collective::Barrier => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
             ring_allreduce(ctx, buf, DType::U8, ReduceOp::BOr)
         }
+        Collective::MonitoredBarrier { wait_all } => monitored_barrier(ctx, *wait_all),
     }
+}
+
+/// PREMUL_SUM on a buffer the op overwrites anyway: scale it in place, then sum.
+fn premultiply(buf: &RawBuf, red: &Reduction) -> ReduceOp {
+    if let Some(f) = red.premul {
+        scale(red.dtype, unsafe { buf.slice_mut(0, buf.len) }, f);
+    }
+    red.op
+}
+
+fn scaled_copy(copy: &mut Scratch, src: RawBuf, red: &Reduction) -> RawBuf {
+    let dst = RawBuf::new(copy.raw().ptr, src.len);
+    unsafe { copy_buf(dst, src) };
+    scale(red.dtype, unsafe { dst.slice_mut(0, dst.len) }, red.premul.unwrap_or(1.0));
+    dst
 }
 
 impl OpHandle {

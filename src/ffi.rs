@@ -3,7 +3,7 @@
 
 use crate::algorithms::RawBuf;
 use crate::dtype::{DType, ReduceOp};
-use crate::engine::{Engine, OpHandle, Waited};
+use crate::engine::{Collective, Engine, OpHandle, Reduction, Waited};
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use crate::status::Callback;
@@ -18,17 +18,51 @@ pub mod bridge {
         dtype: u8,
     }
 
+    /// A reduce op as torch names it: `op` is c10d's RedOpType code;
+    /// `premul` is PREMUL_SUM's factor (op 8).
+    struct ReduceSpec {
+        op: u8,
+        premul: f64,
+    }
+
     extern "Rust" {
         type Group;
         type Op;
 
-        fn all_reduce(self: &Group, t: TensorDesc, op: u8, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
+        // Collectives. Lists are flattened: `parts` coalesced calls of the same
+        // kind, with `world` blocks per part where an op has one per rank.
+        fn all_reduce(self: &Group, tensors: &[TensorDesc], spec: ReduceSpec, timeout_ms: i64, done: UniquePtr<Completion>)
+            -> Result<Box<Op>>;
+        fn reduce(self: &Group, t: TensorDesc, root: i64, spec: ReduceSpec, timeout_ms: i64, done: UniquePtr<Completion>)
+            -> Result<Box<Op>>;
         fn broadcast(self: &Group, t: TensorDesc, root: i64, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
+        fn all_gather(self: &Group, inputs: &[TensorDesc], outputs: &[TensorDesc], timeout_ms: i64, done: UniquePtr<Completion>)
+            -> Result<Box<Op>>;
+        fn gather(self: &Group, input: TensorDesc, outputs: &[TensorDesc], root: i64, timeout_ms: i64, done: UniquePtr<Completion>)
+            -> Result<Box<Op>>;
+        fn scatter(self: &Group, inputs: &[TensorDesc], output: TensorDesc, root: i64, timeout_ms: i64, done: UniquePtr<Completion>)
+            -> Result<Box<Op>>;
+        fn reduce_scatter(
+            self: &Group,
+            inputs: &[TensorDesc],
+            outputs: &[TensorDesc],
+            spec: ReduceSpec,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn all_to_all(self: &Group, inputs: &[TensorDesc], outputs: &[TensorDesc], timeout_ms: i64, done: UniquePtr<Completion>)
+            -> Result<Box<Op>>;
         fn barrier(self: &Group, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
+        fn monitored_barrier(self: &Group, wait_all: bool, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
+
+        // Point to point.
         fn send(self: &Group, t: TensorDesc, dst: i64, tag: i64, timeout_ms: i64, done: UniquePtr<Completion>)
             -> Result<Box<Op>>;
         fn recv(self: &Group, t: TensorDesc, src: i64, tag: i64, timeout_ms: i64, done: UniquePtr<Completion>)
             -> Result<Box<Op>>;
+
+        fn sequence_number(self: &Group) -> u64;
+        fn set_timeout(self: &Group, timeout_ms: i64);
         fn shutdown(self: &Group);
 
         fn is_done(self: &Op) -> bool;
@@ -93,22 +127,86 @@ fn finish_with(done: cxx::UniquePtr<bridge::Completion>) -> Callback {
     })
 }
 
+fn reduction(t: &bridge::TensorDesc, spec: &bridge::ReduceSpec) -> Result<Reduction> {
+    let dtype = DType::from_code(t.dtype)?;
+    if spec.op == PREMUL_SUM {
+        return Ok(Reduction { dtype, op: ReduceOp::Sum, premul: Some(spec.premul) });
+    }
+    Ok(Reduction::new(dtype, ReduceOp::from_code(spec.op)?))
+}
+
+/// c10d's RedOpType::PREMUL_SUM.
+const PREMUL_SUM: u8 = 8;
+
+fn bufs(ts: &[bridge::TensorDesc]) -> Vec<RawBuf> {
+    ts.iter().map(buf).collect()
+}
+
+/// Cut a flat list into `parts` equal groups (one per coalesced call).
+fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>> {
+    if parts == 0 || ts.len() % parts != 0 {
+        return Err(Error::invalid(format!("rustc10d: {} tensors do not split into {parts} calls", ts.len())));
+    }
+    Ok(ts.chunks(ts.len() / parts).map(bufs).collect())
+}
+
 // Safety of the raw buffers below: the Completion owns the tensors and is
 // dropped only when the engine finishes the op.
 impl Group {
-    fn all_reduce(&self, t: bridge::TensorDesc, op: u8, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let (dtype, op) = (DType::from_code(t.dtype)?, ReduceOp::from_code(op)?);
-        let h = unsafe { self.0.all_reduce(buf(&t), dtype, op, timeout(timeout_ms), finish_with(done))? };
-        Ok(Box::new(Op(h)))
+    fn run(&self, parts: Vec<Collective>, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        Ok(Box::new(Op(unsafe { self.0.submit(parts, timeout(timeout_ms), finish_with(done))? })))
+    }
+
+    fn all_reduce(&self, ts: &[bridge::TensorDesc], spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        let parts = ts.iter().map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, &spec)? })).collect::<Result<_>>()?;
+        self.run(parts, timeout_ms, done)
+    }
+
+    fn reduce(&self, t: bridge::TensorDesc, root: i64, spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        let part = Collective::Reduce { buf: buf(&t), root: rank(root, "root")?, red: reduction(&t, &spec)? };
+        self.run(vec![part], timeout_ms, done)
     }
 
     fn broadcast(&self, t: bridge::TensorDesc, root: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let h = unsafe { self.0.broadcast(buf(&t), rank(root, "root")?, timeout(timeout_ms), finish_with(done))? };
-        Ok(Box::new(Op(h)))
+        self.run(vec![Collective::Broadcast { buf: buf(&t), root: rank(root, "root")? }], timeout_ms, done)
+    }
+
+    fn all_gather(&self, inputs: &[bridge::TensorDesc], outputs: &[bridge::TensorDesc], timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        let parts = inputs
+            .iter()
+            .zip(per_part(outputs, inputs.len())?)
+            .map(|(i, outputs)| Collective::AllGather { input: buf(i), outputs })
+            .collect();
+        self.run(parts, timeout_ms, done)
+    }
+
+    fn gather(&self, input: bridge::TensorDesc, outputs: &[bridge::TensorDesc], root: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        self.run(vec![Collective::Gather { input: buf(&input), outputs: bufs(outputs), root: rank(root, "root")? }], timeout_ms, done)
+    }
+
+    fn scatter(&self, inputs: &[bridge::TensorDesc], output: bridge::TensorDesc, root: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        self.run(vec![Collective::Scatter { inputs: bufs(inputs), output: buf(&output), root: rank(root, "root")? }], timeout_ms, done)
+    }
+
+    fn reduce_scatter(&self, inputs: &[bridge::TensorDesc], outputs: &[bridge::TensorDesc], spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        let parts = outputs
+            .iter()
+            .zip(per_part(inputs, outputs.len())?)
+            .map(|(o, inputs)| Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, &spec)? }))
+            .collect::<Result<_>>()?;
+        self.run(parts, timeout_ms, done)
+    }
+
+    fn all_to_all(&self, inputs: &[bridge::TensorDesc], outputs: &[bridge::TensorDesc], timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        self.run(vec![Collective::AllToAll { inputs: bufs(inputs), outputs: bufs(outputs) }], timeout_ms, done)
     }
 
     fn barrier(&self, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        Ok(Box::new(Op(self.0.barrier(timeout(timeout_ms), finish_with(done))?)))
+        self.run(vec![Collective::Barrier], timeout_ms, done)
+    }
+
+    fn monitored_barrier(&self, wait_all: bool, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        self.run(vec![Collective::MonitoredBarrier { wait_all }], timeout_ms, done)
     }
 
     fn send(&self, t: bridge::TensorDesc, dst: i64, tag: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
@@ -119,6 +217,14 @@ impl Group {
     fn recv(&self, t: bridge::TensorDesc, src: i64, tag: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
         let h = unsafe { self.0.recv(buf(&t), rank(src, "source")?, tag, timeout(timeout_ms), finish_with(done))? };
         Ok(Box::new(Op(h)))
+    }
+
+    fn sequence_number(&self) -> u64 {
+        self.0.sequence_number()
+    }
+
+    fn set_timeout(&self, timeout_ms: i64) {
+        self.0.set_timeout(Duration::from_millis(timeout_ms.max(1) as u64));
     }
 
     fn shutdown(&self) {

@@ -130,6 +130,17 @@ pub fn divide_by(dtype: DType, buf: &mut [u8], world: usize) {
     }
 }
 
+/// PREMUL_SUM's first step: multiply every element by `factor`.
+pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
+    match dtype {
+        DType::F32 => typed_mut::<f32>(buf).iter_mut().for_each(|x| *x *= factor as f32),
+        DType::F64 => typed_mut::<f64>(buf).iter_mut().for_each(|x| *x *= factor),
+        DType::F16 => typed_mut::<f16>(buf).iter_mut().for_each(|x| *x = f16::from_f32(x.to_f32() * factor as f32)),
+        DType::BF16 => typed_mut::<bf16>(buf).iter_mut().for_each(|x| *x = bf16::from_f32(x.to_f32() * factor as f32)),
+        _ => unreachable!("PREMUL_SUM is float-only, checked by Reduction::check"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

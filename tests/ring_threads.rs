@@ -3,7 +3,7 @@
 
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
-use rustc10d::engine::{Engine, OpHandle, Waited};
+use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Waited};
 use rustc10d::rendezvous::{connect, GroupConfig, MemStore, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +42,14 @@ fn wait_ok(h: OpHandle) {
     assert_eq!(h.wait(None), Waited::Done);
 }
 
+fn run(e: &Engine, part: Collective) -> OpHandle {
+    unsafe { e.submit(vec![part], None, noop()).unwrap() }
+}
+
+fn all_reduce(e: &Engine, buf: RawBuf, dtype: DType, op: ReduceOp) -> OpHandle {
+    run(e, Collective::AllReduce { buf, red: Reduction::new(dtype, op) })
+}
+
 #[test]
 fn allreduce_matches_arithmetic_for_many_sizes_and_worlds() {
     std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
@@ -50,9 +58,9 @@ fn allreduce_matches_arithmetic_for_many_sizes_and_worlds() {
         for n in [0usize, 1, world - 1, 7, 1001, 4096] {
             let results = on_all(&engines, |rank, e| {
                 let mut v: Vec<i64> = (0..n as i64).map(|i| i * 10 + rank as i64).collect();
-                wait_ok(unsafe { e.all_reduce(raw(&mut v), DType::I64, ReduceOp::Sum, None, noop()).unwrap() });
+                wait_ok(all_reduce(e, raw(&mut v), DType::I64, ReduceOp::Sum));
                 let mut m: Vec<f32> = (0..n).map(|i| ((i + rank) % 5) as f32).collect();
-                wait_ok(unsafe { e.all_reduce(raw(&mut m), DType::F32, ReduceOp::Max, None, noop()).unwrap() });
+                wait_ok(all_reduce(e, raw(&mut m), DType::F32, ReduceOp::Max));
                 (v, m)
             });
             let w = world as i64;
@@ -71,15 +79,15 @@ fn avg_broadcast_barrier_and_many_in_flight() {
     let engines = group(3, Duration::from_secs(10));
     let out = on_all(&engines, |rank, e| {
         let mut avg = vec![rank as f64 * 3.0; 5];
-        let h1 = unsafe { e.all_reduce(raw(&mut avg), DType::F64, ReduceOp::Avg, None, noop()).unwrap() };
+        let h1 = all_reduce(e, raw(&mut avg), DType::F64, ReduceOp::Avg);
         let mut b = if rank == 2 { vec![7u8, 8, 9] } else { vec![0u8; 3] };
-        let h2 = unsafe { e.broadcast(raw(&mut b), 2, None, noop()).unwrap() };
+        let h2 = run(e, Collective::Broadcast { buf: raw(&mut b), root: 2 });
         let mut many: Vec<Vec<i32>> = (0..8).map(|k| vec![k + rank as i32; 33]).collect();
         let hs: Vec<_> = many
             .iter_mut()
-            .map(|v| unsafe { e.all_reduce(raw(v), DType::I32, ReduceOp::Sum, None, noop()).unwrap() })
+            .map(|v| all_reduce(e, raw(v), DType::I32, ReduceOp::Sum))
             .collect();
-        wait_ok(e.barrier(None, noop()).unwrap());
+        wait_ok(run(e, Collective::Barrier));
         for h in [h1, h2].into_iter().chain(hs) {
             assert!(h.is_done(), "ops issued before a barrier are done when it is");
             wait_ok(h);
@@ -139,7 +147,7 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
     let t0 = Instant::now();
     let handles = on_all(&engines, |_, e| {
         let mut v = vec![1.0f32; 1000];
-        let h = unsafe { e.all_reduce(raw(&mut v), DType::F32, ReduceOp::Sum, None, noop()).unwrap() };
+        let h = all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum);
         (h, v)
     });
     std::thread::sleep(Duration::from_millis(100));
@@ -152,7 +160,7 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
     }
     assert!(t0.elapsed() < Duration::from_secs(10), "failure must not wait for the full timeout");
     let mut v = vec![1.0f32; 4];
-    let h = unsafe { engines[0].all_reduce(raw(&mut v), DType::F32, ReduceOp::Sum, None, noop()).unwrap() };
+    let h = all_reduce(&engines[0], raw(&mut v), DType::F32, ReduceOp::Sum);
     match h.wait(None) {
         Waited::Failed(msg) => assert!(msg.contains("broken"), "{msg}"),
         other => panic!("expected broken group, got {other:?}"),
@@ -164,8 +172,8 @@ fn empty_tensors_without_storage() {
     let engines = group(2, Duration::from_secs(5));
     on_all(&engines, |rank, e| {
         let empty = || RawBuf::new(std::ptr::null_mut(), 0);
-        wait_ok(unsafe { e.all_reduce(empty(), DType::F32, ReduceOp::Sum, None, noop()).unwrap() });
-        wait_ok(unsafe { e.broadcast(empty(), 1, None, noop()).unwrap() });
+        wait_ok(all_reduce(e, empty(), DType::F32, ReduceOp::Sum));
+        wait_ok(run(e, Collective::Broadcast { buf: empty(), root: 1 }));
         let h = if rank == 0 {
             unsafe { e.send(empty(), 1, 3, None, noop()).unwrap() }
         } else {
@@ -180,14 +188,16 @@ fn bad_input_is_refused_before_the_wire() {
     let engines = group(2, Duration::from_secs(5));
     let e = &engines[0];
     let mut v = vec![1.0f32; 3];
-    assert!(unsafe { e.all_reduce(raw(&mut v), DType::F32, ReduceOp::BXor, None, noop()) }.is_err());
-    assert!(unsafe { e.broadcast(raw(&mut v), 5, None, noop()) }.is_err());
+    let bad = |part| unsafe { e.submit(vec![part], None, noop()) }.is_err();
+    assert!(bad(Collective::AllReduce { buf: raw(&mut v), red: Reduction::new(DType::F32, ReduceOp::BXor) }));
+    assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
+    assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)] }), "one output per rank");
     assert!(unsafe { e.send(raw(&mut v), 0, 0, None, noop()) }.is_err(), "send to self");
     assert!(unsafe { e.recv(raw(&mut v), 7, 0, None, noop()) }.is_err());
     // Still usable.
     on_all(&engines, |_, e| {
         let mut v = vec![2i16; 3];
-        wait_ok(unsafe { e.all_reduce(raw(&mut v), DType::I16, ReduceOp::Product, None, noop()).unwrap() });
+        wait_ok(all_reduce(e, raw(&mut v), DType::I16, ReduceOp::Product));
         assert_eq!(v, vec![4; 3]);
     });
 }
@@ -212,4 +222,106 @@ fn init_with_unreachable_peer_names_its_address() {
     let err = connect(&store, &cfg).err().expect("unreachable peer: must fail");
     assert!(err.message.contains("rank 1 (127.0.0.1:1)"), "{}", err.message);
     assert!(t0.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn data_movement_collectives() {
+    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
+    for world in [2usize, 3, 4] {
+        let engines = group(world, Duration::from_secs(10));
+        let n = 37usize; // several segments of 64 bytes
+        let out = on_all(&engines, |rank, e| {
+            let mut input: Vec<u32> = (0..n as u32).map(|i| i + 1000 * rank as u32).collect();
+            // all-gather into one buffer
+            let mut gathered = vec![0u32; n * world];
+            let slots: Vec<RawBuf> = gathered.chunks_mut(n).map(raw).collect();
+            wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs: slots }));
+            // gather to the last rank, scatter from rank 0
+            let root = world - 1;
+            let mut at_root = vec![0u32; if rank == root { n * world } else { 0 }];
+            let outs: Vec<RawBuf> = at_root.chunks_mut(n.max(1)).map(raw).collect();
+            wait_ok(run(e, Collective::Gather { input: raw(&mut input), outputs: outs, root }));
+            let mut pieces: Vec<Vec<u32>> = (0..world).map(|p| vec![p as u32 * 7; 5]).collect();
+            let ins: Vec<RawBuf> = if rank == 0 { pieces.iter_mut().map(|v| raw(v)).collect() } else { vec![] };
+            let mut mine = vec![0u32; 5];
+            wait_ok(run(e, Collective::Scatter { inputs: ins, output: raw(&mut mine), root: 0 }));
+            // all-to-all with uneven (and zero) blocks: rank r sends r + p elements to p
+            let mut send: Vec<Vec<u16>> = (0..world).map(|p| vec![(rank * 10 + p) as u16; rank + p]).collect();
+            let mut recv: Vec<Vec<u16>> = (0..world).map(|p| vec![0u16; p + rank]).collect();
+            let (si, ro): (Vec<RawBuf>, Vec<RawBuf>) =
+                (send.iter_mut().map(|v| raw(v)).collect(), recv.iter_mut().map(|v| raw(v)).collect());
+            wait_ok(run(e, Collective::AllToAll { inputs: si, outputs: ro }));
+            (gathered, at_root, mine, recv)
+        });
+        for (rank, (gathered, at_root, mine, recv)) in out.into_iter().enumerate() {
+            let want: Vec<u32> = (0..world as u32).flat_map(|r| (0..n as u32).map(move |i| i + 1000 * r)).collect();
+            assert_eq!(gathered, want, "allgather world={world}");
+            if rank == world - 1 {
+                assert_eq!(at_root, want, "gather world={world}");
+            }
+            assert_eq!(mine, vec![rank as u32 * 7; 5], "scatter");
+            for (p, v) in recv.iter().enumerate() {
+                assert_eq!(v, &vec![(p * 10 + rank) as u16; p + rank], "alltoall from {p} to {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reducing_collectives() {
+    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
+    for world in [2usize, 3, 4] {
+        let engines = group(world, Duration::from_secs(10));
+        let n = 41usize;
+        let out = on_all(&engines, |rank, e| {
+            // reduce_scatter: block b of rank r holds b*100 + r + i
+            let mut blocks: Vec<Vec<i32>> = (0..world).map(|b| (0..n as i32).map(|i| (b * 100 + rank) as i32 + i).collect()).collect();
+            let inputs: Vec<RawBuf> = blocks.iter_mut().map(|v| raw(v)).collect();
+            let mut mine = vec![0i32; n];
+            let red = Reduction::new(DType::I32, ReduceOp::Sum);
+            wait_ok(run(e, Collective::ReduceScatter { inputs, output: raw(&mut mine), red }));
+            // reduce (MAX) to rank 1; other ranks keep their buffer
+            let mut r: Vec<f32> = (0..n).map(|i| (i * (rank + 1)) as f32).collect();
+            let before = r.clone();
+            wait_ok(run(e, Collective::Reduce { buf: raw(&mut r), root: 1, red: Reduction::new(DType::F32, ReduceOp::Max) }));
+            // PREMUL_SUM allreduce
+            let mut p = vec![1.0f64 + rank as f64; 3];
+            let red = Reduction { dtype: DType::F64, op: ReduceOp::Sum, premul: Some(0.5) };
+            wait_ok(run(e, Collective::AllReduce { buf: raw(&mut p), red }));
+            (blocks, mine, r, before, p)
+        });
+        let w = world as i32;
+        for (rank, (blocks, mine, r, before, p)) in out.into_iter().enumerate() {
+            let want: Vec<i32> = (0..n as i32).map(|i| w * (rank as i32 * 100 + i) + w * (w - 1) / 2).collect();
+            assert_eq!(mine, want, "reduce_scatter world={world} rank={rank}");
+            assert_eq!(blocks[0][0], rank as i32, "reduce_scatter leaves inputs alone");
+            if rank == 1 {
+                assert_eq!(r, (0..n).map(|i| (i * world) as f32).collect::<Vec<_>>(), "reduce");
+            } else {
+                assert_eq!(r, before, "reduce leaves non-root buffers alone");
+            }
+            let s: f64 = (0..world).map(|k| 0.5 * (1.0 + k as f64)).sum();
+            assert_eq!(p, vec![s; 3], "premul_sum");
+        }
+    }
+}
+
+#[test]
+fn monitored_barrier_names_the_missing_rank() {
+    let engines = group(3, Duration::from_secs(10));
+    let short = Some(Duration::from_millis(300));
+    // Rank 2 arrives long after the others gave up on it.
+    let out = on_all(&engines, |rank, e| {
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        unsafe { e.submit(vec![Collective::MonitoredBarrier { wait_all: true }], short, noop()).unwrap() }.wait(None)
+    });
+    match &out[0] {
+        Waited::Failed(msg) => assert!(msg.contains("[2]"), "{msg}"),
+        other => panic!("rank 0 must report rank 2: {other:?}"),
+    }
+    // All three enter: passes, and the group was not broken by the failure.
+    let out = on_all(&engines, |_, e| run(e, Collective::MonitoredBarrier { wait_all: false }).wait(None));
+    assert!(out.iter().all(|w| *w == Waited::Done), "{out:?}");
 }

@@ -4,11 +4,23 @@
 use crate::transport::{Transfers, Transport};
 use std::time::Duration;
 
+mod alltoall;
 mod broadcast;
+mod direct;
+mod monitored_barrier;
+mod ring_allgather;
 mod ring_allreduce;
+mod ring_reduce;
+mod ring_reduce_scatter;
 
+pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
+pub use direct::{direct_gather, direct_scatter};
+pub use monitored_barrier::monitored_barrier;
+pub use ring_allgather::ring_allgather;
 pub use ring_allreduce::ring_allreduce;
+pub use ring_reduce::ring_reduce;
+pub use ring_reduce_scatter::ring_reduce_scatter;
 
 /// Payload bytes per message in pipelined algorithms: large enough to amortise
 /// the 32-byte header and a syscall, small enough that send, receive and
@@ -81,4 +93,27 @@ impl Scratch {
     pub fn raw(&mut self) -> RawBuf {
         RawBuf { ptr: self.0.as_mut_ptr().cast(), len: self.0.len() * 8 }
     }
+}
+
+/// Copy `src` into `dst` (same length) unless they are the same memory.
+///
+/// # Safety
+/// Both ranges must be valid and not accessed by anyone else meanwhile.
+pub unsafe fn copy_buf(dst: RawBuf, src: RawBuf) {
+    assert_eq!(dst.len, src.len, "copy_buf: length mismatch");
+    if dst.ptr != src.ptr && src.len > 0 {
+        std::ptr::copy(src.ptr, dst.ptr, src.len);
+    }
+}
+
+/// Byte range of segment `j` when `len` bytes are cut into `seg`-byte pieces.
+pub fn segment(len: usize, seg: usize, j: usize) -> (usize, usize) {
+    let off = (j * seg).min(len);
+    (off, seg.min(len - off))
+}
+
+/// Number of segments for `len` bytes (at least one, so empty buffers still
+/// exchange a message and every rank takes the same steps).
+pub fn segment_count(len: usize, seg: usize) -> usize {
+    len.div_ceil(seg).max(1)
 }

@@ -1,0 +1,23 @@
+//! All-to-all: every pair exchanges its blocks directly. All receives are
+//! posted first, then sends go out starting with the next rank, so that no
+//! peer is hit by everyone at once.
+
+use super::{copy_buf, OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::Key;
+
+/// `inputs[p]` goes to rank p, `outputs[p]` comes from rank p (sizes may differ per pair).
+pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let key = Key::collective(ctx.seq, 0);
+    let tr = &mut ctx.transfers();
+    let peers = || (1..world).map(|k| (rank + k) % world);
+    for p in peers() {
+        unsafe { tr.recv(p, key, outputs[p].ptr, outputs[p].len)? };
+    }
+    for p in peers() {
+        unsafe { tr.send(p, key, inputs[p].slice(0, inputs[p].len))? };
+    }
+    unsafe { copy_buf(outputs[rank], inputs[rank]) };
+    tr.wait_all()
+}

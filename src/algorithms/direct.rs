@@ -1,0 +1,40 @@
+//! Gather and scatter: every rank talks to the root directly (one message per
+//! rank), which is what the root's link has to carry anyway.
+
+use super::{copy_buf, OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::Key;
+
+/// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
+pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize) -> Result<()> {
+    let rank = ctx.transport.rank();
+    let key = Key::collective(ctx.seq, 0);
+    let tr = &mut ctx.transfers();
+    if rank != root {
+        unsafe { tr.send(root, key, input.slice(0, input.len))? };
+        return tr.wait_all();
+    }
+    for (peer, out) in outputs.iter().enumerate().filter(|&(p, _)| p != rank) {
+        unsafe { tr.recv(peer, key, out.ptr, out.len)? };
+    }
+    unsafe { copy_buf(outputs[rank], input) };
+    tr.wait_all()
+}
+
+/// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
+pub fn direct_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, root: usize) -> Result<()> {
+    let rank = ctx.transport.rank();
+    let key = Key::collective(ctx.seq, 0);
+    let tr = &mut ctx.transfers();
+    if rank != root {
+        unsafe { tr.recv(root, key, output.ptr, output.len)? };
+        return tr.wait_all();
+    }
+    // Start with the next rank so that concurrent scatters spread their load.
+    let world = inputs.len();
+    for peer in (1..world).map(|k| (rank + k) % world) {
+        unsafe { tr.send(peer, key, inputs[peer].slice(0, inputs[peer].len))? };
+    }
+    unsafe { copy_buf(output, inputs[rank]) };
+    tr.wait_all()
+}

@@ -1,0 +1,56 @@
+//! Pipelined chain reduce: partial results flow around the ring from the
+//! rank after the root to the root, segment by segment. Each link carries the
+//! data once; only the root's buffer is written.
+
+use super::{segment, segment_count, OpCtx, RawBuf, Scratch};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::{divide_by, reduce_into};
+use crate::transport::Key;
+
+pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    if world == 1 {
+        return Ok(());
+    }
+    let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
+    // Position in the chain: 0 starts it, world - 1 is the root.
+    let pos = (rank + 2 * world - root - 1) % world;
+    let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
+    let nseg = segment_count(buf.len, seg);
+    let key = |j: usize| Key::collective(ctx.seq, j as u64);
+
+    let mut scratch = Scratch::new(if pos == 0 { 0 } else { buf.len });
+    let partial = scratch.raw();
+    let tr = &mut ctx.transfers();
+    let ids = if pos == 0 {
+        Vec::new()
+    } else {
+        (0..nseg)
+            .map(|j| {
+                let (off, n) = segment(buf.len, seg, j);
+                unsafe { tr.recv(left, key(j), partial.ptr.add(off), n) }
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
+    for j in 0..nseg {
+        let (off, n) = segment(buf.len, seg, j);
+        if pos == 0 {
+            unsafe { tr.send(right, key(j), buf.slice(off, n))? };
+            continue;
+        }
+        tr.wait(ids[j])?;
+        let theirs = unsafe { partial.slice_mut(off, n) };
+        if pos == world - 1 {
+            let mine = unsafe { buf.slice_mut(off, n) };
+            reduce_into(dtype, op, mine, theirs);
+            if op == ReduceOp::Avg {
+                divide_by(dtype, mine, world);
+            }
+        } else {
+            reduce_into(dtype, op, theirs, unsafe { buf.slice(off, n) });
+            unsafe { tr.send(right, key(j), theirs)? };
+        }
+    }
+    tr.wait_all()
+}

@@ -1,0 +1,80 @@
+//! Ring reduce-scatter, out of place: the partial sum of block c travels the
+//! ring and each rank adds its own contribution, so each rank sends (W-1)/W of
+//! the data, and rank r ends with block r fully reduced. Inputs stay untouched.
+
+use super::{copy_buf, segment, segment_count, OpCtx, RawBuf, Scratch};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::{divide_by, reduce_into};
+use crate::transport::{Key, TransferId};
+
+/// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
+pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    if world == 1 {
+        unsafe { copy_buf(output, inputs[0]) };
+        return Ok(());
+    }
+    let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
+    let len = output.len;
+    // Whole elements per segment, so reductions never split one.
+    let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
+    let nseg = segment_count(len, seg);
+    let steps = world - 1;
+    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * nseg + j) as u64);
+    // Step t sends the partial of block (rank - t - 1) and receives block (rank - t - 2).
+    let block = |t: usize| (rank + 3 * world - t - 1) % world;
+
+    // Three rotating partial buffers: a buffer is refilled two steps after its
+    // partials were queued for sending, and only once those sends are done.
+    let mut scratch = [Scratch::new(len), Scratch::new(len), Scratch::new(len)];
+    let bufs = [scratch[0].raw(), scratch[1].raw(), scratch[2].raw()];
+    let tr = &mut ctx.transfers();
+    let mut recvs: Vec<Vec<TransferId>> = vec![Vec::new(); steps];
+    let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
+    let post = |tr: &mut super::Transfers, t: usize| -> Result<Vec<TransferId>> {
+        (0..nseg)
+            .map(|j| {
+                let (off, n) = segment(len, seg, j);
+                unsafe { tr.recv(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
+            })
+            .collect()
+    };
+
+    recvs[0] = post(tr, 0)?;
+    for j in 0..nseg {
+        let (off, n) = segment(len, seg, j);
+        sends[0].push(unsafe { tr.send(right, key(0, j), inputs[block(0)].slice(off, n))? });
+    }
+    for t in 0..steps {
+        if t + 1 < steps {
+            // bufs[(t + 1) % 3] last held the partials sent at step t - 2.
+            if t >= 2 {
+                for &id in &sends[t - 1] {
+                    tr.wait(id)?;
+                }
+            }
+            recvs[t + 1] = post(tr, t + 1)?;
+        }
+        let c = block(t + 1);
+        let last = t + 1 == steps;
+        for j in 0..nseg {
+            tr.wait(recvs[t][j])?;
+            let (off, n) = segment(len, seg, j);
+            let partial = unsafe { bufs[t % 3].slice_mut(off, n) };
+            let mine = unsafe { inputs[c].slice(off, n) };
+            if last {
+                let out = unsafe { output.slice_mut(off, n) };
+                out.copy_from_slice(mine);
+                reduce_into(dtype, op, out, partial);
+                if op == ReduceOp::Avg {
+                    divide_by(dtype, out, world);
+                }
+            } else {
+                reduce_into(dtype, op, partial, mine);
+                sends[t + 1].push(unsafe { tr.send(right, key(t + 1, j), partial)? });
+            }
+        }
+    }
+    tr.wait_all()
+}
