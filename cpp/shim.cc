@@ -108,7 +108,8 @@ class RustWork final : public c10d::Work {
   }
 
   int sourceRank() const override {
-    TORCH_CHECK(op_->source_rank() >= 0, "rustc10d: sourceRank() is only defined for recv work");
+    TORCH_CHECK(op_->source_rank() != -1, "rustc10d: sourceRank() is only defined for send/recv work");
+    TORCH_CHECK(op_->source_rank() >= 0, "rustc10d: sourceRank(): this any-source recv has not matched yet; wait() first");
     return static_cast<int>(op_->source_rank());
   }
 
@@ -573,6 +574,13 @@ class RustBackend final : public c10d::Backend {
     Staging s("recv", {t});
     auto d = s.output(t);
     return run(s, OpType::RECV, [&](auto done) { return group_->recv(d, src, tag, -1, std::move(done)); });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    auto& t = single(tensors, "recv");
+    Staging s("recv", {t});
+    auto d = s.output(t);
+    return run(s, OpType::RECVANYSOURCE, [&](auto done) { return group_->recv(d, -1, tag, -1, std::move(done)); });
   }
 
  private:

@@ -174,10 +174,14 @@ pub struct OpHandle {
     expiry: Option<Expiry>,
 }
 
+/// `OpHandle::source_rank` of an any-source receive before it has matched.
+const ANY_SOURCE: i64 = -2;
+
 struct Expiry {
     deadline: Instant,
     transport: Arc<dyn Transport>,
-    peer: usize,
+    /// None for an any-source receive.
+    peer: Option<usize>,
     recv_key: Option<Key>,
     message: String,
 }
@@ -271,32 +275,36 @@ impl Engine {
         );
         t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline)
             .map_err(|e| e.context(format!("rustc10d: send to rank {dst} (tag {tag}) on rank {}", self.rank())))?;
-        let expiry = Expiry { deadline, transport: t.clone(), peer: dst, recv_key: None, message };
+        let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, message };
         Ok(OpHandle { status, seq: 0, source_rank: -1, expiry: Some(expiry) })
     }
 
+    /// Receive from `src`, or from whichever peer sends first when `src` is None.
+    ///
     /// # Safety
     /// `buf` must stay valid, and not be read, until `done` has run.
-    pub unsafe fn recv(&self, buf: RawBuf, src: usize, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
-        self.check_peer("recv", src)?;
+    pub unsafe fn recv(&self, buf: RawBuf, src: Option<usize>, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
+        if let Some(src) = src {
+            self.check_peer("recv", src)?;
+        }
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
         let t = &self.shared.transport;
         let rank = self.rank();
-        let describe = t.describe_peer(src);
+        let from = src.map_or_else(|| "any rank".to_string(), |s| t.describe_peer(s));
+        let what = format!("rustc10d: recv from {from} (tag {tag}) on rank {rank}");
+        let message = format!("{what} timed out after {} ms waiting for data", timeout.as_millis());
         // Name the op in errors that come from the transport, too.
         let status = Status::with_callback(Box::new(move |r: &Result<i64>| match r {
             Ok(_) => done(r),
-            Err(e) => done(&Err(e.clone().context(format!("rustc10d: recv from {describe} (tag {tag}) on rank {rank}")))),
+            Err(e) => done(&Err(e.clone().context(&what))),
         }));
-        let message = format!(
-            "rustc10d: recv from {} (tag {tag}) on rank {rank} timed out after {} ms waiting for data",
-            t.describe_peer(src),
-            timeout.as_millis()
-        );
         let key = Key::p2p(tag);
-        t.recv(src, key, buf.ptr, buf.len, status.clone())?;
+        match src {
+            Some(src) => t.recv(src, key, buf.ptr, buf.len, status.clone())?,
+            None => t.recv_any(key, buf.ptr, buf.len, status.clone())?,
+        }
         let expiry = Expiry { deadline: Instant::now() + timeout, transport: t.clone(), peer: src, recv_key: Some(key), message };
-        Ok(OpHandle { status, seq: 0, source_rank: src as i64, expiry: Some(expiry) })
+        Ok(OpHandle { status, seq: 0, source_rank: src.map_or(ANY_SOURCE, |s| s as i64), expiry: Some(expiry) })
     }
 
     /// Fail what is pending, close connections, stop the worker. Idempotent.
@@ -456,8 +464,13 @@ impl OpHandle {
         self.seq
     }
 
+    /// The peer of a send or receive (-1 for collectives); for an any-source
+    /// receive, the sender once it has matched.
     pub fn source_rank(&self) -> i64 {
-        self.source_rank
+        match (self.source_rank, self.status.result()) {
+            (ANY_SOURCE, Some(Ok(peer))) => peer,
+            (r, _) => r,
+        }
     }
 
     /// The op's error, once it has failed.
@@ -492,14 +505,20 @@ impl OpHandle {
     /// The op ran past its timeout: withdraw it, or break the connection that holds it.
     fn expire(&self, e: &Expiry) {
         let err = Error::timeout(e.message.clone());
-        if let Some(key) = e.recv_key {
-            if e.transport.cancel_recv(e.peer, key, &self.status) {
-                self.status.finish(Err(err));
-                return;
-            }
+        let cancelled = match (e.recv_key, e.peer) {
+            (Some(key), Some(peer)) => e.transport.cancel_recv(peer, key, &self.status),
+            (Some(key), None) => e.transport.cancel_recv_any(key, &self.status),
+            (None, _) => false,
+        };
+        if cancelled {
+            self.status.finish(Err(err));
+            return;
         }
+        // Being filled or written right now: give it a moment, then cut the link.
         if self.status.wait(Some(Instant::now() + Duration::from_millis(200))).is_none() {
-            e.transport.break_peer(e.peer, &err);
+            if let Some(peer) = e.peer {
+                e.transport.break_peer(peer, &err);
+            }
         }
     }
 }

@@ -215,7 +215,9 @@ impl Group {
     }
 
     fn recv(&self, t: bridge::TensorDesc, src: i64, tag: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let h = unsafe { self.0.recv(buf(&t), rank(src, "source")?, tag, timeout(timeout_ms), finish_with(done))? };
+        // src < 0: any source (torch's recvAnysource).
+        let src = if src < 0 { None } else { Some(rank(src, "source")?) };
+        let h = unsafe { self.0.recv(buf(&t), src, tag, timeout(timeout_ms), finish_with(done))? };
         Ok(Box::new(Op(h)))
     }
 

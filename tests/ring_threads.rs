@@ -113,7 +113,7 @@ fn p2p_in_any_order_and_recv_timeout() {
         let order: [usize; 3] = if rank == 0 { [2, 0, 1] } else { [1, 2, 0] };
         let recvs: Vec<_> = order
             .iter()
-            .map(|&t| unsafe { e.recv(raw(&mut inbox[t]), peer, t as i64, None, noop()).unwrap() })
+            .map(|&t| unsafe { e.recv(raw(&mut inbox[t]), Some(peer), t as i64, None, noop()).unwrap() })
             .collect();
         let sends: Vec<_> = [0usize, 1, 2]
             .iter()
@@ -128,7 +128,7 @@ fn p2p_in_any_order_and_recv_timeout() {
         }
 
         let mut never = vec![0u8; 4];
-        let h = unsafe { e.recv(raw(&mut never), peer, 999, Some(Duration::from_millis(300)), noop()).unwrap() };
+        let h = unsafe { e.recv(raw(&mut never), Some(peer), 999, Some(Duration::from_millis(300)), noop()).unwrap() };
         assert!(!h.is_done());
         assert_eq!(h.wait(Some(Duration::from_millis(50))), Waited::TimedOut, "caller timeout leaves the op running");
         let t0 = Instant::now();
@@ -177,7 +177,7 @@ fn empty_tensors_without_storage() {
         let h = if rank == 0 {
             unsafe { e.send(empty(), 1, 3, None, noop()).unwrap() }
         } else {
-            unsafe { e.recv(empty(), 0, 3, None, noop()).unwrap() }
+            unsafe { e.recv(empty(), Some(0), 3, None, noop()).unwrap() }
         };
         wait_ok(h);
     });
@@ -193,7 +193,7 @@ fn bad_input_is_refused_before_the_wire() {
     assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
     assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)] }), "one output per rank");
     assert!(unsafe { e.send(raw(&mut v), 0, 0, None, noop()) }.is_err(), "send to self");
-    assert!(unsafe { e.recv(raw(&mut v), 7, 0, None, noop()) }.is_err());
+    assert!(unsafe { e.recv(raw(&mut v), Some(7), 0, None, noop()) }.is_err());
     // Still usable.
     on_all(&engines, |_, e| {
         let mut v = vec![2i16; 3];
@@ -324,4 +324,36 @@ fn monitored_barrier_names_the_missing_rank() {
     // All three enter: passes, and the group was not broken by the failure.
     let out = on_all(&engines, |_, e| run(e, Collective::MonitoredBarrier { wait_all: false }).wait(None));
     assert!(out.iter().all(|w| *w == Waited::Done), "{out:?}");
+}
+
+#[test]
+fn recv_from_any_source() {
+    let engines = group(3, Duration::from_secs(10));
+    on_all(&engines, |rank, e| {
+        if rank == 0 {
+            let mut got = Vec::new();
+            for _ in 0..4 {
+                let mut v = [0u32; 2];
+                let h = unsafe { e.recv(raw(&mut v), None, 5, None, noop()).unwrap() };
+                wait_ok_ref(&h);
+                let src = h.source_rank();
+                assert_eq!(v, [src as u32 * 11; 2], "data matches the reported source");
+                got.push(src);
+            }
+            got.sort();
+            assert_eq!(got, vec![1, 1, 2, 2]);
+            let mut v = [0u32; 2];
+            let h = unsafe { e.recv(raw(&mut v), None, 6, Some(Duration::from_millis(200)), noop()).unwrap() };
+            assert!(matches!(h.wait(None), Waited::Failed(m) if m.contains("any rank")));
+        } else {
+            let mut v = [rank as u32 * 11; 2];
+            for _ in 0..2 {
+                wait_ok(unsafe { e.send(raw(&mut v), 0, 5, None, noop()).unwrap() });
+            }
+        }
+    });
+}
+
+fn wait_ok_ref(h: &OpHandle) {
+    assert_eq!(h.wait(None), Waited::Done);
 }

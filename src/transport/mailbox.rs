@@ -7,7 +7,7 @@ use super::frame::Key;
 use crate::error::Error;
 use crate::status::Status;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A destination buffer owned by someone who keeps it alive until `status` finishes.
 pub struct RecvBuf {
@@ -20,6 +20,55 @@ unsafe impl Send for RecvBuf {}
 pub struct PostedRecv {
     pub buf: RecvBuf,
     pub status: Arc<Status>,
+    /// Posted for any peer: finishing reports the sender's rank, not the length.
+    pub any_source: bool,
+}
+
+impl PostedRecv {
+    /// The buffer is filled with `len` bytes from `peer`.
+    pub fn complete(self, len: usize, peer: usize) {
+        self.status.finish(Ok(if self.any_source { peer as i64 } else { len as i64 }));
+    }
+
+    fn fill(self, data: &[u8], peer: usize) {
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr, data.len()) };
+        self.complete(data.len(), peer);
+    }
+}
+
+/// Receives posted for any peer, shared by every peer's mailbox. A message
+/// goes to a receive posted for its own peer first, then to one of these.
+#[derive(Default)]
+pub struct AnyPosted(HashMap<Key, VecDeque<PostedRecv>>);
+
+impl AnyPosted {
+    pub fn push(&mut self, key: Key, recv: PostedRecv) {
+        self.0.entry(key).or_default().push_back(recv);
+    }
+
+    fn pop(&mut self, key: Key) -> Option<PostedRecv> {
+        pop_front(&mut self.0, key)
+    }
+
+    /// Take back a receive that no reader has claimed yet.
+    pub fn remove(&mut self, key: Key, status: &Arc<Status>) -> Option<PostedRecv> {
+        let q = self.0.get_mut(&key)?;
+        let i = q.iter().position(|p| Arc::ptr_eq(&p.status, status))?;
+        let p = q.remove(i);
+        if q.is_empty() {
+            self.0.remove(&key);
+        }
+        p
+    }
+}
+
+fn pop_front<T>(map: &mut HashMap<Key, VecDeque<T>>, key: Key) -> Option<T> {
+    let q = map.get_mut(&key)?;
+    let item = q.pop_front();
+    if q.is_empty() {
+        map.remove(&key);
+    }
+    item
 }
 
 /// Where the payload of an arriving frame goes.
@@ -34,19 +83,22 @@ pub enum Delivery {
 
 #[derive(Default)]
 pub struct Mailbox {
+    /// The peer whose messages land here.
+    peer: usize,
     posted: HashMap<Key, VecDeque<PostedRecv>>,
     early: HashMap<Key, VecDeque<Vec<u8>>>,
     closed: Option<Error>,
 }
 
 impl Mailbox {
-    /// A frame header arrived from this peer.
-    pub fn on_header(&mut self, key: Key, len: u64) -> Delivery {
-        let Some(q) = self.posted.get_mut(&key) else { return Delivery::Stash };
-        let p = q.pop_front().expect("empty queues are removed");
-        if q.is_empty() {
-            self.posted.remove(&key);
-        }
+    pub fn new(peer: usize) -> Mailbox {
+        Mailbox { peer, ..Mailbox::default() }
+    }
+
+    /// A frame header arrived from this peer. Lock order: mailbox, then `any`.
+    pub fn on_header(&mut self, key: Key, len: u64, any: &Mutex<AnyPosted>) -> Delivery {
+        let posted = pop_front(&mut self.posted, key).or_else(|| any.lock().unwrap().pop(key));
+        let Some(p) = posted else { return Delivery::Stash };
         if p.buf.len as u64 == len {
             Delivery::Direct(p)
         } else {
@@ -56,12 +108,9 @@ impl Mailbox {
 
     /// An early payload was read into memory. A receive may have been posted
     /// while it was being read: then it completes now.
-    pub fn stash(&mut self, key: Key, data: Vec<u8>) {
-        match self.on_header(key, data.len() as u64) {
-            Delivery::Direct(p) => {
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p.buf.ptr, data.len()) };
-                p.status.finish(Ok(data.len() as i64));
-            }
+    pub fn stash(&mut self, key: Key, data: Vec<u8>, any: &Mutex<AnyPosted>) {
+        match self.on_header(key, data.len() as u64, any) {
+            Delivery::Direct(p) => p.fill(&data, self.peer),
             Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64),
             Delivery::Stash => self.early.entry(key).or_default().push_back(data),
         }
@@ -70,14 +119,9 @@ impl Mailbox {
     /// Post a receive. It completes at once from an early message, fails at
     /// once if the peer is gone, or waits for the reader.
     pub fn post(&mut self, key: Key, recv: PostedRecv) {
-        if let Some(q) = self.early.get_mut(&key) {
-            let data = q.pop_front().expect("empty queues are removed");
-            if q.is_empty() {
-                self.early.remove(&key);
-            }
+        if let Some(data) = pop_front(&mut self.early, key) {
             if data.len() == recv.buf.len {
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), recv.buf.ptr, data.len()) };
-                recv.status.finish(Ok(data.len() as i64));
+                recv.fill(&data, self.peer);
             } else {
                 fail_mismatch(recv, data.len() as u64);
             }
@@ -88,6 +132,21 @@ impl Mailbox {
             return;
         }
         self.posted.entry(key).or_default().push_back(recv);
+    }
+
+    /// Hand an early message to a receive posted for any peer, unless a reader
+    /// has claimed that receive meanwhile. True if `status` is now finished
+    /// (by this call or by the reader).
+    pub fn offer_early(&mut self, key: Key, status: &Arc<Status>, any: &Mutex<AnyPosted>) -> bool {
+        let Some(data) = pop_front(&mut self.early, key) else { return false };
+        match any.lock().unwrap().remove(key, status) {
+            Some(p) if p.buf.len == data.len() => p.fill(&data, self.peer),
+            Some(p) => fail_mismatch(p, data.len() as u64),
+            None => {
+                self.early.entry(key).or_default().push_front(data);
+            }
+        }
+        true
     }
 
     /// Withdraw a posted receive that has not started. False if the reader
@@ -103,15 +162,19 @@ impl Mailbox {
     }
 
     /// The peer is gone: fail every waiting receive and all later ones.
-    pub fn close(&mut self, err: Error) {
+    /// Returns how many were waiting.
+    pub fn close(&mut self, err: Error) -> usize {
         if self.closed.is_none() {
             self.closed = Some(err.clone());
         }
+        let mut failed = 0;
         for (_, q) in self.posted.drain() {
             for p in q {
                 p.status.finish(Err(err.clone()));
+                failed += 1;
             }
         }
+        failed
     }
 
     pub fn closed(&self) -> Option<&Error> {
@@ -126,16 +189,13 @@ pub fn fail_mismatch(p: PostedRecv, got: u64) {
     ))));
 }
 
-/// Deliver `data` the way a reader would, for tests and for stashed copies.
+/// Deliver `data` the way a reader would.
 #[cfg(test)]
-pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8]) {
-    match mb.on_header(key, data.len() as u64) {
-        Delivery::Direct(p) => {
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p.buf.ptr, data.len()) };
-            p.status.finish(Ok(data.len() as i64));
-        }
+pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8], any: &Mutex<AnyPosted>) {
+    match mb.on_header(key, data.len() as u64, any) {
+        Delivery::Direct(p) => p.fill(data, mb.peer),
         Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64),
-        Delivery::Stash => mb.stash(key, data.to_vec()),
+        Delivery::Stash => mb.stash(key, data.to_vec(), any),
     }
 }
 
@@ -145,7 +205,7 @@ mod tests {
 
     fn post(mb: &mut Mailbox, key: Key, buf: &mut [u8]) -> Arc<Status> {
         let status = Status::new();
-        mb.post(key, PostedRecv { buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len() }, status: status.clone() });
+        mb.post(key, PostedRecv { buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len() }, status: status.clone(), any_source: false });
         status
     }
 
@@ -155,11 +215,11 @@ mod tests {
         let mut a = [0u8; 3];
         let sa = post(&mut mb, Key::p2p(1), &mut a);
         assert!(!sa.is_done());
-        deliver(&mut mb, Key::p2p(1), &[1, 2, 3]);
+        deliver(&mut mb, Key::p2p(1), &[1, 2, 3], &Mutex::default());
         assert_eq!(sa.result().unwrap().unwrap(), 3);
         assert_eq!(a, [1, 2, 3]);
 
-        deliver(&mut mb, Key::p2p(2), &[9, 9]);
+        deliver(&mut mb, Key::p2p(2), &[9, 9], &Mutex::default());
         let mut b = [0u8; 2];
         let sb = post(&mut mb, Key::p2p(2), &mut b);
         assert!(sb.is_done());
@@ -169,9 +229,9 @@ mod tests {
     #[test]
     fn same_key_matches_in_order_and_tags_do_not_mix() {
         let mut mb = Mailbox::default();
-        deliver(&mut mb, Key::p2p(5), &[1]);
-        deliver(&mut mb, Key::p2p(6), &[6]);
-        deliver(&mut mb, Key::p2p(5), &[2]);
+        deliver(&mut mb, Key::p2p(5), &[1], &Mutex::default());
+        deliver(&mut mb, Key::p2p(6), &[6], &Mutex::default());
+        deliver(&mut mb, Key::p2p(5), &[2], &Mutex::default());
         let (mut x, mut y, mut z) = ([0u8], [0u8], [0u8]);
         post(&mut mb, Key::p2p(5), &mut x);
         post(&mut mb, Key::p2p(5), &mut y);
@@ -184,7 +244,7 @@ mod tests {
         let mut mb = Mailbox::default();
         let mut a = [0u8; 4];
         let s = post(&mut mb, Key::collective(1, 0), &mut a);
-        deliver(&mut mb, Key::collective(1, 0), &[1, 2]);
+        deliver(&mut mb, Key::collective(1, 0), &[1, 2], &Mutex::default());
         let err = s.result().unwrap().unwrap_err();
         assert!(err.message.contains("size mismatch"), "{}", err.message);
     }
@@ -204,5 +264,36 @@ mod tests {
         let mut c = [0u8; 1];
         let sc = post(&mut mb, Key::p2p(1), &mut c);
         assert!(sc.result().unwrap().is_err(), "posting to a closed mailbox fails at once");
+    }
+
+    #[test]
+    fn any_source_receives_report_the_sender() {
+        let any = Mutex::new(AnyPosted::default());
+        let (mut m1, mut m2) = (Mailbox::new(1), Mailbox::new(2));
+        // Posted first, then a message from peer 2 arrives.
+        let mut a = [0u8; 2];
+        let sa = Status::new();
+        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: a.as_mut_ptr(), len: 2 }, status: sa.clone(), any_source: true });
+        deliver(&mut m2, Key::p2p(0), &[4, 5], &any);
+        assert_eq!(sa.result().unwrap().unwrap(), 2, "the source rank, not the length");
+        assert_eq!(a, [4, 5]);
+        // A message from peer 1 came early; the any-source receive takes it.
+        deliver(&mut m1, Key::p2p(0), &[6, 7], &any);
+        let mut b = [0u8; 2];
+        let sb = Status::new();
+        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 2 }, status: sb.clone(), any_source: true });
+        assert!(!m2.offer_early(Key::p2p(0), &sb, &any), "nothing early from peer 2");
+        assert!(m1.offer_early(Key::p2p(0), &sb, &any));
+        assert_eq!(sb.result().unwrap().unwrap(), 1);
+        assert_eq!(b, [6, 7]);
+        // A receive for a specific peer wins over an any-source one.
+        let mut c = [0u8; 1];
+        let mut d = [0u8; 1];
+        let sd = Status::new();
+        any.lock().unwrap().push(Key::p2p(3), PostedRecv { buf: RecvBuf { ptr: d.as_mut_ptr(), len: 1 }, status: sd.clone(), any_source: true });
+        let sc = post(&mut m1, Key::p2p(3), &mut c);
+        deliver(&mut m1, Key::p2p(3), &[9], &any);
+        assert!(sc.is_done() && !sd.is_done());
+        assert!(any.lock().unwrap().remove(Key::p2p(3), &sd).is_some());
     }
 }

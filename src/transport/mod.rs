@@ -32,6 +32,16 @@ pub trait Transport: Send + Sync {
     /// The buffer must stay valid, and not be read, until `status` finishes.
     unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()>;
 
+    /// Like `recv`, from whichever peer sends a message with `key` first;
+    /// `status` finishes with that peer's rank.
+    ///
+    /// # Safety
+    /// As for `recv`.
+    unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()>;
+
+    /// Withdraw an any-source receive that no peer has matched yet.
+    fn cancel_recv_any(&self, key: Key, status: &Arc<Status>) -> bool;
+
     /// Withdraw a posted receive that has not begun. False if it is already
     /// being filled or finished; the caller must then wait for `status`.
     fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool;

@@ -4,7 +4,7 @@
 //! on has a writer thread, so queued sends never block the caller.
 
 use super::frame::{FrameHeader, Hello, Key, HEADER_LEN, HELLO_LEN};
-use super::mailbox::{fail_mismatch, Delivery, Mailbox, PostedRecv, RecvBuf};
+use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Mailbox, PostedRecv, RecvBuf};
 use super::Transport;
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -28,12 +28,13 @@ struct Inner {
     me: Hello,
     addrs: Vec<SocketAddr>,
     peers: Vec<Peer>,
+    /// Receives posted for any peer (recv with src=None).
+    any: Mutex<AnyPosted>,
     listener: TcpListener,
     stopping: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
-#[derive(Default)]
 struct Peer {
     mailbox: Mutex<Mailbox>,
     link: Mutex<Link>,
@@ -69,11 +70,14 @@ impl TcpMesh {
         expect: &[usize],
         deadline: Instant,
     ) -> Result<TcpMesh> {
-        let peers = (0..addrs.len()).map(|_| Peer::default()).collect();
+        let peers = (0..addrs.len())
+            .map(|p| Peer { mailbox: Mutex::new(Mailbox::new(p)), link: Mutex::default(), linked: Condvar::new() })
+            .collect();
         let inner = Arc::new(Inner {
             me,
             addrs,
             peers,
+            any: Mutex::default(),
             listener,
             stopping: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -135,8 +139,26 @@ impl Transport for TcpMesh {
     }
 
     unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
-        self.inner.peers[peer].mailbox.lock().unwrap().post(key, PostedRecv { buf: RecvBuf { ptr: data, len }, status });
+        let recv = PostedRecv { buf: RecvBuf { ptr: data, len }, status, any_source: false };
+        self.inner.peers[peer].mailbox.lock().unwrap().post(key, recv);
         Ok(())
+    }
+
+    unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
+        let inner = &self.inner;
+        // Post first, then look for a message that came early: a reader that
+        // gets one meanwhile finds the posted receive.
+        inner.any.lock().unwrap().push(key, PostedRecv { buf: RecvBuf { ptr: data, len }, status: status.clone(), any_source: true });
+        for peer in (0..inner.peers.len()).filter(|&p| p != inner.rank()) {
+            if inner.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &inner.any) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn cancel_recv_any(&self, key: Key, status: &Arc<Status>) -> bool {
+        self.inner.any.lock().unwrap().remove(key, status).is_some()
     }
 
     fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool {
@@ -331,12 +353,12 @@ impl Inner {
         let mut hb = [0u8; HEADER_LEN];
         stream.read_exact(&mut hb)?;
         let header = FrameHeader::decode(&hb).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
-        let delivery = self.peers[peer].mailbox.lock().unwrap().on_header(header.key, header.len);
+        let delivery = self.peers[peer].mailbox.lock().unwrap().on_header(header.key, header.len, &self.any);
         match delivery {
             Delivery::Direct(p) => {
                 let buf = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr, p.buf.len) };
                 match stream.read_exact(buf) {
-                    Ok(()) => p.status.finish(Ok(buf.len() as i64)),
+                    Ok(()) => p.complete(buf.len(), peer),
                     Err(e) => {
                         p.status.finish(Err(Error::peer_lost(e.to_string())));
                         return Err(e);
@@ -353,7 +375,7 @@ impl Inner {
                 if data.len() as u64 != header.len {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
-                self.peers[peer].mailbox.lock().unwrap().stash(header.key, data);
+                self.peers[peer].mailbox.lock().unwrap().stash(header.key, data, &self.any);
             }
         }
         Ok(())
@@ -378,12 +400,10 @@ impl Inner {
     /// Mark `peer` gone: close its connections, fail its receives now and its
     /// queued sends as the writer drains them.
     fn lose_peer(&self, peer: usize, err: Error) {
-        {
+        let first = {
             let mut link = self.peers[peer].link.lock().unwrap();
-            if link.lost.is_none() {
-                if !self.stopping.load(Ordering::SeqCst) {
-                    tracing::warn!("rustc10d: rank {}: {}", self.rank(), err.message);
-                }
+            let first = link.lost.is_none();
+            if first {
                 link.lost = Some(err.clone());
             }
             link.sender = None;
@@ -391,8 +411,18 @@ impl Inner {
                 let _ = s.shutdown(Shutdown::Both);
             }
             self.peers[peer].linked.notify_all();
+            first
+        };
+        let message = err.message.clone();
+        let waiting = self.peers[peer].mailbox.lock().unwrap().close(err);
+        // A peer that closes while we expect nothing from it has just left the group.
+        if first && !self.stopping.load(Ordering::SeqCst) {
+            if waiting > 0 {
+                tracing::warn!("rustc10d: rank {}: {message}", self.rank());
+            } else {
+                tracing::debug!("rustc10d: rank {}: {message}", self.rank());
+            }
         }
-        self.peers[peer].mailbox.lock().unwrap().close(err);
     }
 
     fn shutdown(&self) {
