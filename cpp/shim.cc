@@ -36,7 +36,27 @@ struct StoreRef::Impl {
 };
 StoreRef::~StoreRef() = default;
 
+// Completion hooks registered with a backend (torch's flight recorder uses them).
+struct HookRegistry {
+  std::mutex mu;
+  std::map<int64_t, c10d::CompletionHook> hooks;
+
+  void fire(uint64_t key, float duration_ms) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& [id, hook] : hooks) hook(c10d::CompletionHookArgs{key, duration_ms});
+  }
+};
+
+// When an op started and how long it took (ms; negative until it finishes).
+struct OpTiming {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::atomic<float> duration_ms{-1.0f};
+};
+
 struct Completion::Impl {
+  std::shared_ptr<HookRegistry> hooks;
+  uint64_t key = 0;
+  std::shared_ptr<OpTiming> timing;
   c10::intrusive_ptr<c10::ivalue::Future> future;
   std::vector<at::Tensor> outputs;                             // what the future carries
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;    // (user tensor, staged copy)
@@ -80,7 +100,10 @@ void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
   try {
     if (error.empty()) {
       for (auto& [user, staged] : d.copy_back) user.copy_(staged);
+      std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - d.timing->start;
+      d.timing->duration_ms = took.count();
       d.future->markCompleted(c10::IValue(d.outputs));
+      d.hooks->fire(d.key, took.count());
     } else {
       d.future->setError(dist_error(std::string(error)));
     }
@@ -94,8 +117,21 @@ namespace {
 class RustWork final : public c10d::Work {
  public:
   RustWork(int rank, OpType type, rust::Box<Op> op, c10::intrusive_ptr<c10::ivalue::Future> future,
-           std::vector<at::Tensor> outputs)
-      : Work(rank, type), op_(std::move(op)), future_(std::move(future)), outputs_(std::move(outputs)) {}
+           std::vector<at::Tensor> outputs, uint64_t key, std::shared_ptr<OpTiming> timing)
+      : Work(rank, type),
+        op_(std::move(op)),
+        future_(std::move(future)),
+        outputs_(std::move(outputs)),
+        key_(key),
+        timing_(std::move(timing)) {}
+
+  uint64_t getCompletionKey() const override { return key_; }
+
+  float getDuration() const override {
+    float ms = timing_->duration_ms;
+    TORCH_CHECK(ms >= 0, "rustc10d: getDuration(): the op has not completed successfully");
+    return ms;
+  }
 
   bool isCompleted() override { return op_->is_done(); }
 
@@ -140,6 +176,8 @@ class RustWork final : public c10d::Work {
   rust::Box<Op> op_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
+  uint64_t key_;
+  std::shared_ptr<OpTiming> timing_;
 };
 
 // The engine's dtype codes; reductions need one, data movement does not.
@@ -201,6 +239,7 @@ class Staging {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     done_ = std::make_unique<Completion>();
     done_->impl = std::make_unique<Completion::Impl>();
+    done_->impl->timing = timing_;
     done_->impl->future = future_;
     done_->impl->outputs = results;
     results_ = std::move(results);
@@ -213,10 +252,16 @@ class Staging {
   template <typename Ts>
   std::vector<TensorDesc> outputs(const Ts& ts) { return stage_all(ts, true); }
 
-  std::unique_ptr<Completion> completion() { return std::move(done_); }
+  // The engine's half; `key` identifies the op to completion hooks.
+  std::unique_ptr<Completion> completion(std::shared_ptr<HookRegistry> hooks, uint64_t key) {
+    key_ = key;
+    done_->impl->hooks = std::move(hooks);
+    done_->impl->key = key;
+    return std::move(done_);
+  }
 
   c10::intrusive_ptr<c10d::Work> work(int rank, OpType type, rust::Box<Op> op) {
-    return c10::make_intrusive<RustWork>(rank, type, std::move(op), future_, results_);
+    return c10::make_intrusive<RustWork>(rank, type, std::move(op), future_, results_, key_, timing_);
   }
 
   const char* name() const { return op_; }
@@ -241,9 +286,11 @@ class Staging {
   }
 
   const char* op_;
+  std::shared_ptr<OpTiming> timing_ = std::make_shared<OpTiming>();
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::unique_ptr<Completion> done_;
   std::vector<at::Tensor> results_;
+  uint64_t key_ = 0;
 };
 
 ReduceSpec spec_of(const c10d::ReduceOp& op, const std::vector<TensorDesc>& ds, const char* name) {
@@ -335,6 +382,15 @@ class RustBackend final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "rustc10d"; }
   bool supportsCoalescing() const override { return true; }
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override {
+    std::lock_guard<std::mutex> lock(hooks_->mu);
+    hooks_->hooks[id] = std::move(hook);
+  }
+  void unregisterCompletionHook(int64_t id) override {
+    std::lock_guard<std::mutex> lock(hooks_->mu);
+    hooks_->hooks.erase(id);
+  }
   uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
   void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
   void setTimeout(milliseconds timeout) override {
@@ -605,7 +661,7 @@ class RustBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run(Staging& s, OpType type, Call call) {
     rust::Box<Op> op = [&] {
       try {
-        return call(s.completion());
+        return call(s.completion(hooks_, next_key_++));
       } catch (const rust::Error& e) {
         throw c10::Error(here(s.name()), e.what());
       }
@@ -627,6 +683,8 @@ class RustBackend final : public c10d::Backend {
 
   rust::Box<Group> group_;
   milliseconds timeout_;
+  std::shared_ptr<HookRegistry> hooks_ = std::make_shared<HookRegistry>();
+  std::atomic<uint64_t> next_key_{1};
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
