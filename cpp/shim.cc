@@ -61,6 +61,7 @@ struct Completion::Impl {
   std::vector<at::Tensor> outputs;                             // what the future carries
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;    // (user tensor, staged copy)
   std::vector<at::Tensor> keep_alive;                          // staged inputs
+  std::function<void()> on_success;                             // result assembly, if any
 };
 Completion::~Completion() = default;
 
@@ -100,6 +101,7 @@ void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
   try {
     if (error.empty()) {
       for (auto& [user, staged] : d.copy_back) user.copy_(staged);
+      if (d.on_success) d.on_success();
       std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - d.timing->start;
       d.timing->duration_ms = took.count();
       d.future->markCompleted(c10::IValue(d.outputs));
@@ -253,6 +255,9 @@ class Staging {
   std::vector<TensorDesc> outputs(const Ts& ts) { return stage_all(ts, true); }
 
   // The engine's half; `key` identifies the op to completion hooks.
+  // Runs when the engine finished successfully, before the future completes.
+  void on_success(std::function<void()> f) { done_->impl->on_success = std::move(f); }
+
   std::unique_ptr<Completion> completion(std::shared_ptr<HookRegistry> hooks, uint64_t key) {
     key_ = key;
     done_->impl->hooks = std::move(hooks);
@@ -412,6 +417,7 @@ class RustBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1 && tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors, opts);
     Staging s("allreduce", tensors);
     auto ds = s.outputs(tensors);
     auto spec = spec_of(opts.reduceOp, ds, s.name());
@@ -427,6 +433,51 @@ class RustBackend final : public c10d::Backend {
     auto spec = spec_of(opts.reduceOp, ds, s.name());
     return run(s, OpType::ALLREDUCE_COALESCED, [&](auto done) {
       return group_->all_reduce(slice(ds), spec, to_ms(opts.timeout), std::move(done));
+    });
+  }
+
+  // SUM of sparse COO tensors, as Gloo does it: gather every rank's indices and
+  // values (after a round that tells each rank's nnz), then let torch coalesce.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    auto& t = single(tensors, "allreduce_sparse");
+    TORCH_CHECK(t.layout() == at::kSparse && t.device().is_cpu(),
+                "rustc10d: allreduce_sparse takes a sparse COO tensor on the CPU");
+    TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, "rustc10d: allreduce on sparse tensors supports SUM only");
+    auto input = t.coalesce();
+    auto indices = input.indices().t().contiguous();  // [nnz, sparse_dim]: one block per rank
+    auto values = input.values().contiguous();         // [nnz, dense...]
+    size_t w = getSize();
+
+    auto counts = at::empty({static_cast<int64_t>(w)}, at::kLong);
+    {
+      auto nnz = at::full({1}, input._nnz(), at::kLong);
+      Staging s("allreduce_sparse", {});
+      auto i = s.input(nnz);
+      auto os = split_desc(s.output(counts), w, s.name());
+      run(s, OpType::_ALLREDUCE_SPARSE, [&](auto done) {
+        return group_->all_gather(slice1(i), slice(os), to_ms(opts.timeout), std::move(done));
+      })->wait();
+    }
+
+    auto rows = counts.sum().item<int64_t>();
+    auto idx_shape = indices.sizes().vec();
+    auto val_shape = values.sizes().vec();
+    idx_shape[0] = val_shape[0] = rows;
+    auto all_idx = at::empty(idx_shape, indices.options());
+    auto all_val = at::empty(val_shape, values.options());
+    Staging s("allreduce_sparse", {t});
+    std::vector<TensorDesc> is{s.input(indices), s.input(values)};
+    std::vector<int64_t> per_rank(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + w);
+    std::vector<TensorDesc> os = split_rows(all_idx, s.output(all_idx), per_rank, w, s.name());
+    auto vs = split_rows(all_val, s.output(all_val), per_rank, w, s.name());
+    os.insert(os.end(), vs.begin(), vs.end());
+    auto sizes = t.sizes().vec();
+    s.on_success([t, all_idx, all_val, sizes]() mutable {
+      t.copy_(at::sparse_coo_tensor(all_idx.t(), all_val, sizes).coalesce());
+    });
+    return run(s, OpType::_ALLREDUCE_SPARSE, [&](auto done) {
+      return group_->all_gather(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
     });
   }
 

@@ -67,7 +67,7 @@ pub enum Collective {
     /// In place at the root; other ranks' buffers are left as they were.
     Reduce { buf: RawBuf, root: usize, red: Reduction },
     Broadcast { buf: RawBuf, root: usize },
-    /// `outputs[i]` receives rank i's input.
+    /// `outputs[i]` receives rank i's input; sizes may differ per rank.
     AllGather { input: RawBuf, outputs: Vec<RawBuf> },
     /// `outputs` only at the root.
     Gather { input: RawBuf, outputs: Vec<RawBuf>, root: usize },
@@ -125,7 +125,16 @@ impl Collective {
                 whole(buf, red)
             }
             Collective::Broadcast { root, .. } => root_ok(*root),
-            Collective::AllGather { input, outputs } => blocks("outputs", outputs, input.len),
+            Collective::AllGather { input, outputs } => {
+                // Blocks may differ per rank (all-gather-v); ours must fit our input.
+                if outputs.len() != world {
+                    return bad(format!("expected {world} outputs (one per rank), got {}", outputs.len()));
+                }
+                if outputs[rank].len != input.len {
+                    return bad(format!("output {rank} has {} bytes but the input has {}", outputs[rank].len, input.len));
+                }
+                Ok(())
+            }
             Collective::Gather { input, outputs, root } => {
                 root_ok(*root)?;
                 if rank == *root { blocks("outputs", outputs, input.len) } else { Ok(()) }

@@ -192,6 +192,8 @@ fn bad_input_is_refused_before_the_wire() {
     assert!(bad(Collective::AllReduce { buf: raw(&mut v), red: Reduction::new(DType::F32, ReduceOp::BXor) }));
     assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
     assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)] }), "one output per rank");
+    let mut short = vec![0f32; 2];
+    assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut short), raw(&mut v)] }), "own block must fit");
     assert!(unsafe { e.send(raw(&mut v), 0, 0, None, noop()) }.is_err(), "send to self");
     assert!(unsafe { e.recv(raw(&mut v), Some(7), 0, None, noop()) }.is_err());
     // Still usable.
@@ -356,4 +358,23 @@ fn recv_from_any_source() {
 
 fn wait_ok_ref(h: &OpHandle) {
     assert_eq!(h.wait(None), Waited::Done);
+}
+
+#[test]
+fn allgather_with_blocks_of_different_sizes() {
+    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
+    let engines = group(3, Duration::from_secs(10));
+    let len = |r: usize| [0usize, 100, 17][r];
+    let out = on_all(&engines, |rank, e| {
+        let mut input: Vec<u8> = (0..len(rank)).map(|i| (i + rank) as u8).collect();
+        let mut outs: Vec<Vec<u8>> = (0..3).map(|r| vec![0u8; len(r)]).collect();
+        let slots = outs.iter_mut().map(|v| raw(v)).collect();
+        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs: slots }));
+        outs
+    });
+    for outs in out {
+        for (r, v) in outs.iter().enumerate() {
+            assert_eq!(v, &(0..len(r)).map(|i| (i + r) as u8).collect::<Vec<_>>());
+        }
+    }
 }

@@ -1,12 +1,13 @@
 //! Ring all-gather: each rank's block travels once around the ring, cut into
 //! segments, forwarded as soon as it lands. Every receive goes straight into
-//! its final place, so all of them are posted up front.
+//! its final place, so all of them are posted up front. Blocks may differ in
+//! size per rank (all-gather-v); every rank must expect the same sizes.
 
 use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::Key;
 
-/// `outputs[i]` receives rank i's `input`; all blocks have `input.len` bytes.
+/// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
 pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     unsafe { copy_buf(outputs[rank], input) };
@@ -14,29 +15,33 @@ pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<
         return Ok(());
     }
     let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
-    let len = input.len;
-    let nseg = segment_count(len, ctx.segment_bytes);
-    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * nseg + j) as u64);
+    let seg = ctx.segment_bytes;
+    let nseg = |b: usize| segment_count(outputs[b].len, seg);
+    let stride = (0..world).map(nseg).max().unwrap_or(1);
+    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * stride + j) as u64);
     // Step t sends block (rank - t) and receives block (rank - t - 1).
     let block = |t: usize| (rank + 2 * world - t) % world;
 
     let tr = &mut ctx.transfers();
-    let mut ids = Vec::with_capacity((world - 1) * nseg);
+    let mut ids = Vec::with_capacity(world - 1);
     for t in 0..world - 1 {
-        let dst = outputs[block(t + 1)];
-        for j in 0..nseg {
-            let (off, n) = segment(len, ctx.segment_bytes, j);
-            ids.push(unsafe { tr.recv(left, key(t, j), dst.ptr.add(off), n)? });
-        }
+        let b = block(t + 1);
+        let step = (0..nseg(b))
+            .map(|j| {
+                let (off, n) = segment(outputs[b].len, seg, j);
+                unsafe { tr.recv(left, key(t, j), outputs[b].ptr.add(off), n) }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ids.push(step);
     }
     for t in 0..world - 1 {
-        let src = outputs[block(t)];
-        for j in 0..nseg {
+        let b = block(t);
+        for j in 0..nseg(b) {
             if t > 0 {
-                tr.wait(ids[(t - 1) * nseg + j])?;
+                tr.wait(ids[t - 1][j])?;
             }
-            let (off, n) = segment(len, ctx.segment_bytes, j);
-            unsafe { tr.send(right, key(t, j), src.slice(off, n))? };
+            let (off, n) = segment(outputs[b].len, seg, j);
+            unsafe { tr.send(right, key(t, j), outputs[b].slice(off, n))? };
         }
     }
     tr.wait_all()
