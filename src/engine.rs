@@ -7,6 +7,7 @@ use crate::algorithms::{
     copy_buf, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, ring_allgather, ring_allreduce,
     ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes, OpCtx, RawBuf, Scratch,
 };
+use crate::call_check::{agree, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
 use crate::reduce::scale;
 use crate::error::{Error, ErrorKind, Result};
@@ -156,6 +157,26 @@ impl Collective {
             }
             Collective::Barrier | Collective::MonitoredBarrier { .. } => Ok(()),
         }
+    }
+
+    /// How this rank was called, for `call_check::agree`.
+    fn fingerprint(&self) -> Fingerprint {
+        const NONE: u8 = Fingerprint::NONE;
+        let reduce = |red: &Reduction| if red.premul.is_some() { 8 } else { red.op as u8 };
+        let total = |bufs: &[RawBuf]| bufs.iter().map(|b| b.len as u64).sum::<u64>();
+        let (dtype, op, root, bytes) = match self {
+            Collective::AllReduce { buf, red } => (red.dtype as u8, reduce(red), None, buf.len as u64),
+            Collective::Reduce { buf, root, red } => (red.dtype as u8, reduce(red), Some(*root), buf.len as u64),
+            Collective::Broadcast { buf, root } => (NONE, NONE, Some(*root), buf.len as u64),
+            Collective::AllGather { outputs, .. } => (NONE, NONE, None, total(outputs)),
+            Collective::Gather { input, root, .. } => (NONE, NONE, Some(*root), input.len as u64),
+            Collective::Scatter { output, root, .. } => (NONE, NONE, Some(*root), output.len as u64),
+            Collective::ReduceScatter { output, red, .. } => (red.dtype as u8, reduce(red), None, output.len as u64),
+            // Block sizes legitimately differ per rank.
+            Collective::AllToAll { .. } => (NONE, NONE, None, 0),
+            Collective::Barrier | Collective::MonitoredBarrier { .. } => (NONE, NONE, None, 0),
+        };
+        Fingerprint { op: self.name(), dtype, reduce: op, root: root.map_or(u32::MAX, |r| r as u32), bytes }
     }
 
     /// A failed monitored barrier only reports who is missing; anything else
@@ -371,7 +392,12 @@ impl Shared {
             ));
         }
         let ctx = OpCtx { transport: &*self.transport, seq, timeout, what, segment_bytes: self.segment_bytes };
-        let r = execute(&ctx, part);
+        // A monitored barrier exists to name missing ranks: no neighbour check first.
+        let checked = match part {
+            Collective::MonitoredBarrier { .. } => Ok(()),
+            _ => agree(&ctx, &part.fingerprint()),
+        };
+        let r = checked.and_then(|()| execute(&ctx, part));
         if let Err(e) = &r {
             if part.failure_breaks_group() && !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
                 self.break_group(e);

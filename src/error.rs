@@ -16,6 +16,8 @@ pub enum ErrorKind {
     Io,
     /// The process group was shut down or is broken by an earlier failure.
     Aborted,
+    /// Ranks called different collectives (op, dtype, size, root or reduce op).
+    Mismatch,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]

@@ -6,6 +6,7 @@
 //! and the Python module sit on top, behind the `extension` feature.
 
 pub mod algorithms;
+pub mod call_check;
 pub mod dtype;
 pub mod engine;
 pub mod error;

@@ -378,3 +378,26 @@ fn allgather_with_blocks_of_different_sizes() {
         }
     }
 }
+
+#[test]
+fn mismatched_calls_fail_on_every_rank_without_touching_data() {
+    let engines = group(3, Duration::from_secs(10));
+    let t0 = Instant::now();
+    let out = on_all(&engines, |rank, e| {
+        // Rank 1 reduces int32 where the others reduce float32 (same byte count).
+        let dtype = if rank == 1 { DType::I32 } else { DType::F32 };
+        let mut v = vec![1.0f32; 8];
+        let h = all_reduce(e, raw(&mut v), dtype, ReduceOp::Sum);
+        (h.wait(None), v)
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "no waiting for the timeout");
+    let mut named = 0;
+    for (waited, v) in out {
+        assert_eq!(v, vec![1.0f32; 8], "nothing was reduced");
+        match waited {
+            Waited::Failed(msg) => named += msg.contains("does not match") as usize,
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+    assert!(named >= 2, "the neighbours of the odd rank name the mismatch");
+}
