@@ -527,10 +527,20 @@ class RustBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) override {
-    auto flat = flatten(outputs);
-    Staging s("allgather_coalesced", flat);
+    // outputs[r][j] is rank r's copy of input j; the engine wants them by input.
+    TORCH_CHECK(outputs.size() == static_cast<size_t>(getSize()), "rustc10d: allgather_coalesced expects ",
+                getSize(), " output lists, got ", outputs.size());
+    std::vector<at::Tensor> by_input;
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      for (auto& per_rank : outputs) {
+        TORCH_CHECK(per_rank.size() == inputs.size(), "rustc10d: allgather_coalesced: each output list needs ",
+                    inputs.size(), " tensors");
+        by_input.push_back(per_rank[j]);
+      }
+    }
+    Staging s("allgather_coalesced", flatten(outputs));
     auto is = s.inputs(inputs);
-    auto os = s.outputs(flat);
+    auto os = s.outputs(by_input);
     return run(s, OpType::ALLGATHER_COALESCED, [&](auto done) {
       return group_->all_gather(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
     });
