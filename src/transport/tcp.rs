@@ -11,7 +11,7 @@ use crate::status::Status;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -41,10 +41,30 @@ struct Peer {
     linked: Condvar,
 }
 
+/// Frames up to this size are written on the caller's thread when nothing is
+/// queued: a thread hand-off costs more than the write.
+const INLINE_SEND_MAX: usize = 64 * 1024;
+
+/// The connection this rank sends on: a queue to its writer thread, and the
+/// socket itself for inline writes.
+#[derive(Clone)]
+struct Outbox {
+    queue: Sender<SendReq>,
+    half: Arc<WriteHalf>,
+}
+
+struct WriteHalf {
+    /// Held while one frame is written, so frames never interleave.
+    stream: Mutex<TcpStream>,
+    /// Frames queued for the writer thread and not yet written: while any
+    /// are, inline writes would overtake them, so they queue too.
+    queued: AtomicUsize,
+}
+
 #[derive(Default)]
 struct Link {
-    /// The writer queue of the connection this rank sends on.
-    sender: Option<Sender<SendReq>>,
+    /// Where this rank's frames to the peer go.
+    sender: Option<Outbox>,
     /// Every connection with the peer, kept to shut them down.
     streams: Vec<TcpStream>,
     lost: Option<Error>,
@@ -128,10 +148,22 @@ impl Transport for TcpMesh {
         status: Arc<Status>,
         deadline: Instant,
     ) -> Result<()> {
-        let tx = self.inner.sender(peer, deadline)?;
+        let out = self.inner.sender(peer, deadline)?;
         let header = FrameHeader { key, len: len as u64 }.encode();
-        if let Err(e) = tx.send(SendReq { header, data, len, status }) {
+        if len <= INLINE_SEND_MAX && out.half.queued.load(Ordering::SeqCst) == 0 {
+            if let Ok(mut stream) = out.half.stream.try_lock() {
+                if out.half.queued.load(Ordering::SeqCst) == 0 {
+                    let written = write_frame(&mut stream, &header, std::slice::from_raw_parts(data, len));
+                    drop(stream);
+                    self.inner.sent(peer, written, len, &status);
+                    return Ok(());
+                }
+            }
+        }
+        out.half.queued.fetch_add(1, Ordering::SeqCst);
+        if let Err(e) = out.queue.send(SendReq { header, data, len, status }) {
             // The writer has exited: the peer was lost after we took its queue.
+            out.half.queued.fetch_sub(1, Ordering::SeqCst);
             let err = self.inner.lost_error(peer);
             e.0.status.finish(Err(err));
         }
@@ -194,7 +226,7 @@ impl Inner {
     }
 
     /// The queue to send to `peer` on, dialling it first if we have no connection.
-    fn sender(self: &Arc<Self>, peer: usize, deadline: Instant) -> Result<Sender<SendReq>> {
+    fn sender(self: &Arc<Self>, peer: usize, deadline: Instant) -> Result<Outbox> {
         if peer == self.rank() || peer >= self.peers.len() {
             return Err(Error::invalid(format!("rank {} cannot send to rank {peer}", self.rank())));
         }
@@ -309,10 +341,11 @@ impl Inner {
         let me = self.clone();
         self.spawn("rustc10d-recv", move || me.read_loop(peer, reader));
         if link.sender.is_none() {
-            let (tx, rx) = channel();
-            link.sender = Some(tx);
+            let (queue, rx) = channel();
+            let half = Arc::new(WriteHalf { stream: Mutex::new(stream), queued: AtomicUsize::new(0) });
+            link.sender = Some(Outbox { queue, half: half.clone() });
             let me = self.clone();
-            self.spawn("rustc10d-send", move || me.write_loop(peer, stream, rx));
+            self.spawn("rustc10d-send", move || me.write_loop(peer, half, rx));
         }
         p.linked.notify_all();
     }
@@ -381,18 +414,25 @@ impl Inner {
         Ok(())
     }
 
-    fn write_loop(&self, peer: usize, mut stream: TcpStream, rx: Receiver<SendReq>) {
+    fn write_loop(&self, peer: usize, half: Arc<WriteHalf>, rx: Receiver<SendReq>) {
         for req in rx.iter() {
             let payload = unsafe { std::slice::from_raw_parts(req.data, req.len) };
-            match write_frame(&mut stream, &req.header, payload) {
-                Ok(()) => {
-                    req.status.finish(Ok(req.len as i64));
-                }
-                Err(e) => {
-                    let err = Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer)));
-                    req.status.finish(Err(err.clone()));
-                    self.lose_peer(peer, err);
-                }
+            let written = write_frame(&mut half.stream.lock().unwrap(), &req.header, payload);
+            half.queued.fetch_sub(1, Ordering::SeqCst);
+            self.sent(peer, written, req.len, &req.status);
+        }
+    }
+
+    /// Finish a send; a failed write loses the peer.
+    fn sent(&self, peer: usize, written: io::Result<()>, len: usize, status: &Status) {
+        match written {
+            Ok(()) => {
+                status.finish(Ok(len as i64));
+            }
+            Err(e) => {
+                let err = Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer)));
+                status.finish(Err(err.clone()));
+                self.lose_peer(peer, err);
             }
         }
     }
