@@ -9,6 +9,8 @@ use crate::algorithms::{
 };
 use crate::call_check::{agree, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
+use crate::fault::{Action, Faults, ENV_FAULT};
+use crate::stats::Stats;
 use crate::reduce::scale;
 use crate::error::{Error, ErrorKind, Result};
 use crate::status::{Callback, Status};
@@ -34,6 +36,10 @@ struct Shared {
     /// Set by the first collective that fails: later ones fail at once with it,
     /// since the ranks can no longer be assumed to agree on the sequence.
     broken: Mutex<Option<Error>>,
+    faults: Faults,
+    stats: Arc<Stats>,
+    sends: AtomicU64,
+    recvs: AtomicU64,
 }
 
 /// How values combine: a reduce op on a dtype, with PREMUL_SUM's factor if any.
@@ -226,7 +232,12 @@ pub enum Waited {
 }
 
 impl Engine {
-    pub fn new(transport: Arc<dyn Transport>, timeout: Duration) -> Engine {
+    /// An engine over `transport`, with faults from `RUSTC10D_FAULT`.
+    pub fn new(transport: Arc<dyn Transport>, timeout: Duration) -> Result<Engine> {
+        Ok(Engine::with_faults(transport, timeout, Faults::from_env()?))
+    }
+
+    pub fn with_faults(transport: Arc<dyn Transport>, timeout: Duration, faults: Faults) -> Engine {
         let shared = Arc::new(Shared {
             transport,
             timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
@@ -234,6 +245,10 @@ impl Engine {
             next_seq: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
             broken: Mutex::new(None),
+            faults,
+            stats: Arc::default(),
+            sends: AtomicU64::new(0),
+            recvs: AtomicU64::new(0),
         });
         let (tx, rx) = channel::<Job>();
         let s = shared.clone();
@@ -246,6 +261,11 @@ impl Engine {
             })
             .expect("spawn engine thread");
         Engine { shared, queue: Mutex::new(Some(tx)), worker: Mutex::new(Some(worker)) }
+    }
+
+    /// The group's per-op counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.shared.stats.clone()
     }
 
     pub fn rank(&self) -> usize {
@@ -293,9 +313,11 @@ impl Engine {
     /// `buf` must stay valid and unchanged until `done` has run.
     pub unsafe fn send(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
         self.check_peer("send", dst)?;
+        let seq = self.shared.sends.fetch_add(1, Ordering::SeqCst);
+        self.shared.p2p_fault("send", seq, dst)?;
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
         let t = &self.shared.transport;
-        let status = Status::with_callback(done);
+        let status = Status::with_callback(self.shared.recorded("send", buf.len, done));
         let deadline = Instant::now() + timeout;
         let message = format!(
             "rustc10d: send to {} (tag {tag}) on rank {} timed out after {} ms",
@@ -317,6 +339,9 @@ impl Engine {
         if let Some(src) = src {
             self.check_peer("recv", src)?;
         }
+        let seq = self.shared.recvs.fetch_add(1, Ordering::SeqCst);
+        self.shared.p2p_fault("recv", seq, src.unwrap_or(usize::MAX))?;
+        let done = self.shared.recorded("recv", buf.len, done);
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
         let t = &self.shared.transport;
         let rank = self.rank();
@@ -391,13 +416,27 @@ impl Shared {
                 format!("rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}", cause.message),
             ));
         }
+        let start = Instant::now();
+        let fingerprint = part.fingerprint();
         let ctx = OpCtx { transport: &*self.transport, seq, timeout, what, segment_bytes: self.segment_bytes };
-        // A monitored barrier exists to name missing ranks: no neighbour check first.
-        let checked = match part {
-            Collective::MonitoredBarrier { .. } => Ok(()),
-            _ => agree(&ctx, &part.fingerprint()),
+        let r = match self.faults.hit(self.transport.rank(), part.name(), seq) {
+            // An injected failure behaves like a real one: the group breaks.
+            Some(Action::Fail) => Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what))),
+            fault => {
+                match fault {
+                    Some(Action::Stall(d)) => std::thread::sleep(d),
+                    Some(Action::Drop) => self.drop_all(&format!("{}: connections dropped by {ENV_FAULT}", ctx.what)),
+                    _ => {}
+                }
+                // A monitored barrier exists to name missing ranks: no neighbour check first.
+                let checked = match part {
+                    Collective::MonitoredBarrier { .. } => Ok(()),
+                    _ => agree(&ctx, &fingerprint),
+                };
+                checked.and_then(|()| execute(&ctx, part))
+            }
         };
-        let r = checked.and_then(|()| execute(&ctx, part));
+        self.stats.record(part.name(), fingerprint.bytes, start.elapsed(), r.is_ok());
         if let Err(e) = &r {
             if part.failure_breaks_group() && !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
                 self.break_group(e);
@@ -408,16 +447,45 @@ impl Shared {
 }
 
 impl Shared {
+    fn drop_all(&self, why: &str) {
+        let me = self.transport.rank();
+        for peer in (0..self.transport.size()).filter(|&p| p != me) {
+            self.transport.break_peer(peer, &Error::peer_lost(why.to_string()));
+        }
+    }
+
+    /// Apply a RUSTC10D_FAULT rule to a send or receive (`peer` MAX: any source).
+    fn p2p_fault(&self, op: &'static str, seq: u64, peer: usize) -> Result<()> {
+        match self.faults.hit(self.transport.rank(), op, seq) {
+            Some(Action::Fail) => Err(Error::io(format!("rustc10d: {op} #{seq} failed: fault injected by {ENV_FAULT}"))),
+            Some(Action::Stall(d)) => {
+                std::thread::sleep(d);
+                Ok(())
+            }
+            Some(Action::Drop) if peer < self.transport.size() => {
+                self.transport.break_peer(peer, &Error::peer_lost(format!("{op} #{seq}: connection dropped by {ENV_FAULT}")));
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Wrap a p2p op's callback so that its completion is counted.
+    fn recorded(&self, op: &'static str, bytes: usize, done: Callback) -> Callback {
+        let (stats, start) = (self.stats.clone(), Instant::now());
+        Box::new(move |r: &Result<i64>| {
+            stats.record(op, bytes as u64, start.elapsed(), r.is_ok());
+            done(r)
+        })
+    }
+
     /// A collective failed: the ranks no longer agree on where they are. Close
     /// every connection so that peers blocked in this or later collectives
     /// fail within moments instead of at their timeout; the failure spreads
     /// around the ring the same way.
     fn break_group(&self, cause: &Error) {
         self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());
-        let me = self.transport.rank();
-        for peer in (0..self.transport.size()).filter(|&p| p != me) {
-            self.transport.break_peer(peer, cause);
-        }
+        self.drop_all(&cause.message);
     }
 }
 

@@ -10,8 +10,10 @@ pub mod call_check;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod reduce;
 pub mod rendezvous;
+pub mod stats;
 pub mod status;
 pub mod transport;
 

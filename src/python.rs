@@ -5,16 +5,29 @@ use crate::engine::Engine;
 use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
 use crate::rendezvous::{connect, GroupConfig};
 use pyo3::exceptions::PyRuntimeError;
+use crate::stats::Stats;
 use pyo3::prelude::*;
-use std::sync::Arc;
+use pyo3::types::PyDict;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 /// Logging level for the engine's `tracing` output on stderr (error, warn, info, debug, trace).
 pub const ENV_LOG: &str = "RUSTC10D_LOG";
 
+/// Each live group's counters by group name, for `rustc10d.stats()`.
+static GROUP_STATS: Mutex<BTreeMap<String, Weak<Stats>>> = Mutex::new(BTreeMap::new());
+
 /// Rendezvous through `store` and return a `torch.distributed.Backend`.
 #[pyfunction]
-fn create_backend(py: Python<'_>, store: Bound<'_, PyAny>, rank: i32, size: i32, timeout_ms: i64) -> PyResult<Py<PyAny>> {
+fn create_backend(
+    py: Python<'_>,
+    store: Bound<'_, PyAny>,
+    rank: i32,
+    size: i32,
+    timeout_ms: i64,
+    group_name: String,
+) -> PyResult<Py<PyAny>> {
     let err = |e: cxx::Exception| PyRuntimeError::new_err(e.what().to_string());
     let store_ref = store_from_python(store.as_ptr() as usize).map_err(err)?;
     let cfg = GroupConfig {
@@ -25,10 +38,34 @@ fn create_backend(py: Python<'_>, store: Bound<'_, PyAny>, rank: i32, size: i32,
     };
     // Rendezvous can take a while: let other Python threads run meanwhile.
     let engine = py
-        .detach(|| connect(&*store_ref, &cfg).map(|mesh| Engine::new(Arc::new(mesh), cfg.timeout)))
+        .detach(|| connect(&*store_ref, &cfg).and_then(|mesh| Engine::new(Arc::new(mesh), cfg.timeout)))
         .map_err(|e| PyRuntimeError::new_err(e.message))?;
+    let mut groups = GROUP_STATS.lock().unwrap();
+    groups.retain(|_, s| s.strong_count() > 0);
+    groups.insert(group_name, Arc::downgrade(&engine.stats()));
+    drop(groups);
     let ptr = backend_to_python(Box::new(Group(engine)), rank, size, timeout_ms).map_err(err)?;
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
+}
+
+/// {op: {count, failed, bytes, seconds, max_seconds}} of a live group.
+#[pyfunction]
+fn stats(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
+    let groups = GROUP_STATS.lock().unwrap();
+    let Some(s) = groups.get(group_name).and_then(Weak::upgrade) else {
+        return Err(PyRuntimeError::new_err(format!("rustc10d: no live rustc10d group named {group_name:?}")));
+    };
+    let out = PyDict::new(py);
+    for (op, s) in s.snapshot() {
+        let d = PyDict::new(py);
+        d.set_item("count", s.count)?;
+        d.set_item("failed", s.failed)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("seconds", s.total.as_secs_f64())?;
+        d.set_item("max_seconds", s.max.as_secs_f64())?;
+        out.set_item(op, d)?;
+    }
+    Ok(out.unbind())
 }
 
 fn init_logging() {
@@ -46,6 +83,7 @@ fn init_logging() {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_function(wrap_pyfunction!(create_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add("TORCH_VERSION", env!("RUSTC10D_TORCH_VERSION"))?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -4,18 +4,25 @@
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Waited};
+use rustc10d::fault::Faults;
 use rustc10d::rendezvous::{connect, GroupConfig, MemStore, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn group(world: usize, timeout: Duration) -> Vec<Engine> {
+    group_with_faults(world, timeout, "")
+}
+
+/// `faults` in RUSTC10D_FAULT's grammar (passed directly: tests share the environment).
+fn group_with_faults(world: usize, timeout: Duration, faults: &'static str) -> Vec<Engine> {
     let store = Arc::new(MemStore::default());
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let store = store.clone();
             std::thread::spawn(move || {
                 let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
-                Engine::new(Arc::new(connect(&*store, &cfg).unwrap()), timeout)
+                let mesh = Arc::new(connect(&*store, &cfg).unwrap());
+                Engine::with_faults(mesh, timeout, Faults::parse(faults).unwrap())
             })
         })
         .collect();
@@ -400,4 +407,50 @@ fn mismatched_calls_fail_on_every_rank_without_touching_data() {
         }
     }
     assert!(named >= 2, "the neighbours of the odd rank name the mismatch");
+}
+
+#[test]
+#[ignore = "timing probe, run by hand: cargo test --release -- --ignored latency"]
+fn latency_probe() {
+    let engines = group(2, Duration::from_secs(10));
+    for n in [2usize, 1024, 262144] {
+        let t = on_all(&engines, |_, e| {
+            let mut v = vec![1.0f32; n];
+            for _ in 0..50 {
+                wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
+            }
+            let t0 = Instant::now();
+            for _ in 0..500 {
+                wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
+            }
+            t0.elapsed() / 500
+        });
+        eprintln!("allreduce {} B: {:?}", n * 4, t[0]);
+    }
+}
+
+#[test]
+fn injected_faults_fail_stall_and_drop() {
+    let faults = "rank=1,op=allreduce,seq=2,action=fail; rank=0,op=barrier,action=stall,secs=0.3";
+    let engines = group_with_faults(2, Duration::from_secs(10), faults);
+    let out = on_all(&engines, |_, e| {
+        let t0 = Instant::now();
+        wait_ok(run(e, Collective::Barrier));
+        let stalled = t0.elapsed();
+        let mut v = vec![1i64; 4];
+        wait_ok(all_reduce(e, raw(&mut v), DType::I64, ReduceOp::Sum));
+        let second = all_reduce(e, raw(&mut v), DType::I64, ReduceOp::Sum).wait(None);
+        (stalled, second, e.stats().snapshot())
+    });
+    for (rank, (stalled, second, stats)) in out.into_iter().enumerate() {
+        assert!(stalled >= Duration::from_millis(300), "rank {rank}: the barrier waits for the stalled rank 0");
+        match second {
+            Waited::Failed(msg) if rank == 1 => assert!(msg.contains("RUSTC10D_FAULT"), "{msg}"),
+            Waited::Failed(_) => {}
+            other => panic!("rank {rank}: expected failure, got {other:?}"),
+        }
+        let ar = stats["allreduce"];
+        assert_eq!((ar.count, ar.failed, ar.bytes), (2, 1, 64));
+        assert_eq!(stats["barrier"].count, 1);
+    }
 }

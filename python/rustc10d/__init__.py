@@ -29,12 +29,22 @@ if _native.TORCH_VERSION != torch.__version__:
 
 __version__: str = _native.__version__
 BACKEND_NAME = "rustc10d"
-__all__ = ["BACKEND_NAME", "register"]
+__all__ = ["BACKEND_NAME", "register", "stats"]
 
 
 def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None):
     timeout_ms = int(opts.timeout.total_seconds() * 1000)
-    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout_ms)
+    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout_ms, opts.group_id or "")
+
+
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]:
+    """Per-op counters of a rustc10d group (default: the world group), on this rank.
+
+    Returns ``{op: {"count", "failed", "bytes", "seconds", "max_seconds"}}`` for every op
+    kind that has finished at least once, e.g. ``stats()["allreduce"]["seconds"]``.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    return _native.stats(pg.group_name)
 
 
 def register() -> None:

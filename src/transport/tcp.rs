@@ -67,6 +67,8 @@ struct Link {
     sender: Option<Outbox>,
     /// Every connection with the peer, kept to shut them down.
     streams: Vec<TcpStream>,
+    /// Connections whose reader is still running.
+    readers: usize,
     lost: Option<Error>,
 }
 
@@ -338,6 +340,7 @@ impl Inner {
             return;
         }
         link.streams.push(keep);
+        link.readers += 1;
         let me = self.clone();
         self.spawn("rustc10d-recv", move || me.read_loop(peer, reader));
         if link.sender.is_none() {
@@ -371,20 +374,44 @@ impl Inner {
     }
 
     fn read_loop(&self, peer: usize, mut stream: TcpStream) {
-        let err = loop {
-            if let Err(e) = self.read_frame(peer, &mut stream) {
-                break e;
+        let failure = loop {
+            match self.read_frame(peer, &mut stream) {
+                Ok(true) => continue,
+                Ok(false) => break None,
+                Err(e) => break Some(e),
             }
+        };
+        let open = {
+            let mut link = self.peers[peer].link.lock().unwrap();
+            link.readers -= 1;
+            link.readers
         };
         if self.stopping.load(Ordering::SeqCst) {
             return;
         }
-        self.lose_peer(peer, Error::peer_lost(format!("lost connection to {}: {err}", self.describe(peer))));
+        let err = match failure {
+            // A peer that leaves closes all its connections; data still in
+            // flight on another one must be read before we call it gone.
+            None if open > 0 => return,
+            None => Error::peer_lost(format!("{} closed its connection", self.describe(peer))),
+            Some(e) => Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer))),
+        };
+        self.lose_peer(peer, err);
     }
 
-    fn read_frame(&self, peer: usize, stream: &mut TcpStream) -> io::Result<()> {
+    /// Read one frame; Ok(false) when the peer closed the connection between frames.
+    fn read_frame(&self, peer: usize, stream: &mut TcpStream) -> io::Result<bool> {
         let mut hb = [0u8; HEADER_LEN];
-        stream.read_exact(&mut hb)?;
+        let first = loop {
+            match stream.read(&mut hb) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                other => break other?,
+            }
+        };
+        if first == 0 {
+            return Ok(false);
+        }
+        stream.read_exact(&mut hb[first..])?;
         let header = FrameHeader::decode(&hb).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
         let delivery = self.peers[peer].mailbox.lock().unwrap().on_header(header.key, header.len, &self.any);
         match delivery {
@@ -411,7 +438,7 @@ impl Inner {
                 self.peers[peer].mailbox.lock().unwrap().stash(header.key, data, &self.any);
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     fn write_loop(&self, peer: usize, half: Arc<WriteHalf>, rx: Receiver<SendReq>) {

@@ -1,0 +1,683 @@
+"""Side-by-side benchmark of rustc10d and Gloo on CPU tensors.
+
+    python -m rustc10d.bench                 # W = 2 and 4, 8 B .. 256 MiB (minutes)
+    python -m rustc10d.bench --quick         # W = 2, 8 B .. 4 MiB (well under 2 minutes)
+
+For each world size W this process hosts a TCPStore on a port the OS picks (no free-port race)
+and starts W ranks (`python -m rustc10d.bench --worker ...`) that each hold three groups: the
+default Gloo group (barriers and agreeing on timings, never timed) plus one rustc10d and one Gloo
+group under test. For every (op, dtype, size) the two backends are timed in alternating rounds
+(rustc10d, gloo, rustc10d, gloo, ...) so that machine drift hits both alike.
+
+Conventions of nccl-tests: warm-up iterations, then an adaptive number of timed iterations so a
+measurement takes about --budget seconds; the time of an op is the slowest rank's (MAX over ranks);
+algbw = bytes / time and busbw = algbw * factor (all_reduce 2(W-1)/W, all_gather, reduce_scatter
+and all_to_all (W-1)/W, broadcast 1; the ping-pong's time is half a round trip). "bytes" is the
+larger per-rank buffer: all_gather's output, reduce_scatter's and all_to_all's input. After the
+timing, every backend runs each op once more on fresh data and the result is checked against
+arithmetic; a failed check is reported loudly and makes the exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import rustc10d  # registers the "rustc10d" backend
+
+BACKENDS = ("rustc10d", "gloo")  # timing order within a round
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LATENCY_MAX_BYTES = 64 * 1024  # the latency plot shows sizes up to this
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops. Buffers are filled with small integers, exact in bfloat16 even after summing over
+# ranks, so every check is an exact comparison.
+
+def _pattern(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    """(i % 13) + offset for i < n."""
+    return torch.arange(13, dtype=dtype).repeat(-(-n // 13))[:n] + offset
+
+
+def _sum_pattern(n: int, dtype: torch.dtype, world: int) -> torch.Tensor:
+    """Sum over ranks r of _pattern(n, dtype, r + 1)."""
+    return _pattern(n, dtype, 0) * world + world * (world + 1) // 2
+
+
+def _diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    if torch.equal(got, want):
+        return None
+    bad = (got != want).nonzero().flatten()
+    i = int(bad[0]) if len(bad) else 0
+    return (f"{what}: {len(bad)} of {got.numel()} elements wrong, first at [{i}]: "
+            f"got {got[i].item()}, expected {want[i].item()}")
+
+
+def _make_all_reduce(n, dtype, rank, world):
+    return {"x": _pattern(n, dtype, rank + 1)}
+
+
+def _run_all_reduce(b, group, rank, world):
+    dist.all_reduce(b["x"], op=dist.ReduceOp.SUM, group=group)
+
+
+def _check_all_reduce(b, rank, world):
+    return _diff("all_reduce result", b["x"], _sum_pattern(len(b["x"]), b["x"].dtype, world))
+
+
+def _make_all_gather(n, dtype, rank, world):
+    return {"x": _pattern(n // world, dtype, rank + 1), "y": torch.empty(n, dtype=dtype)}
+
+
+def _run_all_gather(b, group, rank, world):
+    dist.all_gather_into_tensor(b["y"], b["x"], group=group)
+
+
+def _check_all_gather(b, rank, world):
+    m = len(b["x"])
+    return _diff("all_gather output", b["y"], torch.cat([_pattern(m, b["y"].dtype, r + 1) for r in range(world)]))
+
+
+def _make_reduce_scatter(n, dtype, rank, world):
+    return {"x": _pattern(n, dtype, rank + 1), "y": torch.empty(n // world, dtype=dtype)}
+
+
+def _run_reduce_scatter(b, group, rank, world):
+    dist.reduce_scatter_tensor(b["y"], b["x"], op=dist.ReduceOp.SUM, group=group)
+
+
+def _check_reduce_scatter(b, rank, world):
+    m = len(b["y"])
+    want = _sum_pattern(m * world, b["y"].dtype, world)[rank * m:(rank + 1) * m]
+    return _diff("reduce_scatter output", b["y"], want)
+
+
+def _make_broadcast(n, dtype, rank, world):
+    return {"x": _pattern(n, dtype, 1) if rank == 0 else torch.full((n,), -1, dtype=dtype)}
+
+
+def _run_broadcast(b, group, rank, world):
+    dist.broadcast(b["x"], src=0, group=group)
+
+
+def _check_broadcast(b, rank, world):
+    return _diff("broadcast result", b["x"], _pattern(len(b["x"]), b["x"].dtype, 1))
+
+
+def _a2a_block(n, dtype, world, src, dst):
+    """What rank src sends to rank dst: its input's block dst."""
+    m = n // world
+    return _pattern(n, dtype, 0)[dst * m:(dst + 1) * m] + (16 * src + dst)
+
+
+def _make_all_to_all(n, dtype, rank, world):
+    x = torch.cat([_a2a_block(n, dtype, world, rank, d) for d in range(world)])
+    return {"x": x, "y": torch.empty(n, dtype=dtype)}
+
+
+def _run_all_to_all(b, group, rank, world):
+    dist.all_to_all_single(b["y"], b["x"], group=group)
+
+
+def _check_all_to_all(b, rank, world):
+    n, dtype = len(b["y"]), b["y"].dtype
+    return _diff("all_to_all output", b["y"], torch.cat([_a2a_block(n, dtype, world, s, rank) for s in range(world)]))
+
+
+def _make_pingpong(n, dtype, rank, world):
+    # rank 0 sends x and receives the echo in y; rank 1 receives into y and sends y back
+    if rank == 0:
+        return {"x": _pattern(n, dtype, 1), "y": torch.full((n,), -1, dtype=dtype)}
+    return {"y": torch.full((n,), -1, dtype=dtype)} if rank == 1 else {}
+
+
+def _run_pingpong(b, group, rank, world):
+    if rank == 0:
+        dist.send(b["x"], dst=1, group=group)
+        dist.recv(b["y"], src=1, group=group)
+    elif rank == 1:
+        dist.recv(b["y"], src=0, group=group)
+        dist.send(b["y"], dst=0, group=group)
+
+
+def _check_pingpong(b, rank, world):
+    if "y" not in b:
+        return None
+    return _diff("ping-pong " + ("echo" if rank == 0 else "message"), b["y"], _pattern(len(b["y"]), b["y"].dtype, 1))
+
+
+@dataclass(frozen=True)
+class Op:
+    make: Callable  # (elements, dtype, rank, world) -> buffers, inputs filled with the check pattern
+    run: Callable  # (buffers, group, rank, world): one iteration
+    check: Callable  # (buffers, rank, world) -> None, or what is wrong
+    busbw: Callable[[int], float]  # busbw / algbw for world size W
+    dtypes: tuple[str, ...] = ("float32",)
+    chunked: bool = False  # the element count must split evenly over the ranks
+    round_trip: bool = False  # an iteration is a round trip: report half of it
+
+
+OPS: dict[str, Op] = {
+    "all_reduce": Op(_make_all_reduce, _run_all_reduce, _check_all_reduce,
+                     lambda w: 2 * (w - 1) / w, dtypes=("float32", "bfloat16")),
+    "all_gather_into_tensor": Op(_make_all_gather, _run_all_gather, _check_all_gather,
+                                 lambda w: (w - 1) / w, chunked=True),
+    "reduce_scatter_tensor": Op(_make_reduce_scatter, _run_reduce_scatter, _check_reduce_scatter,
+                                lambda w: (w - 1) / w, dtypes=("float32", "bfloat16"), chunked=True),
+    "broadcast": Op(_make_broadcast, _run_broadcast, _check_broadcast, lambda w: 1.0),
+    "all_to_all_single": Op(_make_all_to_all, _run_all_to_all, _check_all_to_all,
+                            lambda w: (w - 1) / w, chunked=True),
+    "pingpong": Op(_make_pingpong, _run_pingpong, _check_pingpong, lambda w: 1.0, round_trip=True),
+}
+
+
+def _elements(op: Op, dtype: torch.dtype, size: int, world: int) -> int:
+    n = max(1, -(-size // dtype.itemsize))
+    return -(-n // world) * world if op.chunked else n
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank.
+
+class BackendFailed(Exception):
+    pass
+
+
+@dataclass
+class Rank:
+    rank: int
+    world: int
+    cfg: dict
+    sync: object  # the default Gloo group: barriers and agreement, never timed
+    groups: dict  # backend -> group under test
+
+    def agree(self, value: float, error: str) -> float:
+        """MAX of value over ranks; raises BackendFailed on every rank if any rank had an error,
+        so that all ranks take the same branch and the sync group's calls stay in step."""
+        t = torch.tensor([value, 1.0 if error else 0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
+        if t[1] > 0:
+            errors = [None] * self.world
+            dist.all_gather_object(errors, error, group=self.sync)
+            raise BackendFailed("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+        return t[0].item()
+
+    def timed(self, run, iters: int, warmup: int) -> float:
+        """Seconds that `iters` iterations took on the slowest rank."""
+        dist.barrier(group=self.sync)
+        elapsed, error = 0.0, ""
+        try:
+            for _ in range(warmup):
+                run()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            elapsed = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - reported, and the backend is skipped for this op
+            error = f"{type(e).__name__}: {e}".strip()
+        return self.agree(elapsed, error)
+
+    def calibrate(self, run) -> int:
+        """Iterations that take about cfg['budget'] s; the first pass is also the warm-up."""
+        budget, cap = self.cfg["budget"], self.cfg["max_iters"]
+        n, warmup = 1, self.cfg["warmup"]
+        while True:
+            t = max(self.timed(run, n, warmup), 1e-7)  # the same t on every rank: same n
+            warmup = 0
+            if t >= budget / 4 or n >= cap:
+                return max(1, min(cap, round(n * budget / t)))
+            n = min(cap, max(2 * n, math.ceil(n * budget / 4 / t * 1.2)))
+
+    def bench(self, name: str, dtype_name: str, size: int) -> dict:
+        op, dtype = OPS[name], DTYPES[dtype_name]
+        n = _elements(op, dtype, size, self.world)
+        bufs = op.make(n, dtype, self.rank, self.world)
+        out = {b: {"status": "ok", "iters": 0, "times_s": []} for b in BACKENDS}
+        for _ in range(self.cfg["rounds"]):
+            for b, res in out.items():
+                if res["status"] != "ok":
+                    continue
+                run = partial(op.run, bufs, self.groups[b], self.rank, self.world)
+                try:
+                    res["iters"] = res["iters"] or self.calibrate(run)
+                    t = self.timed(run, res["iters"], min(self.cfg["warmup"], res["iters"]))
+                    res["times_s"].append(t / res["iters"] / (2 if op.round_trip else 1))
+                except BackendFailed as e:
+                    # Gloo lacks some ops/dtypes: that is Gloo's limit, not a failure of the run
+                    res.update(status="unsupported" if b == "gloo" else "error", error=str(e))
+        del bufs
+        for b, res in out.items():
+            if res["status"] == "ok":  # once more on fresh buffers, checked against arithmetic
+                bufs = op.make(n, dtype, self.rank, self.world)
+                dist.barrier(group=self.sync)
+                error = ""
+                try:
+                    op.run(bufs, self.groups[b], self.rank, self.world)
+                    error = op.check(bufs, self.rank, self.world) or ""
+                except Exception as e:  # noqa: BLE001
+                    error = f"{type(e).__name__}: {e}"
+                try:
+                    self.agree(0.0, error)
+                except BackendFailed as e:
+                    res.update(status="check_failed", error=str(e))
+                del bufs
+        return {"world": self.world, "op": name, "dtype": dtype_name, "size": size,
+                "bytes": n * dtype.itemsize, "busbw_factor": op.busbw(self.world), "backends": out}
+
+
+def _watch_parent(deadline: float):
+    """End this rank if the launcher dies or the job's deadline passes: no orphans."""
+    parent = os.getppid()
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(1)
+    os._exit(3)
+
+
+def worker_main(rank: int, world: int, port: int) -> int:
+    torch.set_num_threads(1)  # W ranks share the machine's cores, as the tests do
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    cfg = json.loads(store.get("bench/config"))
+    threading.Thread(target=_watch_parent, args=(time.monotonic() + cfg["timeout"],), daemon=True).start()
+    pg_timeout = timedelta(seconds=cfg["pg_timeout"])
+    # the sync group waits out a backend's failing op (up to pg_timeout) before it can agree
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=3 * pg_timeout)
+    groups = {b: dist.new_group(backend=b, timeout=pg_timeout) for b in BACKENDS}
+    me = Rank(rank, world, cfg, dist.group.WORLD, groups)
+    with open(cfg["results"], "a") if rank == 0 else open(os.devnull, "w") as results:
+        for name, dtype_name, size in cfg["plan"]:
+            results.write(json.dumps(me.bench(name, dtype_name, size)) + "\n")
+            results.flush()  # the launcher shows progress from this file
+    dist.barrier(group=me.sync)
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher.
+
+def run_world(world: int, cfg: dict, workdir: Path, on_result) -> tuple[list[dict], str | None]:
+    """Start `world` ranks and wait for them; returns their results and, if the job failed, why."""
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    results = workdir / f"w{world}.jsonl"
+    results.touch()
+    store.set("bench/config", json.dumps(dict(cfg, results=str(results))))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+    procs, logs = [], []
+    for rank in range(world):
+        log = workdir / f"w{world}-rank{rank}.log"
+        logs.append(log)
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rustc10d.bench", "--worker", str(rank), str(world), str(store.port)],
+                env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    got, offset, failure = [], 0, None
+    deadline = time.monotonic() + cfg["timeout"]
+    try:
+        while True:
+            done = all(p.poll() is not None for p in procs)
+            with open(results) as f:  # whole lines only: a rank may be writing one
+                f.seek(offset)
+                for line in iter(f.readline, ""):
+                    if not line.endswith("\n"):
+                        break
+                    offset += len(line)
+                    got.append(json.loads(line))
+                    on_result(got[-1])
+            if done:
+                break
+            if time.monotonic() > deadline:
+                failure = f"W={world}: still running after {cfg['timeout']} s (--timeout), stopped"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    if failure is None and any(codes):
+        failure = f"W={world}: ranks exited with codes {codes}"
+    if failure:
+        for log in logs:
+            tail = log.read_text(errors="replace")[-2000:]
+            failure += f"\n--- {log.name} (last 2000 characters)\n{tail}"
+    return got, failure
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine's limits, to read busbw against.
+
+def memcpy_bandwidth(nbytes: int, reps: int = 8) -> float:
+    """Bytes per second that one core copies (best of reps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # fault the pages in
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tcp_sink(port: int, total: int, reps: int):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        buf = memoryview(bytearray(4 << 20))
+        for _ in range(reps):
+            left = total
+            while left:
+                got = s.recv_into(buf, min(len(buf), left))
+                if not got:
+                    return
+                left -= got
+            s.sendall(b"k")  # the sender stops its clock on this
+
+
+def tcp_loopback_bandwidth(total: int, reps: int = 3) -> float:
+    """Bytes per second between two processes over 127.0.0.1 (best of reps)."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")  # fork: no re-import
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sink = ctx.Process(target=_tcp_sink, args=(server.getsockname()[1], total, reps), daemon=True)
+        sink.start()
+        server.settimeout(60)
+        conn, _ = server.accept()
+    chunk = memoryview(bytearray(4 << 20))
+    best = math.inf
+    with conn:
+        conn.settimeout(60)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            left = total
+            while left:
+                n = min(len(chunk), left)
+                conn.sendall(chunk[:n])
+                left -= n
+            conn.recv(1)
+            best = min(best, time.perf_counter() - t0)
+    sink.join(10)
+    return total / best
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting.
+
+def _stats(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def summarize(entry: dict) -> dict:
+    """Add time, algbw and busbw statistics over rounds, and the per-round ratio gloo/rustc10d
+    time (= rustc10d/gloo busbw: > 1 means rustc10d is faster)."""
+    for res in entry["backends"].values():
+        if res["times_s"]:
+            times = res["times_s"]
+            res["time_s"] = _stats(times)
+            res["algbw_GBps"] = _stats([entry["bytes"] / t / 1e9 for t in times])
+            res["busbw_GBps"] = _stats([entry["bytes"] / t / 1e9 * entry["busbw_factor"] for t in times])
+    r, g = (entry["backends"][b] for b in BACKENDS)
+    if r["status"] == g["status"] == "ok":
+        entry["ratio"] = _stats([tg / tr for tr, tg in zip(r["times_s"], g["times_s"])])
+    return entry
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _cells(res: dict) -> str:
+    if res["status"] in ("ok", "check_failed") and res["times_s"]:
+        cell = f"{_time(res['time_s']['median']):>10} {res['busbw_GBps']['median']:>9.3f}"
+        return cell + (" FAIL" if res["status"] == "check_failed" else "     ")
+    return f"{res['status']:>25}"
+
+
+def print_table(world: int, name: str, dtype: str, entries: list[dict]):
+    factor = OPS[name].busbw(world)
+    print(f"\n{name} {dtype}  W={world}  busbw = algbw x {factor:.2f}"
+          f"{'  time = half round trip' if OPS[name].round_trip else ''}")
+    print(f"{'size':>10} | {'rustc10d time':>13} {'busbw GB/s':>10} | {'gloo time':>13} {'busbw GB/s':>10} "
+          f"| ratio min / median / max")
+    for e in entries:
+        ratio = e.get("ratio")
+        r = f"{ratio['min']:5.2f} / {ratio['median']:5.2f} / {ratio['max']:5.2f}" if ratio else "-"
+        print(f"{_size(e['bytes']):>10} | {_cells(e['backends']['rustc10d'])}| {_cells(e['backends']['gloo'])}| {r}")
+
+
+def _groups(results: list[dict]) -> dict:
+    """(world, op, dtype) -> entries, in run order."""
+    out: dict = {}
+    for e in results:
+        out.setdefault((e["world"], e["op"], e["dtype"]), []).append(e)
+    return out
+
+
+def print_summary(results: list[dict], reference: dict):
+    tcp = reference.get("tcp_loopback_GBps")
+    print("\nSummary: peak busbw (GB/s, median over rounds) and its fraction of loopback TCP; "
+          "latency = time at the smallest size")
+    print(f"{'W':>2} {'op':<24} {'dtype':<9} | {'rustc10d peak':>14} {'%tcp':>5} {'latency':>10} "
+          f"| {'gloo peak':>14} {'%tcp':>5} {'latency':>10}")
+    for (world, name, dtype), entries in _groups(results).items():
+        cells = []
+        for b in BACKENDS:
+            ok = [e for e in entries if e["backends"][b].get("busbw_GBps")]
+            if not ok:
+                cells.append(f"{'-':>14} {'':>5} {'':>10}")
+                continue
+            peak = max(e["backends"][b]["busbw_GBps"]["median"] for e in ok)
+            pct = f"{100 * peak / tcp:4.0f}%" if tcp else ""
+            cells.append(f"{peak:>14.3f} {pct:>5} {_time(ok[0]['backends'][b]['time_s']['median']):>10}")
+        print(f"{world:>2} {name:<24} {dtype:<9} | {cells[0]} | {cells[1]}")
+
+
+def failures(results: list[dict]) -> list[str]:
+    return [f"W={e['world']} {e['op']} {e['dtype']} {_size(e['bytes'])} {b}: {res['status']}: {res.get('error', '')}"
+            for e in results for b, res in e["backends"].items() if res["status"] in ("error", "check_failed")]
+
+
+def plot(report: dict, path: Path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path}). pip install 'rustc10d[bench]' to get one.")
+        return
+    groups = _groups(report["results"])
+    keys = list(dict.fromkeys((op, dtype) for _, op, dtype in groups))
+    worlds = sorted({w for w, _, _ in groups})
+    cols = 2 * len(worlds)  # busbw for each W, then latency for each W
+    fig, axes = plt.subplots(len(keys), cols, figsize=(4.2 * cols, 2.8 * len(keys)), squeeze=False)
+    ref = report["reference"]
+    for i, (name, dtype) in enumerate(keys):
+        for j, world in enumerate(worlds):
+            entries = groups.get((world, name, dtype), [])
+            bw_ax, lat_ax = axes[i][j], axes[i][len(worlds) + j]
+            for b, color in zip(BACKENDS, ("tab:red", "tab:blue")):
+                ok = [e for e in entries if e["backends"][b].get("busbw_GBps")]
+                xs = [e["bytes"] for e in ok]
+                for ax, key, scale, limit in ((bw_ax, "busbw_GBps", 1, math.inf),
+                                              (lat_ax, "time_s", 1e6, LATENCY_MAX_BYTES)):
+                    pts = [(x, e["backends"][b][key]) for x, e in zip(xs, ok) if x <= limit]
+                    if not pts:
+                        continue
+                    px = [x for x, _ in pts]
+                    ax.plot(px, [s["median"] * scale for _, s in pts], "o-", ms=3, color=color, label=b)
+                    ax.fill_between(px, [s["min"] * scale for _, s in pts], [s["max"] * scale for _, s in pts],
+                                    color=color, alpha=0.2)
+            for label, key, style in (("TCP loopback", "tcp_loopback_GBps", "--"), ("memcpy 1 core", "memcpy_1core_GBps", ":")):
+                if ref.get(key):
+                    bw_ax.axhline(ref[key], color="gray", ls=style, lw=1, label=label)
+            for ax, what, unit in ((bw_ax, "busbw", "GB/s"), (lat_ax, "latency", "us")):
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_title(f"{name} {dtype} W={world}: {what}", fontsize=9)
+                ax.set_xlabel("bytes", fontsize=8)
+                ax.set_ylabel(unit, fontsize=8)
+                ax.tick_params(labelsize=7)
+                ax.grid(True, which="major", alpha=0.3)
+            if i == 0 and j == 0:
+                bw_ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def sizes(lo: int, hi: int, step: int) -> list[int]:
+    out = []
+    while lo <= hi:
+        out.append(lo)
+        lo *= step
+    return out + [hi] if out and out[-1] != hi else out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rustc10d.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="W=2, 8 B..4 MiB, 3 rounds, short budget: a smoke run (under 2 minutes)")
+    p.add_argument("--worlds", help="world sizes, e.g. 2,4 (default 2,4; quick: 2)")
+    p.add_argument("--ops", default=",".join(OPS), help="ops to run (default: all): " + ", ".join(OPS))
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="dtypes to run, where an op has them (all_reduce and reduce_scatter: float32 and "
+                        "bfloat16; the others float32)")
+    p.add_argument("--min-size", type=parse_size, default=8, help="smallest message, e.g. 8, 1K (default 8 B)")
+    p.add_argument("--max-size", type=parse_size, help="largest message, e.g. 4M (default 256M; quick: 4M)")
+    p.add_argument("--step", type=int, default=4, help="size factor from one size to the next (default 4)")
+    p.add_argument("--rounds", type=int, help="alternating rounds per backend (default 5; quick: 3)")
+    p.add_argument("--budget", type=float, help="seconds of timed iterations per measurement (default 0.1; quick: 0.02)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up iterations before each measurement (default 2)")
+    p.add_argument("--max-iters", type=int, default=10000, help="cap on timed iterations per measurement")
+    p.add_argument("--pg-timeout", type=float, default=60, help="process group timeout, s (a hung op fails after this)")
+    p.add_argument("--timeout", type=float, help="give up on one world size after this many s (default 3600; quick: 150)")
+    p.add_argument("--json", type=Path, default=Path("bench-out/bench.json"), help="results (default bench-out/bench.json)")
+    p.add_argument("--plot", default="bench-out/bench.png", help="PNG to draw, or 'none' (default bench-out/bench.png)")
+    p.add_argument("--worker", nargs=3, type=int, metavar=("RANK", "WORLD", "PORT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.worlds = [int(w) for w in (args.worlds or ("2" if quick else "2,4")).split(",")]
+    args.max_size = args.max_size or (4 << 20 if quick else 256 << 20)
+    args.rounds = args.rounds or (3 if quick else 5)
+    args.budget = args.budget or (0.02 if quick else 0.1)
+    args.timeout = args.timeout or (150 if quick else 3600)
+    args.ops = args.ops.split(",")
+    args.dtypes = args.dtypes.split(",")
+    for name in args.ops:
+        if name not in OPS:
+            p.error(f"unknown op {name!r}; known: {', '.join(OPS)}")
+    for name in args.dtypes:
+        if name not in DTYPES:
+            p.error(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    if any(w < 2 for w in args.worlds):
+        p.error("world sizes must be at least 2")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(*args.worker)
+    plan = [(name, dtype, size) for name in args.ops for dtype in OPS[name].dtypes if dtype in args.dtypes
+            for size in sizes(args.min_size, args.max_size, args.step)]
+    if not plan:
+        print("nothing to run: no op has one of the dtypes asked for", file=sys.stderr)
+        return 2
+    cfg = {"plan": plan, "rounds": args.rounds, "budget": args.budget, "warmup": args.warmup,
+           "max_iters": args.max_iters, "pg_timeout": args.pg_timeout, "timeout": args.timeout}
+
+    print(f"rustc10d {rustc10d.__version__} vs Gloo, torch {torch.__version__}, {os.cpu_count()} CPUs; "
+          f"W={args.worlds}, {_size(args.min_size)}..{_size(args.max_size)}, {args.rounds} rounds of "
+          f"~{args.budget} s per backend")
+    reference = {"memcpy_1core_GBps": memcpy_bandwidth(64 << 20) / 1e9,
+                 "tcp_loopback_GBps": tcp_loopback_bandwidth((128 if args.quick else 512) << 20) / 1e9}
+    print(f"machine: memcpy of 64 MiB on one core {reference['memcpy_1core_GBps']:.2f} GB/s; "
+          f"TCP over 127.0.0.1 between two processes {reference['tcp_loopback_GBps']:.2f} GB/s")
+
+    def progress(e):
+        cells = "  ".join(f"{b} {_time(res['time_s']['median']) if 'time_s' in res else res['status']}"
+                          for b, res in summarize(e)["backends"].items())
+        print(f"  W={e['world']} {e['op']} {e['dtype']} {_size(e['bytes'])}: {cells}", file=sys.stderr, flush=True)
+
+    results, job_failures = [], []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rustc10d-bench-") as workdir:
+        for world in args.worlds:
+            got, failure = run_world(world, cfg, Path(workdir), progress)
+            results += got
+            if failure:
+                job_failures.append(failure)
+            if len(got) < len(plan) and not failure:
+                job_failures.append(f"W={world}: only {len(got)} of {len(plan)} results")
+            for (w, name, dtype), entries in _groups(got).items():
+                print_table(w, name, dtype, entries)
+    print_summary(results, reference)
+
+    bad = failures(results)
+    report = {"meta": {"rustc10d": rustc10d.__version__, "torch": torch.__version__, "cpus": os.cpu_count(),
+                       "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "seconds": round(time.monotonic() - t0, 1), "argv": sys.argv[1:],
+                       "config": {k: v for k, v in cfg.items() if k != "plan"}, "worlds": args.worlds},
+              "reference": reference, "ok": not bad and not job_failures,
+              "failures": bad + job_failures, "results": results}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"\nresults: {args.json}")
+    if args.plot.lower() != "none":
+        plot(report, Path(args.plot))
+    print(f"took {report['meta']['seconds']} s")
+    if report["failures"]:
+        banner = "!" * 78
+        print(f"\n{banner}\nBENCHMARK FAILED: {len(report['failures'])} problem(s)\n" + "\n".join(report["failures"])
+              + f"\n{banner}", file=sys.stderr)
+        return 1
+    print("all results checked against arithmetic: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
