@@ -1,0 +1,45 @@
+"""One rank of the two-host job (tests/test_two_hosts.py): 2 "hosts" (network namespaces)
+with 2 ranks each. Ranks on different hosts can only reach each other if every rank
+advertised an address of its own host, not loopback."""
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import rustc10d  # noqa: F401
+
+dist.init_process_group("rustc10d", timeout=timedelta(seconds=30))
+rank, world = dist.get_rank(), dist.get_world_size()
+
+t = torch.full((100_003,), float(rank))
+dist.all_reduce(t)
+assert torch.all(t == sum(range(world))), t
+
+# point to point with the same local rank on the other host
+peer = (rank + world // 2) % world
+got = torch.zeros(5)
+if rank < peer:
+    dist.send(torch.full((5,), float(rank)), peer)
+    dist.recv(got, peer)
+else:
+    dist.recv(got, peer)
+    dist.send(torch.full((5,), float(rank)), peer)
+assert torch.all(got == peer), got
+
+# a DDP step: every rank must end with the same parameters
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(rank)
+model(torch.randn(16, 8)).square().mean().backward()
+opt.step()
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+everyone = [torch.zeros_like(flat) for _ in range(world)]
+dist.all_gather(everyone, flat)
+assert all(torch.equal(everyone[0], x) for x in everyone), "DDP replicas diverged"
+
+sys.stdout.write(f"rank {rank} on {os.environ.get('RUSTC10D_TEST_HOST')} ok\n")
+dist.destroy_process_group()
