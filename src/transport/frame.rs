@@ -156,4 +156,23 @@ mod tests {
         assert!(Hello { rank: 0, ..peer }.verify(&me, None).is_err(), "a peer cannot be me");
         assert!(Hello::decode(&[0u8; HELLO_LEN]).is_err());
     }
+
+    // The decoders face the network: any bytes must give Ok or Err, never a panic,
+    // and whatever encodes must decode to itself.
+    proptest::proptest! {
+        #[test]
+        fn decoders_take_any_bytes(b in proptest::array::uniform32(proptest::prelude::any::<u8>())) {
+            let _ = FrameHeader::decode(&b);
+            let _ = Hello::decode(&b);
+        }
+
+        #[test]
+        fn headers_roundtrip(p2p in proptest::prelude::any::<bool>(), channel in proptest::prelude::any::<u64>(),
+                             sub in proptest::prelude::any::<u64>(), len in proptest::prelude::any::<u64>()) {
+            let kind = if p2p { KIND_P2P } else { KIND_COLLECTIVE };
+            let h = FrameHeader { key: Key { kind, channel, sub }, len };
+            proptest::prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
+        }
+    }
 }
+

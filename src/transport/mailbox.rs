@@ -296,4 +296,37 @@ mod tests {
         assert!(sc.is_done() && !sd.is_done());
         assert!(any.lock().unwrap().remove(Key::p2p(3), &sd).is_some());
     }
+
+    // Whatever the interleaving of posts and arrivals, every receive gets the
+    // message of its key in FIFO order, and nothing is lost or duplicated.
+    proptest::proptest! {
+        #[test]
+        fn fifo_per_key_under_any_interleaving(ops in proptest::collection::vec((0u8..3, proptest::prelude::any::<bool>()), 0..60)) {
+            let any = Mutex::new(AnyPosted::default());
+            let mut mb = Mailbox::new(1);
+            let (mut sent, mut posted) = ([0u8; 3], [0u8; 3]);
+            let mut bufs: Vec<(u8, u8, Box<[u8; 1]>, Arc<Status>)> = Vec::new();
+            for (key, is_post) in ops {
+                let k = Key::p2p(key as i64);
+                if is_post {
+                    let mut b = Box::new([0xFFu8; 1]);
+                    let status = Status::new();
+                    mb.post(k, PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 1 }, status: status.clone(), any_source: false });
+                    bufs.push((key, posted[key as usize], b, status));
+                    posted[key as usize] += 1;
+                } else {
+                    deliver(&mut mb, k, &[sent[key as usize]], &any);
+                    sent[key as usize] += 1;
+                }
+            }
+            for (key, nth, b, status) in &bufs {
+                let done = *nth < sent[*key as usize];
+                proptest::prop_assert_eq!(status.is_done(), done);
+                if done {
+                    proptest::prop_assert_eq!(b[0], *nth, "the nth receive of a key gets its nth message");
+                }
+            }
+        }
+    }
 }
+

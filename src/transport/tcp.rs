@@ -20,6 +20,10 @@ use std::time::{Duration, Instant};
 /// Upper bound on one handshake, so a silent client cannot pin a thread.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Handshakes in progress at once; connections beyond are closed at once, so
+/// a flood of connections cannot exhaust threads.
+const MAX_HANDSHAKES: usize = 64;
+
 pub struct TcpMesh {
     inner: Arc<Inner>,
 }
@@ -32,6 +36,7 @@ struct Inner {
     any: Mutex<AnyPosted>,
     listener: TcpListener,
     stopping: AtomicBool,
+    handshakes: AtomicUsize,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -102,6 +107,7 @@ impl TcpMesh {
             any: Mutex::default(),
             listener,
             stopping: AtomicBool::new(false),
+            handshakes: AtomicUsize::new(0),
             threads: Mutex::new(Vec::new()),
         });
         let acceptor = inner.clone();
@@ -219,7 +225,9 @@ impl Inner {
 
     fn spawn(&self, name: &str, f: impl FnOnce() + Send + 'static) {
         let handle = std::thread::Builder::new().name(name.into()).spawn(f).expect("spawn thread");
-        self.threads.lock().unwrap().push(handle);
+        let mut threads = self.threads.lock().unwrap();
+        threads.retain(|h| !h.is_finished());
+        threads.push(handle);
     }
 
     fn lost_error(&self, peer: usize) -> Error {
@@ -282,18 +290,26 @@ impl Inner {
         }
     }
 
-    /// Exchange hellos; on success the stream is ready for frames.
+    /// Exchange hellos; on success the stream is ready for frames. The dialling
+    /// side (`expected` is Some) speaks first; the accepting side answers only
+    /// a hello that carries the group's token, so a stranger learns nothing.
     fn handshake(&self, stream: &TcpStream, expected: Option<usize>, deadline: Instant) -> Result<usize> {
         let io_err = |e: io::Error| Error::io(e.to_string());
         let limit = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), HANDSHAKE_TIMEOUT);
         stream.set_nodelay(true).map_err(io_err)?;
         stream.set_read_timeout(Some(limit)).map_err(io_err)?;
         stream.set_write_timeout(Some(limit)).map_err(io_err)?;
-        (&*stream).write_all(&self.me.encode()).map_err(io_err)?;
+        let dialling = expected.is_some();
+        if dialling {
+            (&*stream).write_all(&self.me.encode()).map_err(io_err)?;
+        }
         let mut buf = [0u8; HELLO_LEN];
         (&*stream).read_exact(&mut buf).map_err(io_err)?;
         let theirs = Hello::decode(&buf)?;
         theirs.verify(&self.me, expected.map(|r| r as u32))?;
+        if !dialling {
+            (&*stream).write_all(&self.me.encode()).map_err(io_err)?;
+        }
         stream.set_read_timeout(None).map_err(io_err)?;
         stream.set_write_timeout(None).map_err(io_err)?;
         Ok(theirs.rank as usize)
@@ -315,11 +331,19 @@ impl Inner {
             if self.stopping.load(Ordering::SeqCst) {
                 return;
             }
-            // Handshake off the accept thread: a slow client must not block others.
+            let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            if self.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+                self.handshakes.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("rustc10d: rank {} dropped a connection from {from}: too many handshakes at once", self.rank());
+                continue;
+            }
+            // Handshake off the accept thread: a slow client must not block
+            // others. Not joined at shutdown: it ends within HANDSHAKE_TIMEOUT.
             let me = self.clone();
-            self.spawn("rustc10d-hello", move || {
-                let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                match me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT) {
+            let _ = std::thread::Builder::new().name("rustc10d-hello".into()).spawn(move || {
+                let shook = me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT);
+                me.handshakes.fetch_sub(1, Ordering::SeqCst);
+                match shook {
                     Ok(peer) => me.register(peer, stream),
                     Err(e) => tracing::warn!("rustc10d: rank {} dropped a connection from {from}: {}", me.rank(), e.message),
                 }
