@@ -14,11 +14,14 @@ setup(
     package_dir={"": "python"},
     packages=["rustc10d"],
     rust_extensions=[
-        RustExtension("rustc10d._native", binding=Binding.PyO3, features=["extension"], py_limited_api=False)
+        # Always optimised, editable installs too: a debug build reduces 10-50x slower.
+        RustExtension(
+            "rustc10d._native", binding=Binding.PyO3, features=["extension"], py_limited_api=False, debug=False
+        )
     ],
     entry_points={"torch.distributed.backends": ["rustc10d = rustc10d:register"]},
     install_requires=["torch"],
-    extras_require={"test": ["pytest", "pytest-timeout", "numpy"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "numpy"], "bench": ["matplotlib"]},
     python_requires=">=3.10",
     zip_safe=False,
 )

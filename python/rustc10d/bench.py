@@ -25,7 +25,6 @@ import json
 import math
 import multiprocessing
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ import rustc10d  # registers the "rustc10d" backend
 BACKENDS = ("rustc10d", "gloo")  # timing order within a round
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LATENCY_MAX_BYTES = 64 * 1024  # the latency plot shows sizes up to this
+MODULE = __spec__.name if __spec__ else "rustc10d.bench"  # what the ranks run: this very module
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,15 +123,14 @@ def _check_broadcast(b, rank, world):
     return _diff("broadcast result", b["x"], _pattern(len(b["x"]), b["x"].dtype, 1))
 
 
-def _a2a_block(n, dtype, world, src, dst):
-    """What rank src sends to rank dst: its input's block dst."""
-    m = n // world
-    return _pattern(n, dtype, 0)[dst * m:(dst + 1) * m] + (16 * src + dst)
+def _a2a_input(n, dtype, world, src):
+    """Rank src's input: block d, for rank d, is the pattern's block d plus 16 src + d."""
+    blocks = _pattern(n, dtype, 0).view(world, -1)
+    return (blocks + (16 * src + torch.arange(world, dtype=dtype))[:, None]).flatten()
 
 
 def _make_all_to_all(n, dtype, rank, world):
-    x = torch.cat([_a2a_block(n, dtype, world, rank, d) for d in range(world)])
-    return {"x": x, "y": torch.empty(n, dtype=dtype)}
+    return {"x": _a2a_input(n, dtype, world, rank), "y": torch.empty(n, dtype=dtype)}
 
 
 def _run_all_to_all(b, group, rank, world):
@@ -140,7 +139,9 @@ def _run_all_to_all(b, group, rank, world):
 
 def _check_all_to_all(b, rank, world):
     n, dtype = len(b["y"]), b["y"].dtype
-    return _diff("all_to_all output", b["y"], torch.cat([_a2a_block(n, dtype, world, s, rank) for s in range(world)]))
+    mine = _pattern(n, dtype, 0).view(world, -1)[rank]  # every source's block for this rank
+    want = (mine + (16 * torch.arange(world, dtype=dtype) + rank)[:, None]).flatten()
+    return _diff("all_to_all output", b["y"], want)
 
 
 def _make_pingpong(n, dtype, rank, world):
@@ -330,7 +331,7 @@ def run_world(world: int, cfg: dict, workdir: Path, on_result) -> tuple[list[dic
         logs.append(log)
         with open(log, "wb") as f:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rustc10d.bench", "--worker", str(rank), str(world), str(store.port)],
+                [sys.executable, "-m", MODULE, "--worker", str(rank), str(world), str(store.port)],
                 env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     got, offset, failure = [], 0, None
     deadline = time.monotonic() + cfg["timeout"]
@@ -437,10 +438,11 @@ def summarize(entry: dict) -> dict:
     time (= rustc10d/gloo busbw: > 1 means rustc10d is faster)."""
     for res in entry["backends"].values():
         if res["times_s"]:
-            times = res["times_s"]
-            res["time_s"] = _stats(times)
-            res["algbw_GBps"] = _stats([entry["bytes"] / t / 1e9 for t in times])
-            res["busbw_GBps"] = _stats([entry["bytes"] / t / 1e9 * entry["busbw_factor"] for t in times])
+            res["time_s"] = t = _stats(res["times_s"])
+            # from the time's statistics, so that a row's time and busbw agree for any round count
+            for key, factor in (("algbw_GBps", 1), ("busbw_GBps", entry["busbw_factor"])):
+                res[key] = {k: entry["bytes"] * factor / 1e9 / t[other]
+                            for k, other in (("min", "max"), ("median", "median"), ("max", "min"))}
     r, g = (entry["backends"][b] for b in BACKENDS)
     if r["status"] == g["status"] == "ok":
         entry["ratio"] = _stats([tg / tr for tr, tg in zip(r["times_s"], g["times_s"])])
@@ -459,22 +461,26 @@ def _time(s: float) -> str:
 
 
 def _cells(res: dict) -> str:
-    if res["status"] in ("ok", "check_failed") and res["times_s"]:
-        cell = f"{_time(res['time_s']['median']):>10} {res['busbw_GBps']['median']:>9.3f}"
-        return cell + (" FAIL" if res["status"] == "check_failed" else "     ")
-    return f"{res['status']:>25}"
+    """time and busbw (medians over rounds), or why there are none; FAIL: the check failed."""
+    if res.get("time_s"):
+        flag = "FAIL" if res["status"] == "check_failed" else ""
+        return f"{_time(res['time_s']['median']):>10} {res['busbw_GBps']['median']:>10.3f} {flag:<4}"
+    return f"{res['status']:>26}"
 
 
 def print_table(world: int, name: str, dtype: str, entries: list[dict]):
     factor = OPS[name].busbw(world)
     print(f"\n{name} {dtype}  W={world}  busbw = algbw x {factor:.2f}"
           f"{'  time = half round trip' if OPS[name].round_trip else ''}")
-    print(f"{'size':>10} | {'rustc10d time':>13} {'busbw GB/s':>10} | {'gloo time':>13} {'busbw GB/s':>10} "
-          f"| ratio min / median / max")
+    print(f"{'':>10} | {'rustc10d':^26} | {'gloo':^26} | ratio (> 1: rustc10d faster)")
+    print(f"{'size':>10} | " + f"{'time':>10} {'busbw GB/s':>10} {'':4} | " * 2 + "  min / median / max")
     for e in entries:
         ratio = e.get("ratio")
         r = f"{ratio['min']:5.2f} / {ratio['median']:5.2f} / {ratio['max']:5.2f}" if ratio else "-"
-        print(f"{_size(e['bytes']):>10} | {_cells(e['backends']['rustc10d'])}| {_cells(e['backends']['gloo'])}| {r}")
+        print(f"{_size(e['bytes']):>10} | {_cells(e['backends']['rustc10d'])} | {_cells(e['backends']['gloo'])} | {r}")
+    notes = {(b, res["status"], res["error"][:300]) for e in entries for b, res in e["backends"].items() if "error" in res}
+    for b, status, error in sorted(notes):
+        print(f"  {b} {status}: {error}")
 
 
 def _groups(results: list[dict]) -> dict:
@@ -514,6 +520,7 @@ def plot(report: dict, path: Path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         print(f"matplotlib is not installed: no plot ({path}). pip install 'rustc10d[bench]' to get one.")
         return
@@ -544,12 +551,16 @@ def plot(report: dict, path: Path):
                     bw_ax.axhline(ref[key], color="gray", ls=style, lw=1, label=label)
             for ax, what, unit in ((bw_ax, "busbw", "GB/s"), (lat_ax, "latency", "us")):
                 ax.set_xscale("log", base=2)
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _size(int(round(x)))))
                 ax.set_yscale("log")
                 ax.set_title(f"{name} {dtype} W={world}: {what}", fontsize=9)
                 ax.set_xlabel("bytes", fontsize=8)
                 ax.set_ylabel(unit, fontsize=8)
-                ax.tick_params(labelsize=7)
+                ax.tick_params(which="both", labelsize=7)
                 ax.grid(True, which="major", alpha=0.3)
+            plain = FuncFormatter(lambda y, _: f"{y:g}" if f"{y:g}"[0] in "125" else "")  # 200, not 2x10^2
+            lat_ax.yaxis.set_major_formatter(plain)
+            lat_ax.yaxis.set_minor_formatter(plain)
             if i == 0 and j == 0:
                 bw_ax.legend(fontsize=7)
     fig.tight_layout()
@@ -577,7 +588,7 @@ def sizes(lo: int, hi: int, step: int) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rustc10d.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m rustc10d.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="W=2, 8 B..4 MiB, 3 rounds, short budget: a smoke run (under 2 minutes)")
@@ -639,7 +650,8 @@ def main(argv=None) -> int:
           f"TCP over 127.0.0.1 between two processes {reference['tcp_loopback_GBps']:.2f} GB/s")
 
     def progress(e):
-        cells = "  ".join(f"{b} {_time(res['time_s']['median']) if 'time_s' in res else res['status']}"
+        cells = "  ".join(f"{b} {_time(res['time_s']['median']) if 'time_s' in res else ''}"
+                          f"{'' if res['status'] == 'ok' else ' ' + res['status'].upper()}"
                           for b, res in summarize(e)["backends"].items())
         print(f"  W={e['world']} {e['op']} {e['dtype']} {_size(e['bytes'])}: {cells}", file=sys.stderr, flush=True)
 
@@ -653,6 +665,8 @@ def main(argv=None) -> int:
                 job_failures.append(failure)
             if len(got) < len(plan) and not failure:
                 job_failures.append(f"W={world}: only {len(got)} of {len(plan)} results")
+            print(f"\nW={world}: time and busbw are medians over rounds; ratio = gloo time / rustc10d time "
+                  "in the same round (= rustc10d busbw / gloo busbw): > 1 means rustc10d is faster")
             for (w, name, dtype), entries in _groups(got).items():
                 print_table(w, name, dtype, entries)
     print_summary(results, reference)
