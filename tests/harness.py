@@ -25,7 +25,7 @@ import checks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("worker.py")
-JOB_TIMEOUT = 300  # one job runs every check for one world size
+JOB_TIMEOUT = 300  # one job runs every check of the main job, or of one stack, for one world size
 
 
 @dataclass
@@ -111,11 +111,13 @@ def launch_ranks(world: int, args: list[str], *, timeout: float, log_dir: Path, 
 
 
 class Job:
-    """Every check for one world size, run once; `verify(name)` reports one check's outcome."""
+    """Every check of one job (checks.Check.job) for one world size, run once; `verify(name)`
+    reports one check's outcome."""
 
-    def __init__(self, world: int, log_dir: Path):
+    def __init__(self, world: int, log_dir: Path, job: str = "main"):
         self.world, self.log_dir = world, log_dir
-        self.procs = launch_ranks(world, ["job", "--out", str(log_dir)], timeout=JOB_TIMEOUT, log_dir=log_dir)
+        self.procs = launch_ranks(world, ["job", "--job", job, "--out", str(log_dir)],
+                                  timeout=JOB_TIMEOUT, log_dir=log_dir)
         self.results = [self._load(r) for r in range(world)]
 
     def _load(self, rank) -> dict:
@@ -137,6 +139,12 @@ class Job:
             pytest.fail(f"{name} (world size {self.world}, logs in {self.log_dir}):\n" + "\n".join(problems),
                         pytrace=False)
 
+    def verify_clean_exit(self):
+        """After its checks every rank destroyed the process group and exited 0."""
+        for rank, proc in enumerate(self.procs):
+            if not (proc.returncode == 0 and self.results[rank].get("finished")):
+                pytest.fail(f"world size {self.world}, rank {rank}: {self.why_stopped(rank)}", pytrace=False)
+
     def why_stopped(self, rank: int) -> str:
         res = self.results[rank]
         reasons = [f"{key}: {res[key]}" for key in ("init_error", "aborted") if res.get(key)]
@@ -146,16 +154,21 @@ class Job:
 
 
 class JobCache:
-    """Starts the job for a world size the first time a test asks for it."""
+    """Starts a job for a world size the first time a test asks for it."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory = tmp_path_factory
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[tuple[int, str], Job] = {}
 
-    def get(self, world: int) -> Job:
-        if world not in self.jobs:
-            self.jobs[world] = Job(world, self.tmp_path_factory.mktemp(f"job-w{world}"))
-        return self.jobs[world]
+    def get(self, world: int, job: str = "main") -> Job:
+        if (world, job) not in self.jobs:
+            log_dir = self.tmp_path_factory.mktemp(f"job-w{world}" + ("" if job == "main" else f"-{job}"))
+            self.jobs[world, job] = Job(world, log_dir, job)
+        return self.jobs[world, job]
+
+    def verify(self, world: int, check: str):
+        """Report one check's outcome, from the job that runs it."""
+        self.get(world, checks.CHECKS[check].job).verify(check)
 
 
 def check_params(suite: str) -> list:
@@ -170,3 +183,10 @@ def check_params(suite: str) -> list:
             marks = [pytest.mark.skip(reason=f"{checks.BACKEND}: {reason}")] if reason else []
             params.append(pytest.param(world, c.name, id=f"w{world}-{c.name}", marks=marks))
     return params
+
+
+def job_params(suite: str) -> list:
+    """(world, job) for every job that runs checks of the suite (none skipped)."""
+    pairs = {(world, c.job): None for world in checks.WORLD_SIZES for c in checks.CHECKS.values()
+             if c.suite == suite and world in c.worlds and not c.skip_reason(checks.BACKEND)}
+    return [pytest.param(world, job, id=f"w{world}-{job}") for world, job in pairs]

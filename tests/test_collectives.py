@@ -1,4 +1,5 @@
-"""all_reduce, broadcast and barrier against plain arithmetic (checks.py, suite "collectives")."""
+"""Every collective, in every form torch offers, against plain arithmetic (checks.py and
+checks_ops.py, suite "collectives")."""
 
 import pytest
 
@@ -7,4 +8,4 @@ import harness
 
 @pytest.mark.parametrize(("world", "check"), harness.check_params("collectives"))
 def test_collective(jobs, world, check):
-    jobs.get(world).verify(check)
+    jobs.verify(world, check)

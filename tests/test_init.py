@@ -11,15 +11,13 @@ import harness
 
 @pytest.mark.parametrize(("world", "check"), harness.check_params("init"))
 def test_registration(jobs, world, check):
-    jobs.get(world).verify(check)
+    jobs.verify(world, check)
 
 
 @pytest.mark.parametrize("world", checks.WORLD_SIZES)
 def test_job_shuts_down_cleanly(jobs, world):
     """After its checks every rank destroys the process group and exits 0."""
-    job = jobs.get(world)
-    for rank, proc in enumerate(job.procs):
-        assert proc.returncode == 0 and job.results[rank].get("finished"), job.why_stopped(rank)
+    jobs.get(world).verify_clean_exit()
 
 
 def _init_failure(proc: harness.Proc) -> tuple[float, str]:

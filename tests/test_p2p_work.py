@@ -1,4 +1,5 @@
-"""send/recv/isend/irecv and the honesty of their Work objects (checks.py, suite "p2p")."""
+"""send/recv/isend/irecv, receives from any source, batch_isend_irecv, and the honesty of their
+Work objects (checks.py and checks_ops.py, suite "p2p")."""
 
 import pytest
 
@@ -7,4 +8,4 @@ import harness
 
 @pytest.mark.parametrize(("world", "check"), harness.check_params("p2p"))
 def test_p2p(jobs, world, check):
-    jobs.get(world).verify(check)
+    jobs.verify(world, check)

@@ -1,8 +1,9 @@
 """One rank of a test job. harness.py starts these; pytest never imports this file.
 
-  worker.py job  --rank R --world W --store HOST:PORT --out DIR
-      Run every check of checks.py meant for world size W, in order, recording each result in
-      DIR/rank<R>.json as soon as it is known (so a job killed half-way still reports).
+  worker.py job  --rank R --world W --store HOST:PORT --out DIR [--job NAME]
+      Run every check of job NAME (default "main") of checks.py meant for world size W, in
+      order, recording each result in DIR/rank<R>.json as soon as it is known (so a job killed
+      half-way still reports).
   worker.py init --rank R --world W (--store HOST:PORT | --host-store) --timeout S
       Only initialise the backend and do one all_reduce; on failure print
       "init failed after <s> s: ..." (or "first op failed ...") to stderr and exit 1.
@@ -32,7 +33,7 @@ import checks
 # A broken collective must fail its check, not hang the job: the backend gets a short timeout,
 # the Gloo group that re-syncs ranks between checks a longer one (it waits for the slowest
 # rank's failing check), and a check still running after CHECK_TIMEOUT ends the job.
-PG_TIMEOUT = timedelta(seconds=30)
+PG_TIMEOUT = checks.GROUP_TIMEOUT
 SYNC_TIMEOUT = timedelta(seconds=120)
 CHECK_TIMEOUT = 75
 
@@ -119,8 +120,8 @@ def run_job(args) -> int:
     except Exception:
         results.set(init_error=traceback.format_exc())
         return 1
-    ctx = checks.Ctx(args.rank, args.world, checks.BACKEND)
-    for check in checks.runnable(args.world, checks.BACKEND):
+    ctx = checks.Ctx(args.rank, args.world, checks.BACKEND, scratch=args.out)
+    for check in checks.runnable(args.world, checks.BACKEND, args.job):
         run_check(check, ctx, results)
         try:  # re-sync, so that one failed check does not desynchronise the next
             dist.barrier(group=sync)
@@ -165,6 +166,7 @@ def main() -> int:
     parser.add_argument("--store", help="HOST:PORT of the TCPStore to join")
     parser.add_argument("--host-store", action="store_true", help="host the TCPStore here (init only)")
     parser.add_argument("--out", help="results folder (job only)")
+    parser.add_argument("--job", default="main", help="which checks to run (job only): see checks.Check.job")
     parser.add_argument("--timeout", type=float, default=30, help="process group timeout, s (init only)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # W ranks share few cores

@@ -1,0 +1,412 @@
+"""Checks of every other torch.distributed op, run by the main job (see checks.py): rooted and
+list collectives, the *_into_tensor / *_tensor forms, all_to_all, the coalesced forms, object
+collectives, complex tensors, many ops in flight at once, receive from any source, batched
+p2p, sub-groups, sequence numbers and monitored_barrier.
+
+Most checks are one of the *_case functions of checks.py run over shapes (checks.sweep), or a
+coalesced variant; dtype x op is swept in full for reduce and reduce_scatter_tensor only, the
+other ops run a few dtypes that between them cover every element size and bool.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from checks import (
+    DTYPES,
+    GROUP_TIMEOUT,
+    MEDIUM,
+    Ctx,
+    all_gather_case,
+    all_gather_coalesced_case,
+    all_gather_into_tensor_case,
+    all_reduce_case,
+    all_reduce_coalesced_case,
+    all_to_all_case,
+    all_to_all_single_case,
+    barrier_case,
+    broadcast_case,
+    check,
+    check_group_usable,
+    coalesced_case,
+    dtype_name,
+    gather_case,
+    gather_into_tensor_case,
+    gloo_gaps,
+    new_group,
+    reduce_case,
+    reduce_scatter_case,
+    reduce_scatter_tensor_case,
+    register,
+    ring_p2p_case,
+    scatter_case,
+    supported_ops,
+    sweep,
+    wait_done,
+)
+
+# Data movement does not depend on the dtype beyond its element size: 4, 2 and 8 bytes, and bool.
+MOVE_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+# dtype x op pairs for the reducing ops that are not swept in full
+REDUCE_COMBOS = ((torch.float32, "SUM"), (torch.float64, "AVG"), (torch.int64, "MAX"),
+                 (torch.uint8, "BXOR"), (torch.bool, "MIN"), (torch.bfloat16, "PREMUL_SUM"))
+# the tensors of one coalesced call: empty, single, odd, N-d and medium
+COALESCED_SHAPES = ((0,), (1,), (7,), (7, 11, 13), MEDIUM)
+NO_GATHER_INTO_TENSOR = {"gloo": "Gloo has no gather_into_tensor (gather_single)"}
+NO_UNEVEN_ALL_TO_ALL = {"gloo": "Gloo's all_to_all needs equal tensor sizes"}
+
+
+def _coalesced_values(ctx: Ctx, case, dtype, **params):
+    """All of COALESCED_SHAPES in one coalesced call, synchronously, then asynchronously."""
+    for async_op in (False, True):
+        handle, verify = case(ctx, dtype, COALESCED_SHAPES, async_op=async_op, salt=async_op, **params)
+        wait_done(handle, f"{ctx.check} (async_op={async_op})")
+        verify()
+
+
+# ============================================================================= suite "collectives"
+
+for _dtype in DTYPES:
+    _d = dtype_name(_dtype)
+    for _op in supported_ops(_dtype):
+        register("collectives", f"reduce-{_d}-{_op}",
+                 functools.partial(sweep, case=reduce_case, dtype=_dtype, rooted=True, op=_op),
+                 skip_on=gloo_gaps(_dtype, _op))
+        # no LARGE: its input is world x MEDIUM already, past the chunk sizes
+        register("collectives", f"reduce_scatter_tensor-{_d}-{_op}",
+                 functools.partial(sweep, case=reduce_scatter_tensor_case, dtype=_dtype, op=_op, scalar=False,
+                                   large=False),
+                 skip_on=gloo_gaps(_dtype, _op))
+
+for _dtype, _op in REDUCE_COMBOS:
+    _name, _gaps = f"{dtype_name(_dtype)}-{_op}", gloo_gaps(_dtype, _op)
+    register("collectives", f"reduce_scatter-{_name}",
+             functools.partial(sweep, case=reduce_scatter_case, dtype=_dtype, op=_op, large=False), skip_on=_gaps)
+    register("collectives", f"all_reduce_coalesced-{_name}",
+             functools.partial(_coalesced_values, case=all_reduce_coalesced_case, dtype=_dtype, op=_op),
+             skip_on=_gaps)
+    for _inner in (all_reduce_case, reduce_scatter_tensor_case):
+        register("collectives", f"coalescing_manager-{_inner.__name__.removesuffix('_case')}-{_name}",
+                 functools.partial(_coalesced_values, case=coalesced_case, dtype=_dtype, inner=_inner, op=_op),
+                 skip_on=_gaps)
+
+# name -> (case, sweep() options, Gloo gaps). LARGE (float32) only for all_gather_into_tensor,
+# for run time: the others move world x MEDIUM already, past the chunk sizes.
+_MOVES = {
+    "all_gather": (all_gather_case, {}, {}),
+    "all_gather_into_tensor": (all_gather_into_tensor_case, {"scalar": False, "large": None}, {}),
+    "gather": (gather_case, {"rooted": True}, {}),
+    "gather_into_tensor": (gather_into_tensor_case, {"rooted": True, "scalar": False}, NO_GATHER_INTO_TENSOR),
+    "scatter": (scatter_case, {"rooted": True}, {}),
+    "all_to_all_single": (all_to_all_single_case, {"scalar": False}, {}),
+    "all_to_all_single_uneven": (all_to_all_single_case, {"scalar": False, "uneven": True}, {}),
+    "all_to_all": (all_to_all_case, {"scalar": False}, {}),
+    "all_to_all_uneven": (all_to_all_case, {"scalar": False, "uneven": True}, NO_UNEVEN_ALL_TO_ALL),
+}
+for _dtype in MOVE_DTYPES:
+    _d = dtype_name(_dtype)
+    for _name, (_case, _options, _gaps) in _MOVES.items():
+        register("collectives", f"{_name}-{_d}",
+                 functools.partial(sweep, case=_case, dtype=_dtype, **{"large": False, **_options}), skip_on=_gaps)
+    register("collectives", f"all_gather_coalesced-{_d}",
+             functools.partial(_coalesced_values, case=all_gather_coalesced_case, dtype=_dtype))
+    register("collectives", f"coalescing_manager-all_gather_into_tensor-{_d}",
+             functools.partial(_coalesced_values, case=coalesced_case, dtype=_dtype, inner=all_gather_into_tensor_case))
+
+# complex tensors reach the backend as float pairs (torch.view_as_real), where torch allows them
+register("collectives", "all_reduce-complex64-SUM",
+         functools.partial(sweep, case=all_reduce_case, dtype=torch.complex64, op="SUM", large=False))
+register("collectives", "broadcast-complex64",
+         functools.partial(sweep, case=broadcast_case, dtype=torch.complex64, rooted=True, large=False))
+register("collectives", "all_gather_into_tensor-complex64",
+         functools.partial(sweep, case=all_gather_into_tensor_case, dtype=torch.complex64, scalar=False, large=False))
+
+
+@check("collectives")
+def every_op_async_in_flight(ctx: Ctx):
+    """One of every op, issued with async_op=True before any is waited on; then waited on in
+    reverse order, each result checked."""
+    last, f32 = ctx.world - 1, torch.float32
+    issued = {
+        "all_reduce": all_reduce_case(ctx, f32, (1001,), "SUM", async_op=True),
+        "broadcast": broadcast_case(ctx, torch.int64, MEDIUM, last, async_op=True),
+        "reduce": reduce_case(ctx, torch.float64, (7, 11), "MAX", root=last, async_op=True),
+        "all_gather": all_gather_case(ctx, torch.bfloat16, (13,), async_op=True),
+        "all_gather_into_tensor": all_gather_into_tensor_case(ctx, f32, MEDIUM, async_op=True),
+        "all_gather_coalesced": all_gather_coalesced_case(ctx, torch.int32, ((3,), (5, 2)), async_op=True),
+        "gather": gather_case(ctx, torch.uint8, (33,), root=0, async_op=True),
+        "scatter": scatter_case(ctx, f32, (9, 2), root=last, async_op=True),
+        "reduce_scatter": reduce_scatter_case(ctx, f32, (17,), "SUM", async_op=True),
+        "reduce_scatter_tensor": reduce_scatter_tensor_case(ctx, torch.int64, (7,), "MIN", async_op=True),
+        "all_to_all_single": all_to_all_single_case(ctx, f32, (3, 4), uneven=True, async_op=True),
+        "all_to_all": all_to_all_case(ctx, torch.float16, (5,), async_op=True),
+        "all_reduce_coalesced": all_reduce_coalesced_case(ctx, f32, ((2,), (3, 3)), "MAX", async_op=True),
+        "coalesced all_reduce": coalesced_case(ctx, torch.float64, ((4,), (1,)), all_reduce_case, async_op=True),
+        "barrier": barrier_case(ctx, async_op=True),
+        "isend/irecv": ring_p2p_case(ctx, f32, (1001,)),
+    }
+    if ctx.backend != "gloo":  # Gloo has no gather_into_tensor
+        issued["gather_into_tensor"] = gather_into_tensor_case(ctx, f32, (6,), root=last, async_op=True)
+    for what, (handle, verify) in reversed(issued.items()):
+        wait_done(handle, what)
+        verify()
+
+
+def _an_object(rank: int, salt: str = "") -> dict:
+    """A picklable object whose size depends on the rank (so ranks pad to the largest)."""
+    return {"from": rank, "salt": salt, "numbers": list(range(rank * 37)), "text": "x" * (1000 * rank + 3),
+            "nested": ({"t": (rank, None, 1.5)}, b"\x00\xff" * rank)}
+
+
+def _expect_object(ctx: Ctx, got, expected, where: str):
+    if got != expected:
+        ctx.errors.append(f"{where}: got {str(got)[:200]}, expected {str(expected)[:200]}")
+
+
+@check("collectives")
+def all_gather_object(ctx: Ctx):
+    out = [None] * ctx.world
+    dist.all_gather_object(out, _an_object(ctx.rank))
+    for r in range(ctx.world):
+        _expect_object(ctx, out[r], _an_object(r), f"object of rank {r}")
+
+
+@check("collectives")
+def broadcast_object_list(ctx: Ctx):
+    for src in range(ctx.world):
+        objects = [_an_object(ctx.rank, str(i)) for i in range(3)] if ctx.rank == src else [None] * 3
+        dist.broadcast_object_list(objects, src=src)
+        for i in range(3):
+            _expect_object(ctx, objects[i], _an_object(src, str(i)), f"object {i} from rank {src}")
+
+
+@check("collectives")
+def gather_object(ctx: Ctx):
+    for dst in range(ctx.world):
+        out = [None] * ctx.world if ctx.rank == dst else None
+        dist.gather_object(_an_object(ctx.rank, str(dst)), out, dst=dst)
+        if ctx.rank == dst:
+            for r in range(ctx.world):
+                _expect_object(ctx, out[r], _an_object(r, str(dst)), f"object of rank {r} at rank {dst}")
+
+
+@check("collectives")
+def scatter_object_list(ctx: Ctx):
+    for src in range(ctx.world):
+        out = [None]
+        objects = [_an_object(r, f"from {src}") for r in range(ctx.world)] if ctx.rank == src else None
+        dist.scatter_object_list(out, objects, src=src)
+        _expect_object(ctx, out[0], _an_object(ctx.rank, f"from {src}"), f"object from rank {src}")
+
+
+@check("collectives")
+def send_recv_object_list(ctx: Ctx):
+    """Every ordered pair of ranks in turn: the others wait for their turn."""
+    for src in range(ctx.world):
+        for dst in range(ctx.world):
+            objects = [_an_object(src, f"to {dst}"), _an_object(dst)]
+            if src == dst or ctx.rank not in (src, dst):
+                continue
+            if ctx.rank == src:
+                dist.send_object_list(objects, dst=dst)
+                continue
+            got = [None, None]
+            sender = dist.recv_object_list(got, src=src)
+            assert sender == src, f"recv_object_list returned {sender}, sent by {src}"
+            _expect_object(ctx, got, objects, f"objects from rank {src}")
+
+
+# ============================================================================= suite "p2p"
+
+
+@check("p2p")
+def recv_from_any_source(ctx: Ctx):
+    """recv(src=None) takes a message from whichever rank sent it and returns the sender;
+    irecv(src=None)'s Work names it by source_rank(). First round: the messages are there before
+    the receives; second round: the receives wait before the messages are sent."""
+
+    def payload(sender, tag):
+        return ctx.input(sender, (5, 3), torch.float32, salt=tag)
+
+    senders = set(range(1, ctx.world))
+    for tag, late in ((61, "receiver"), (62, "senders")):
+        if ctx.rank != 0:
+            if late == "senders":
+                time.sleep(0.3)
+            dist.send(payload(ctx.rank, tag), dst=0, tag=tag)
+            continue
+        if late == "receiver":
+            time.sleep(0.3)
+        seen = set()
+        for _ in senders:
+            buf = torch.zeros(5, 3)
+            if tag == 61:
+                src = dist.recv(buf, tag=tag)
+            else:
+                work = dist.irecv(buf, tag=tag)
+                work.wait()
+                src = work.source_rank()
+            assert src in senders - seen, f"tag {tag}: sender {src}, expected one of {sorted(senders - seen)}"
+            seen.add(src)
+            ctx.expect_equal(buf, payload(src, tag), f"tag {tag}: message of rank {src}")
+
+
+@check("p2p")
+def batch_isend_irecv(ctx: Ctx):
+    """One batch of two sends to each neighbour and two receives from each (receives listed
+    first on odd ranks; with two ranks both neighbours are the same peer, so messages must match
+    in list order): every Work returned completes and every message lands where it belongs."""
+    nxt, prv = (ctx.rank + 1) % ctx.world, (ctx.rank - 1) % ctx.world
+
+    def msg(sender, direction, i):  # sizes differ, so a message matched to the wrong receive shows
+        return ctx.input(sender, (100 * (i + 1) + (direction == "back"),), torch.float32, salt=f"{direction}{i}")
+
+    sends, recvs, expected = [], [], []
+    for (direction, to, frm) in (("on", nxt, prv), ("back", prv, nxt)):
+        for i in range(2):
+            sends.append(dist.P2POp(dist.isend, msg(ctx.rank, direction, i), to))
+            expected.append(msg(frm, direction, i))
+            recvs.append(dist.P2POp(dist.irecv, torch.zeros_like(expected[-1]), frm))
+    ops = recvs + sends if ctx.rank % 2 else sends + recvs
+    works = dist.batch_isend_irecv(ops)
+    assert isinstance(works, list) and works, f"batch_isend_irecv returned {works!r}"
+    wait_done(works, "batch_isend_irecv")
+    for op, exp in zip(recvs, expected):
+        ctx.expect_equal(op.tensor, exp, f"message of {exp.numel()} elements from rank {op.peer}")
+
+
+# ============================================================================= suite "groups"
+
+
+def _group_ops(ctx: Ctx, group, salt="") -> list:
+    """Async all_reduce, broadcast from the last member (a global rank), all_gather_into_tensor
+    and reduce_scatter_tensor on `group`, issued by its members only."""
+    members = dist.get_process_group_ranks(group)
+    if ctx.rank not in members:
+        return []
+    f32 = torch.float32
+    return [all_reduce_case(ctx, f32, (1001,), "SUM", async_op=True, salt=salt, group=group),
+            broadcast_case(ctx, torch.int64, (7, 3), members[-1], async_op=True, salt=salt, group=group),
+            all_gather_into_tensor_case(ctx, torch.bfloat16, (5,), async_op=True, salt=salt, group=group),
+            reduce_scatter_tensor_case(ctx, f32, (3, 2), "MAX", async_op=True, salt=salt, group=group)]
+
+
+def expect_group_works(ctx: Ctx, *groups):
+    """_group_ops on each group, all in flight together, then waited on and checked."""
+    issued = [op for i, g in enumerate(groups) for op in _group_ops(ctx, g, salt=str(i))]
+    for handle, verify in issued:
+        wait_done(handle, "sub-group op")
+        verify()
+
+
+@check("groups")
+def pair_group(ctx: Ctx):
+    """new_group([0, 1]); the other ranks only take part in creating it."""
+    expect_group_works(ctx, new_group([0, 1]))
+
+
+@check("groups", worlds=(4,))
+def disjoint_groups_concurrently(ctx: Ctx):
+    """[0, 1] and [2, 3] at the same time, and the whole world in between."""
+    low, high = new_group([0, 1]), new_group([2, 3])
+    world = all_reduce_case(ctx, torch.float32, (999,), async_op=True, salt="world")
+    expect_group_works(ctx, low, high)
+    wait_done(world[0], "world all_reduce")
+    world[1]()
+
+
+@check("groups", worlds=(3, 4))
+def overlapping_groups(ctx: Ctx):
+    """All ranks but the last, and all but the first: the middle ranks are in both, and have
+    ops in flight on both at once."""
+    ranks = list(range(ctx.world))
+    expect_group_works(ctx, new_group(ranks[:-1]), new_group(ranks[1:]))
+
+
+@check("groups")
+def singleton_groups(ctx: Ctx):
+    """A group of one rank per rank: each op is a local copy."""
+    groups = [new_group([r]) for r in range(ctx.world)]
+    expect_group_works(ctx, groups[ctx.rank])
+
+
+@check("groups")
+def new_subgroups(ctx: Ctx):
+    size = 2 if ctx.world % 2 == 0 else 1
+    mine, everyone = dist.new_subgroups(group_size=size, timeout=GROUP_TIMEOUT)
+    assert len(everyone) == ctx.world // size, f"{len(everyone)} subgroups of {size}"
+    members = dist.get_process_group_ranks(mine)
+    assert members == list(range(ctx.rank - ctx.rank % size, ctx.rank - ctx.rank % size + size)), members
+    expect_group_works(ctx, mine)
+
+
+@check("groups")
+def sequence_numbers(ctx: Ctx):
+    """The group's sequence number (ProcessGroup._get_sequence_number_for_group(), which asks
+    the backend) grows with every collective; on a group that has only run collectives, all
+    ranks agree on it. (Not on the world group here: Gloo counts p2p ops too, and earlier
+    checks sent messages between some ranks only.)"""
+
+    def number(group):
+        seq = group._get_sequence_number_for_group()
+        backend_seq = group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+        assert seq == backend_seq, f"ProcessGroup says {seq}, its backend {backend_seq}"
+        return seq
+
+    def expect_agreed(group, seq, where):
+        spread = torch.tensor([seq, -seq], dtype=torch.int64)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
+        assert spread.tolist() == [seq, -seq], f"{where}: ranks' sequence numbers range {-spread[1]} .. {spread[0]}"
+
+    fresh = new_group(list(range(ctx.world)))
+    for group, agreed in ((dist.group.WORLD, False), (fresh, True)):
+        before = number(group)
+        dist.broadcast(torch.zeros(3), src=0, group=group)
+        after = number(group)
+        assert after > before, f"sequence number {before} before a broadcast, {after} after"
+        if agreed:
+            expect_agreed(group, after, "after a broadcast")
+            dist.all_gather_into_tensor(torch.zeros(ctx.world), torch.ones(1), group=group)
+            expect_agreed(group, number(group), "after two more collectives")
+
+
+@check("groups")
+def monitored_barrier_passes(ctx: Ctx):
+    """With every rank there it returns, also when one rank comes late, and not before it does."""
+    late = 0.5
+    for _ in range(2):
+        if ctx.rank == ctx.world - 1:
+            time.sleep(late)
+        t0 = time.monotonic()
+        dist.monitored_barrier(timeout=timedelta(seconds=20), wait_all_ranks=True)
+        waited = time.monotonic() - t0
+        if ctx.rank == 0:
+            assert waited > late / 2, f"monitored_barrier returned after {waited:.2f} s, before the last rank came"
+
+
+@check("groups")
+def monitored_barrier_names_missing_ranks(ctx: Ctx):
+    """The odd ranks never enter: rank 0 must raise within about the timeout, naming each of
+    them (wait_all_ranks=True), and the other even ranks must raise too. Done on a group made for
+    it and then dropped, so what is left of the failed barrier cannot reach later checks."""
+    timeout = 2  # s; rank numbers are single digits, so "2" in the message cannot pass for one
+    missing = [r for r in range(ctx.world) if r % 2]
+    group = new_group(list(range(ctx.world)))
+    if ctx.rank not in missing:
+        t0 = time.monotonic()
+        try:
+            dist.monitored_barrier(group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as e:
+            waited, msg = time.monotonic() - t0, str(e)
+            assert timeout / 2 <= waited <= timeout + 15, f"raised after {waited:.1f} s, timeout {timeout} s: {msg}"
+            unnamed = [r for r in missing if not re.search(rf"\b{r}\b", msg)]
+            assert ctx.rank != 0 or not unnamed, f"error does not name missing rank(s) {unnamed}: {msg!r}"
+        else:
+            raise AssertionError(f"monitored_barrier returned although ranks {missing} never entered it")
+    check_group_usable(ctx, "after a failed monitored_barrier on another group")
