@@ -77,6 +77,10 @@ rust::Vec<uint8_t> store_get(const StoreRef& s, rust::Str key, int64_t timeout_m
   return out;
 }
 
+int64_t store_add(const StoreRef& s, rust::Str key, int64_t delta) {
+  return s.impl->store->add(std::string(key), delta);
+}
+
 rust::String store_host(const StoreRef& s) {
   c10::intrusive_ptr<c10d::Store> store = s.impl->store;
   if (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get())) {

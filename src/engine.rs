@@ -485,7 +485,7 @@ impl Shared {
     /// around the ring the same way.
     fn break_group(&self, cause: &Error) {
         self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());
-        self.drop_all(&cause.message);
+        self.transport.abort_all(cause);
     }
 }
 

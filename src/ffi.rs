@@ -80,6 +80,7 @@ pub mod bridge {
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: i64) -> Result<Vec<u8>>;
+        fn store_add(store: &StoreRef, key: &str, delta: i64) -> Result<i64>;
         fn store_host(store: &StoreRef) -> String;
         fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
         fn complete(done: UniquePtr<Completion>, error: &str);
@@ -101,6 +102,9 @@ impl Store for StoreRef {
     }
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         bridge::store_get(self, key, timeout.as_millis() as i64).map_err(|e| Error::timeout(format!("store get {key}: {e}")))
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        bridge::store_add(self, key, delta).map_err(|e| Error::io(format!("store add {key}: {e}")))
     }
 }
 

@@ -18,6 +18,8 @@ pub trait Store {
     fn set(&self, key: &str, value: &[u8]) -> Result<()>;
     /// Blocks until `key` exists or `timeout` passes.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Atomically add `delta` to the integer at `key` (0 if unset); returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
 }
 
 /// A Store for tests: threads in one process share it.
@@ -32,6 +34,14 @@ impl Store for MemStore {
         self.map.lock().unwrap().insert(key.to_string(), value.to_vec());
         self.cv.notify_all();
         Ok(())
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let mut map = self.map.lock().unwrap();
+        let old = map.get(key).and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok()).unwrap_or(0);
+        map.insert(key.to_string(), (old + delta).to_string().into_bytes());
+        self.cv.notify_all();
+        Ok(old + delta)
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
@@ -72,10 +82,16 @@ pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<TcpMesh> {
         .map_err(|e| Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {e}")))?;
     let me = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
 
-    let token = agree_on_token(store, rank, cfg.timeout)?;
-    store.set(&addr_key(rank), format!("v{PROTOCOL_VERSION} {me}").as_bytes())?;
+    // A process group re-created over the same Store (destroy, then init again)
+    // must not read the last incarnation's keys: every rank counts itself in,
+    // and the count tells which incarnation this is.
+    let joined = store.add("rustc10d/joined", 1)?;
+    let generation = (joined - 1) / size as i64;
+    let keys = Keys(generation);
+    let token = agree_on_token(store, &keys, rank, cfg.timeout)?;
+    store.set(&keys.addr(rank), format!("v{PROTOCOL_VERSION} {me}").as_bytes())?;
     let addrs = (0..size)
-        .map(|peer| if peer == rank { Ok(me) } else { lookup_peer(store, rank, peer, cfg.timeout) })
+        .map(|peer| if peer == rank { Ok(me) } else { lookup_peer(store, &keys, rank, peer, cfg.timeout) })
         .collect::<Result<Vec<_>>>()?;
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
@@ -87,32 +103,40 @@ pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<TcpMesh> {
     Ok(mesh)
 }
 
-fn addr_key(rank: usize) -> String {
-    format!("rustc10d/addr/{rank}")
+/// The Store keys of one incarnation of the group.
+struct Keys(i64);
+
+impl Keys {
+    fn addr(&self, rank: usize) -> String {
+        format!("rustc10d/{}/addr/{rank}", self.0)
+    }
+    fn token(&self) -> String {
+        format!("rustc10d/{}/token", self.0)
+    }
 }
 
 /// Rank 0 draws the group's token; the others read it. Only members of the
 /// Store can learn it, so strangers fail the handshake.
-fn agree_on_token(store: &dyn Store, rank: usize, timeout: Duration) -> Result<[u8; TOKEN_LEN]> {
-    const KEY: &str = "rustc10d/token";
+fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration) -> Result<[u8; TOKEN_LEN]> {
+    let key = keys.token();
     let bytes = if rank == 0 {
         let mut t = [0u8; TOKEN_LEN];
         let n = unsafe { libc::getrandom(t.as_mut_ptr().cast(), TOKEN_LEN, 0) };
         if n != TOKEN_LEN as isize {
             return Err(Error::io("rustc10d: getrandom failed"));
         }
-        store.set(KEY, &t)?;
+        store.set(&key, &t)?;
         t.to_vec()
     } else {
         store
-            .get(KEY, timeout)
+            .get(&key, timeout)
             .map_err(|e| e.context(format!("rustc10d: rank {rank} timed out waiting for rank 0 to publish the group token")))?
     };
     bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
 }
 
-fn lookup_peer(store: &dyn Store, rank: usize, peer: usize, timeout: Duration) -> Result<SocketAddr> {
-    let raw = store.get(&addr_key(peer), timeout).map_err(|e| {
+fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<SocketAddr> {
+    let raw = store.get(&keys.addr(peer), timeout).map_err(|e| {
         e.context(format!("rustc10d: rank {rank} timed out after {} ms waiting for rank {peer} to publish its address", timeout.as_millis()))
     })?;
     let text = String::from_utf8_lossy(&raw);
@@ -201,10 +225,11 @@ mod tests {
     #[test]
     fn version_mismatch_is_reported() {
         let store = MemStore::default();
-        store.set(&addr_key(1), b"v999 127.0.0.1:1").unwrap();
-        let err = lookup_peer(&store, 0, 1, Duration::from_millis(10)).unwrap_err();
+        let keys = Keys(0);
+        store.set(&keys.addr(1), b"v999 127.0.0.1:1").unwrap();
+        let err = lookup_peer(&store, &keys, 0, 1, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("v999") && err.message.contains("rank 1"), "{}", err.message);
-        let err = lookup_peer(&store, 0, 2, Duration::from_millis(10)).unwrap_err();
+        let err = lookup_peer(&store, &keys, 0, 2, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("waiting for rank 2"), "{}", err.message);
     }
 }

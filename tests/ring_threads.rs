@@ -224,8 +224,8 @@ fn init_without_peer_times_out_naming_it() {
 #[test]
 fn init_with_unreachable_peer_names_its_address() {
     let store = MemStore::default();
-    // Rank 1 "published" an address where nothing listens.
-    store.set("rustc10d/addr/1", b"v1 127.0.0.1:1").unwrap();
+    // Rank 1 "published" an address where nothing listens (first incarnation: generation 0).
+    store.set("rustc10d/0/addr/1", b"v1 127.0.0.1:1").unwrap();
     let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(800), store_host: Some("127.0.0.1".into()) };
     let t0 = Instant::now();
     let err = connect(&store, &cfg).err().expect("unreachable peer: must fail");
@@ -452,5 +452,30 @@ fn injected_faults_fail_stall_and_drop() {
         let ar = stats["allreduce"];
         assert_eq!((ar.count, ar.failed, ar.bytes), (2, 1, 64));
         assert_eq!(stats["barrier"].count, 1);
+    }
+}
+
+#[test]
+fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
+    let store = Arc::new(MemStore::default());
+    for round in 0..3 {
+        let engines: Vec<Engine> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let cfg = GroupConfig { rank, size: 2, timeout: Duration::from_secs(5), store_host: Some("127.0.0.1".into()) };
+                    Engine::new(Arc::new(connect(&*store, &cfg).unwrap()), cfg.timeout).unwrap()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let sums = on_all(&engines, |rank, e| {
+            let mut v = vec![rank as i32 + round; 2];
+            wait_ok(all_reduce(e, raw(&mut v), DType::I32, ReduceOp::Sum));
+            v
+        });
+        assert!(sums.iter().all(|v| v == &vec![1 + 2 * round; 2]), "round {round}");
     }
 }

@@ -58,3 +58,14 @@ def test_socket_ifname(tmp_path, ifname):
         else:
             _, error = _init_failure(proc)
             assert ifname in error, f"error does not name {ifname}: {error}"
+
+
+@pytest.mark.timeout(120)
+def test_group_recreated_in_the_same_process(tmp_path):
+    """destroy_process_group() then init_process_group() again over the same Store: the new
+    group must not pick up the old group's addresses."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(harness.REPO / "tests" / "reinit_job.py"), checks.BACKEND]
+    [proc] = harness.run_processes({"torchrun": cmd}, timeout=100, log_dir=tmp_path)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert proc.stdout.count("round 2 ok") == 2, proc.stdout

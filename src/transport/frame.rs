@@ -13,6 +13,9 @@ pub const TOKEN_LEN: usize = 16;
 /// Which matching space a message belongs to.
 pub const KIND_COLLECTIVE: u8 = 1;
 pub const KIND_P2P: u8 = 2;
+/// The sender gives up on the group; the payload says why (UTF-8, at most ABORT_MAX bytes).
+pub const KIND_ABORT: u8 = 3;
+pub const ABORT_MAX: u64 = 4096;
 
 /// What a message is matched on at the receiver, together with its sender.
 /// Collectives use (sequence number, step); p2p uses (user tag, 0) and FIFO order.
@@ -29,6 +32,9 @@ impl Key {
     }
     pub fn p2p(tag: i64) -> Key {
         Key { kind: KIND_P2P, channel: tag as u64, sub: 0 }
+    }
+    pub fn abort() -> Key {
+        Key { kind: KIND_ABORT, channel: 0, sub: 0 }
     }
 }
 
@@ -55,7 +61,7 @@ impl FrameHeader {
             return Err(Error::io(format!("corrupt frame header (magic {magic:#x})")));
         }
         let kind = b[4];
-        if kind != KIND_COLLECTIVE && kind != KIND_P2P {
+        if !(KIND_COLLECTIVE..=KIND_ABORT).contains(&kind) {
             return Err(Error::io(format!("corrupt frame header (kind {kind})")));
         }
         Ok(FrameHeader {
@@ -140,6 +146,8 @@ mod tests {
         assert!(FrameHeader::decode(&bad).is_err());
         let mut bad = h.encode();
         bad[4] = 9;
+        assert!(FrameHeader::decode(&bad).is_err());
+        bad[4] = 0;
         assert!(FrameHeader::decode(&bad).is_err());
     }
 

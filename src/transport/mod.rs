@@ -50,6 +50,10 @@ pub trait Transport: Send + Sync {
     /// with it finishes (with `reason`) promptly.
     fn break_peer(&self, peer: usize, reason: &Error);
 
+    /// Give up on every peer, telling each why first (best effort), so that
+    /// ranks that are not our neighbours learn the original cause too.
+    fn abort_all(&self, reason: &Error);
+
     /// Close every connection; all pending transfers fail. Idempotent.
     fn shutdown(&self);
 }

@@ -3,7 +3,7 @@
 //! fills posted buffers straight from the socket; the connection a rank sends
 //! on has a writer thread, so queued sends never block the caller.
 
-use super::frame::{FrameHeader, Hello, Key, HEADER_LEN, HELLO_LEN};
+use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT};
 use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Mailbox, PostedRecv, RecvBuf};
 use super::Transport;
 use crate::error::{Error, Result};
@@ -207,6 +207,35 @@ impl Transport for TcpMesh {
 
     fn break_peer(&self, peer: usize, reason: &Error) {
         self.inner.lose_peer(peer, reason.clone());
+    }
+
+    fn abort_all(&self, reason: &Error) {
+        let inner = &self.inner;
+        let why = reason.message.as_bytes();
+        let why = &why[..why.len().min(ABORT_MAX as usize)];
+        let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
+        let peers = || (0..inner.peers.len()).filter(|&p| p != inner.rank());
+        // Write straight to each connection we send on: the queue may be stuck
+        // behind the very transfer that failed.
+        let grace = Instant::now() + Duration::from_millis(200);
+        for peer in peers() {
+            let out = inner.peers[peer].link.lock().unwrap().sender.clone();
+            let Some(out) = out else { continue };
+            loop {
+                if let Ok(mut stream) = out.half.stream.try_lock() {
+                    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                    let _ = write_frame(&mut stream, &header, why);
+                    break;
+                }
+                if Instant::now() >= grace {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        for peer in peers() {
+            inner.lose_peer(peer, reason.clone());
+        }
     }
 
     fn shutdown(&self) {
@@ -437,6 +466,16 @@ impl Inner {
         }
         stream.read_exact(&mut hb[first..])?;
         let header = FrameHeader::decode(&hb).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
+        if header.key.kind == KIND_ABORT {
+            if header.len > ABORT_MAX {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "oversized abort frame"));
+            }
+            let mut why = vec![0u8; header.len as usize];
+            stream.read_exact(&mut why)?;
+            let why = String::from_utf8_lossy(&why);
+            self.lose_peer(peer, Error::peer_lost(format!("{} gave up on the group: {why}", self.describe(peer))));
+            return Ok(false);
+        }
         let delivery = self.peers[peer].mailbox.lock().unwrap().on_header(header.key, header.len, &self.any);
         match delivery {
             Delivery::Direct(p) => {

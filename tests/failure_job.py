@@ -1,0 +1,129 @@
+"""One rank of a failure scenario (tests/test_failures.py). Each scenario makes something go
+wrong and prints `RESULT <json>` with what this rank saw: how long the failing op took to
+raise and its message. Ranks that are supposed to die just die."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import rustc10d
+
+
+def report(**fields):
+    sys.stdout.write("RESULT " + json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def timed_failure(fn) -> dict:
+    """Run fn, which must raise; how long it took and what it said."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - any exception is what we measure
+        return {"raised": True, "seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"}
+    return {"raised": False, "seconds": time.monotonic() - t0, "error": ""}
+
+
+def rustc10d_threads() -> int:
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return sum(n.startswith("rustc10d") for n in names)
+
+
+def sockets() -> int:
+    def target(fd):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd of the listing itself, gone by now
+            return ""
+    return sum(target(fd).startswith("socket:") for fd in os.listdir("/proc/self/fd"))
+
+
+def init(store, rank, world, seconds=30):
+    dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=seconds))
+
+
+def sigkill(store, rank, world):
+    """The last rank dies (SIGKILL) while everyone is in an all_reduce."""
+    init(store, rank, world)
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t)
+    if rank == world - 1:
+        time.sleep(0.3)  # let the others block in the next all_reduce
+        os.kill(os.getpid(), signal.SIGKILL)
+    first = timed_failure(lambda: dist.all_reduce(t))
+    later = timed_failure(lambda: dist.all_reduce(t))
+    report(first=first, later=later)
+
+
+def injected(store, rank, world):
+    """RUSTC10D_FAULT (set by the test) makes rank 1's third all_reduce fail."""
+    init(store, rank, world)
+    t = torch.ones(100)
+    dist.all_reduce(t)
+    dist.all_reduce(t)
+    report(first=timed_failure(lambda: dist.all_reduce(t)))
+
+
+def stall_times_out(store, rank, world):
+    """RUSTC10D_FAULT stalls rank 0's broadcast past the group's 2 s timeout."""
+    init(store, rank, world, seconds=2)
+    t = torch.ones(100)
+    report(first=timed_failure(lambda: dist.broadcast(t, 0)))
+
+
+def mismatch(store, rank, world):
+    """Rank 1 reduces int32 where the others reduce float32 (the same bytes)."""
+    init(store, rank, world)
+    t = torch.ones(64, dtype=torch.int32 if rank == 1 else torch.float32)
+    before = t.clone()
+    res = timed_failure(lambda: dist.all_reduce(t))
+    report(first=res, untouched=bool(torch.equal(t, before)))
+
+
+def destroy_cleans_up(store, rank, world):
+    """destroy_process_group() leaves no engine thread or socket behind, and a waiter on a
+    receive that will never come is released by it."""
+    counts = []
+    for cycle in range(2):
+        init(store, rank, world)
+        t = torch.ones(10)
+        dist.all_reduce(t)
+        waited = {}
+        if rank == 0:
+            work = dist.irecv(torch.zeros(1), src=1, tag=77)  # nobody sends this
+            waiter = threading.Thread(target=lambda: waited.update(timed_failure(work.wait)))
+            waiter.start()
+            time.sleep(0.3)
+        dist.barrier()
+        t0 = time.monotonic()
+        dist.destroy_process_group()
+        destroy_seconds = time.monotonic() - t0
+        if rank == 0:
+            waiter.join(10)
+        counts.append({"threads": rustc10d_threads(), "sockets": sockets(), "destroy_seconds": destroy_seconds,
+                       "waiter": waited})
+    report(cycles=counts)
+
+
+SCENARIOS = {f.__name__: f for f in (sigkill, injected, stall_times_out, mismatch, destroy_cleans_up)}
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=SCENARIOS)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--store", required=True)
+    a = p.parse_args()
+    host, port = a.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timedelta(seconds=60))
+    SCENARIOS[a.scenario](store, a.rank, a.world)
+    os._exit(0)  # skip interpreter teardown of a possibly broken group

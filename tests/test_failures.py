@@ -1,0 +1,79 @@
+"""Failures become clear exceptions, quickly, on every rank: a rank killed mid-collective,
+injected faults (RUSTC10D_FAULT), a timeout, mismatched calls; and destroy_process_group()
+cleans up. Each scenario is a small job of its own (tests/failure_job.py)."""
+
+import json
+
+import pytest
+
+import checks
+import harness
+
+pytestmark = [pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's failure handling"),
+              pytest.mark.timeout(120)]
+
+SCRIPT = harness.REPO / "tests" / "failure_job.py"
+
+
+def run(scenario: str, world: int, tmp_path, env=None) -> dict[int, dict]:
+    """rank -> its RESULT, for the ranks that reported one."""
+    procs = harness.launch_ranks(world, [scenario], timeout=90, log_dir=tmp_path, script=SCRIPT,
+                                 env=harness.worker_env(env))
+    results = {}
+    for rank, proc in enumerate(procs):
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                results[rank] = json.loads(line[len("RESULT "):])
+        assert proc.returncode is not None, f"rank {rank} hung: {proc.describe()}"
+    return results, procs
+
+
+def test_killed_rank_fails_every_other_rank_fast_and_names_it(tmp_path):
+    results, procs = run("sigkill", 4, tmp_path)
+    assert procs[3].returncode == -9
+    for rank in range(3):
+        r = results.get(rank)
+        assert r, f"rank {rank} reported nothing: {procs[rank].describe()}"
+        first, later = r["first"], r["later"]
+        assert first["raised"] and first["seconds"] < 10, first
+        # Rank 1 is no neighbour of rank 3: it learns of it through the others.
+        assert "rank 3" in first["error"], f"rank {rank}: {first['error']}"
+        assert later["raised"] and later["seconds"] < 1 and "broken" in later["error"], later
+
+
+def test_injected_failure_fails_all_ranks(tmp_path):
+    results, procs = run("injected", 3, tmp_path, {"RUSTC10D_FAULT": "rank=1,op=allreduce,seq=2,action=fail"})
+    for rank in range(3):
+        first = results[rank]["first"]
+        assert first["raised"] and first["seconds"] < 10, (rank, first)
+    assert "RUSTC10D_FAULT" in results[1]["first"]["error"]
+
+
+def test_stalled_rank_times_out_the_others_naming_op_and_peer(tmp_path):
+    results, procs = run("stall_times_out", 2, tmp_path,
+                         {"RUSTC10D_FAULT": "rank=0,op=broadcast,action=stall,secs=6"})
+    first = results[1]["first"]
+    assert first["raised"] and 1.5 < first["seconds"] < 6, first
+    for word in ("broadcast #0", "rank 1", "timed out", "rank 0"):
+        assert word in first["error"], (word, first["error"])
+
+
+def test_mismatched_calls_are_reported_not_reduced(tmp_path):
+    results, procs = run("mismatch", 3, tmp_path)
+    for rank in range(3):
+        r = results[rank]
+        assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
+        assert r["untouched"], f"rank {rank}'s tensor was changed"
+    told = [results[r]["first"]["error"] for r in range(3) if "does not match" in results[r]["first"]["error"]]
+    assert told and "torch.int32" in told[0] and "torch.float32" in told[0], told
+
+
+def test_destroy_leaves_nothing_behind_and_releases_waiters(tmp_path):
+    results, procs = run("destroy_cleans_up", 2, tmp_path)
+    for rank in range(2):
+        cycles = results[rank]["cycles"]
+        assert all(c["threads"] == 0 for c in cycles), cycles
+        assert cycles[1]["sockets"] <= cycles[0]["sockets"], cycles
+        assert all(c["destroy_seconds"] < 3 for c in cycles), cycles
+    for c in results[0]["cycles"]:
+        assert c["waiter"].get("raised") and c["waiter"]["seconds"] < 3, c["waiter"]
