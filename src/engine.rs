@@ -5,7 +5,7 @@
 
 use crate::algorithms::{
     copy_buf, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, ring_allgather, ring_allreduce,
-    ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes, OpCtx, RawBuf, Scratch,
+    ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes, OpCtx, RawBuf, Scratch, ScratchPool,
 };
 use crate::call_check::{agree, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
@@ -38,6 +38,7 @@ struct Shared {
     broken: Mutex<Option<Error>>,
     faults: Faults,
     stats: Arc<Stats>,
+    pool: ScratchPool,
     sends: AtomicU64,
     recvs: AtomicU64,
 }
@@ -247,6 +248,7 @@ impl Engine {
             broken: Mutex::new(None),
             faults,
             stats: Arc::default(),
+            pool: ScratchPool::default(),
             sends: AtomicU64::new(0),
             recvs: AtomicU64::new(0),
         });
@@ -418,7 +420,7 @@ impl Shared {
         }
         let start = Instant::now();
         let fingerprint = part.fingerprint();
-        let ctx = OpCtx { transport: &*self.transport, seq, timeout, what, segment_bytes: self.segment_bytes };
+        let ctx = OpCtx { transport: &*self.transport, seq, timeout, what, segment_bytes: self.segment_bytes, pool: &self.pool };
         let r = match self.faults.hit(self.transport.rank(), part.name(), seq) {
             // An injected failure behaves like a real one: the group breaks.
             Some(Action::Fail) => Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what))),
@@ -502,7 +504,7 @@ fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
         }
         Collective::Reduce { buf, root, red } => {
             // Not the root: the caller's buffer must stay as it was.
-            let mut copy = Scratch::new(if red.premul.is_some() { buf.len } else { 0 });
+            let mut copy = ctx.scratch(if red.premul.is_some() { buf.len } else { 0 });
             let input = if red.premul.is_some() { scaled_copy(&mut copy, *buf, red) } else { *buf };
             ring_reduce(ctx, input, *root, red.dtype, red.op)
         }
@@ -512,7 +514,7 @@ fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
         Collective::Scatter { inputs, output, root } => direct_scatter(ctx, inputs, *output, *root),
         Collective::ReduceScatter { inputs, output, red } => {
             let len = output.len;
-            let mut copy = Scratch::new(if red.premul.is_some() { len * world } else { 0 });
+            let mut copy = ctx.scratch(if red.premul.is_some() { len * world } else { 0 });
             let scaled: Vec<RawBuf>;
             let inputs = if red.premul.is_some() {
                 let all = copy.raw();

@@ -2,6 +2,7 @@
 //! ranges by rank). They know nothing of sockets or of torch.
 
 use crate::transport::{Transfers, Transport};
+use std::sync::Mutex;
 use std::time::Duration;
 
 mod alltoall;
@@ -41,9 +42,15 @@ pub struct OpCtx<'a> {
     /// "allreduce #4 on rank 1", for errors.
     pub what: String,
     pub segment_bytes: usize,
+    pub pool: &'a ScratchPool,
 }
 
-impl OpCtx<'_> {
+impl<'a> OpCtx<'a> {
+    /// Scratch for this op, from the group's pool.
+    pub fn scratch(&self, bytes: usize) -> Scratch<'a> {
+        self.pool.take(bytes)
+    }
+
     /// Transfers for this op. Algorithms create them after any scratch memory,
     /// so that cleanup finishes before the scratch is freed.
     pub fn transfers(&self) -> Transfers<'_> {
@@ -83,15 +90,63 @@ impl RawBuf {
     }
 }
 
-/// 8-byte aligned scratch memory, so kernels can view it as any dtype.
-pub struct Scratch(Vec<u64>);
+/// Scratch memory kept between ops: a fresh large allocation costs a page
+/// fault per 4 KiB on first touch, more than the op's own work.
+#[derive(Default)]
+pub struct ScratchPool {
+    free: Mutex<Vec<Vec<u64>>>,
+}
 
-impl Scratch {
-    pub fn new(bytes: usize) -> Scratch {
-        Scratch(vec![0u64; bytes.div_ceil(8)])
+/// Buffers the pool keeps at most; collectives need at most three at once.
+const POOL_KEEP: usize = 4;
+
+impl ScratchPool {
+    /// At least `bytes` of 8-byte aligned memory (contents unspecified).
+    pub fn take(&self, bytes: usize) -> Scratch<'_> {
+        let words = bytes.div_ceil(8);
+        let mut free = self.free.lock().unwrap();
+        // The smallest free buffer that is big enough, else the biggest (grown).
+        let fit = (0..free.len()).filter(|&i| free[i].len() >= words).min_by_key(|&i| free[i].len());
+        let pick = fit.or_else(|| (0..free.len()).max_by_key(|&i| free[i].len()));
+        let mut buf = pick.map(|i| free.swap_remove(i)).unwrap_or_default();
+        drop(free);
+        if buf.len() < words {
+            buf.resize(words, 0);
+        }
+        Scratch { buf, bytes, pool: Some(self) }
     }
+}
+
+/// 8-byte aligned scratch memory, so kernels can view it as any dtype;
+/// returned to its pool when dropped.
+pub struct Scratch<'p> {
+    buf: Vec<u64>,
+    bytes: usize,
+    pool: Option<&'p ScratchPool>,
+}
+
+impl Scratch<'static> {
+    /// Unpooled, zeroed memory.
+    pub fn new(bytes: usize) -> Scratch<'static> {
+        Scratch { buf: vec![0u64; bytes.div_ceil(8)], bytes, pool: None }
+    }
+}
+
+impl Scratch<'_> {
     pub fn raw(&mut self) -> RawBuf {
-        RawBuf { ptr: self.0.as_mut_ptr().cast(), len: self.0.len() * 8 }
+        RawBuf::new(self.buf.as_mut_ptr().cast(), self.bytes)
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool else { return };
+        let mut free = pool.free.lock().unwrap();
+        free.push(std::mem::take(&mut self.buf));
+        if free.len() > POOL_KEEP {
+            let smallest = (0..free.len()).min_by_key(|&i| free[i].len()).unwrap();
+            free.swap_remove(smallest);
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! chunk cut into segments so that sending, receiving and reducing overlap.
 //! Every chunk is reduced by exactly one rank, so all ranks end bit-identical.
 
-use super::{OpCtx, RawBuf, Scratch};
+use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
@@ -38,7 +38,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
 
     // Reduce-scatter steps receive into alternating scratch halves; all-gather
     // steps receive straight into the output.
-    let mut scratch = [Scratch::new(max_chunk * es), Scratch::new(max_chunk * es)];
+    let mut scratch = [ctx.scratch(max_chunk * es), ctx.scratch(max_chunk * es)];
     let halves = [scratch[0].raw(), scratch[1].raw()];
     // Declared after the scratch, so dropped (and drained) before it.
     let tr = &mut ctx.transfers();

@@ -2,7 +2,7 @@
 //! rank after the root to the root, segment by segment. Each link carries the
 //! data once; only the root's buffer is written.
 
-use super::{segment, segment_count, OpCtx, RawBuf, Scratch};
+use super::{segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
@@ -20,7 +20,7 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
     let nseg = segment_count(buf.len, seg);
     let key = |j: usize| Key::collective(ctx.seq, j as u64);
 
-    let mut scratch = Scratch::new(if pos == 0 { 0 } else { buf.len });
+    let mut scratch = ctx.scratch(if pos == 0 { 0 } else { buf.len });
     let partial = scratch.raw();
     let tr = &mut ctx.transfers();
     let ids = if pos == 0 {

@@ -2,7 +2,7 @@
 //! ring and each rank adds its own contribution, so each rank sends (W-1)/W of
 //! the data, and rank r ends with block r fully reduced. Inputs stay untouched.
 
-use super::{copy_buf, segment, segment_count, OpCtx, RawBuf, Scratch};
+use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
@@ -27,7 +27,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
 
     // Three rotating partial buffers: a buffer is refilled two steps after its
     // partials were queued for sending, and only once those sends are done.
-    let mut scratch = [Scratch::new(len), Scratch::new(len), Scratch::new(len)];
+    let mut scratch = [ctx.scratch(len), ctx.scratch(len), ctx.scratch(len)];
     let bufs = [scratch[0].raw(), scratch[1].raw(), scratch[2].raw()];
     let tr = &mut ctx.transfers();
     let mut recvs: Vec<Vec<TransferId>> = vec![Vec::new(); steps];

@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 /// Upper bound on one handshake, so a silent client cannot pin a thread.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Most memory reserved ahead for one message that arrives before its receive.
+const EARLY_RESERVE_MAX: u64 = 64 << 20;
+
 /// Handshakes in progress at once; connections beyond are closed at once, so
 /// a flood of connections cannot exhaust threads.
 const MAX_HANDSHAKES: usize = 64;
@@ -493,7 +496,10 @@ impl Inner {
                 fail_mismatch(p, header.len);
             }
             Delivery::Stash => {
-                let mut data = Vec::new();
+                // Reserve up front (growing by doubling copies the message again
+                // and again), but never more than a bound: the length is the
+                // peer's word, and the Vec still grows only as bytes arrive.
+                let mut data = Vec::with_capacity(header.len.min(EARLY_RESERVE_MAX) as usize);
                 (&*stream).take(header.len).read_to_end(&mut data)?;
                 if data.len() as u64 != header.len {
                     return Err(io::ErrorKind::UnexpectedEof.into());
