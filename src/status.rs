@@ -4,16 +4,34 @@
 //! before the future is complete.
 
 use crate::error::Result;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Runs once, on the thread that finishes the operation.
 pub type Callback = Box<dyn FnOnce(&Result<i64>) + Send>;
+
+/// How long a waiter polls before it sleeps: a futex sleep and wake-up cost
+/// tens of microseconds on a busy machine, as much as a small message's whole
+/// round trip. Yields while polling, so it never holds a core from the threads
+/// doing the work.
+pub const ENV_SPIN_US: &str = "RUSTC10D_SPIN_US";
+const DEFAULT_SPIN_US: u64 = 50;
+
+fn spin_budget() -> Duration {
+    static SPIN: OnceLock<Duration> = OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var(ENV_SPIN_US).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_SPIN_US);
+        Duration::from_micros(us)
+    })
+}
 
 #[derive(Default)]
 pub struct Status {
     state: Mutex<State>,
     cv: Condvar,
+    /// Set once `state.result` is, so waiters can poll without the lock.
+    done: AtomicBool,
 }
 
 #[derive(Default)]
@@ -48,6 +66,7 @@ impl Status {
             cb(&result);
         }
         self.state.lock().unwrap().result = Some(result);
+        self.done.store(true, Ordering::Release);
         self.cv.notify_all();
         true
     }
@@ -63,6 +82,10 @@ impl Status {
 
     /// Block until finished or `deadline` (None: no deadline). Returns None on expiry.
     pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<i64>> {
+        let spin_until = Instant::now() + spin_budget();
+        while !self.done.load(Ordering::Acquire) && Instant::now() < spin_until.min(deadline.unwrap_or(spin_until)) {
+            std::thread::yield_now();
+        }
         let mut st = self.state.lock().unwrap();
         loop {
             if let Some(r) = &st.result {
@@ -86,8 +109,7 @@ impl Status {
 mod tests {
     use super::*;
     use crate::error::Error;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Duration;
+    use std::sync::atomic::AtomicBool;
 
     #[test]
     fn callback_runs_before_result_is_visible() {
