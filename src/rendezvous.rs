@@ -154,38 +154,44 @@ fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout
 /// Never the hostname's resolution, which Debian maps to 127.0.1.1.
 pub fn choose_local_ip(store_host: Option<&str>) -> Result<IpAddr> {
     if let Ok(name) = std::env::var(ENV_SOCKET_IFNAME) {
-        return interface_ipv4(&name);
+        return interface_addr(&name);
     }
     let host = store_host.filter(|h| !h.is_empty()).map(str::to_string).or_else(|| std::env::var("MASTER_ADDR").ok());
     if let Some(ip) = host.as_deref().and_then(route_to) {
         return Ok(ip);
     }
-    let first = interfaces()?.into_iter().find(|(_, ip)| !ip.is_loopback());
-    Ok(first.map(|(_, ip)| IpAddr::V4(ip)).unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+    let others: Vec<IpAddr> = interfaces()?.into_iter().map(|(_, ip)| ip).filter(|ip| !ip.is_loopback()).collect();
+    let first = others.iter().find(|ip| ip.is_ipv4()).or(others.first());
+    Ok(first.copied().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
 }
 
 /// The local address the kernel would use to reach `host` (no packet is sent).
 fn route_to(host: &str) -> Option<IpAddr> {
-    let target = (host, 9).to_socket_addrs().ok()?.find(|a| a.is_ipv4())?;
-    let sock = UdpSocket::bind("0.0.0.0:0").ok()?;
+    let all: Vec<SocketAddr> = (host, 9).to_socket_addrs().ok()?.collect();
+    let target = all.iter().find(|a| a.is_ipv4()).or(all.first())?;
+    let sock = UdpSocket::bind(if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).ok()?;
     sock.connect(target).ok()?;
     Some(sock.local_addr().ok()?.ip())
 }
 
-fn interface_ipv4(name: &str) -> Result<IpAddr> {
+/// The interface's IPv4 address, else its global IPv6 one.
+fn interface_addr(name: &str) -> Result<IpAddr> {
     let all = interfaces()?;
-    if let Some((_, ip)) = all.iter().find(|(n, _)| n == name) {
-        return Ok(IpAddr::V4(*ip));
+    let mine = || all.iter().filter(|(n, _)| n == name).map(|&(_, ip)| ip);
+    if let Some(ip) = mine().find(IpAddr::is_ipv4).or_else(|| mine().next()) {
+        return Ok(ip);
     }
-    let names: Vec<_> = all.iter().map(|(n, _)| n.as_str()).collect();
+    let mut names: Vec<_> = all.iter().map(|(n, _)| n.as_str()).collect();
+    names.dedup();
     Err(Error::invalid(format!(
-        "rustc10d: {ENV_SOCKET_IFNAME}={name}: no interface of that name with an IPv4 address (have: {})",
+        "rustc10d: {ENV_SOCKET_IFNAME}={name}: no interface of that name with an IP address (have: {})",
         names.join(", ")
     )))
 }
 
-/// (name, IPv4 address) of every interface that is up.
-fn interfaces() -> Result<Vec<(String, Ipv4Addr)>> {
+/// (name, address) of every interface that is up: IPv4, and IPv6 except
+/// link-local (those need a scope id that peers would not know).
+fn interfaces() -> Result<Vec<(String, IpAddr)>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     if unsafe { libc::getifaddrs(&mut head) } != 0 {
         return Err(Error::io(format!("rustc10d: getifaddrs failed: {}", std::io::Error::last_os_error())));
@@ -194,14 +200,27 @@ fn interfaces() -> Result<Vec<(String, Ipv4Addr)>> {
     let mut cur = head;
     while !cur.is_null() {
         let ifa = unsafe { &*cur };
-        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
-        if up && !ifa.ifa_addr.is_null() && unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET {
-            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-            let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
-            let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
-            out.push((name, ip));
-        }
         cur = ifa.ifa_next;
+        if ifa.ifa_flags & libc::IFF_UP as u32 == 0 || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        let ip = match unsafe { (*ifa.ifa_addr).sa_family } as i32 {
+            libc::AF_INET => {
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
+            }
+            libc::AF_INET6 => {
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                if ip.segments()[0] & 0xffc0 == 0xfe80 {
+                    continue;
+                }
+                IpAddr::V6(ip)
+            }
+            _ => continue,
+        };
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+        out.push((name, ip));
     }
     unsafe { libc::freeifaddrs(head) };
     Ok(out)
@@ -217,9 +236,17 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_store_host_gives_ipv6() {
+        if interfaces().unwrap().iter().any(|(_, ip)| *ip == IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)) {
+            assert_eq!(choose_local_ip(Some("::1")).unwrap(), IpAddr::V6(std::net::Ipv6Addr::LOCALHOST));
+        }
+    }
+
+    #[test]
     fn lo_is_listed() {
         assert!(interfaces().unwrap().iter().any(|(n, ip)| n == "lo" && ip.is_loopback()));
-        assert!(interface_ipv4("nosuchif0").unwrap_err().message.contains("nosuchif0"));
+        assert!(interface_addr("lo").unwrap().is_ipv4(), "IPv4 first");
+        assert!(interface_addr("nosuchif0").unwrap_err().message.contains("nosuchif0"));
     }
 
     #[test]

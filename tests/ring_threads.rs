@@ -479,3 +479,32 @@ fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
         assert!(sums.iter().all(|v| v == &vec![1 + 2 * round; 2]), "round {round}");
     }
 }
+
+#[test]
+fn ipv6_group_when_the_store_host_is_ipv6() {
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("no IPv6 loopback here; skipped");
+        return;
+    }
+    let store = Arc::new(MemStore::default());
+    let engines: Vec<Engine> = (0..2)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let cfg = GroupConfig { rank, size: 2, timeout: Duration::from_secs(5), store_host: Some("::1".into()) };
+                Engine::new(Arc::new(connect(&*store, &cfg).unwrap()), cfg.timeout).unwrap()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    let addr = String::from_utf8(store.get("rustc10d/0/addr/0", Duration::from_secs(1)).unwrap()).unwrap();
+    assert!(addr.contains("[::1]:"), "{addr}");
+    let out = on_all(&engines, |rank, e| {
+        let mut v = vec![rank as u8 + 1; 3];
+        wait_ok(all_reduce(e, raw(&mut v), DType::U8, ReduceOp::Sum));
+        v
+    });
+    assert!(out.iter().all(|v| v == &vec![3u8; 3]));
+}

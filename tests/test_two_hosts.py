@@ -3,9 +3,12 @@
 hosts (pitfall 11: works on one machine, fails on two). Needs root and iproute2, as CI has."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import pytest
@@ -50,9 +53,8 @@ def two_hosts():
         subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=10)
 
 
-@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="a rustc10d job")
-@pytest.mark.timeout(180)
-def test_two_hosts_all_reduce_p2p_and_ddp(two_hosts, tmp_path):
+def torchrun_on_both(two_hosts, *args: str) -> dict[str, list[str]]:
+    """`torchrun --nnodes 2` of two_hosts_job.py in each namespace, 2 ranks each."""
     (ns_a, ns_b), (addr_a, addr_b) = two_hosts
     port = 29000 + int(uuid.uuid4().int % 2000)
     script = str(harness.REPO / "tests" / "two_hosts_job.py")
@@ -61,12 +63,42 @@ def test_two_hosts_all_reduce_p2p_and_ddp(two_hosts, tmp_path):
         return ["ip", "netns", "exec", ns, "env", f"RUSTC10D_TEST_HOST={host}",
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr_a}:{port}", "--rdzv-id", "two-hosts",
-                "--rdzv-conf", f"is_host={int(host == 'A')}", "--local-addr", addr, script]
+                "--rdzv-conf", f"is_host={int(host == 'A')}", "--local-addr", addr, script, *args]
 
-    procs = harness.run_processes({"hostA": node(ns_a, addr_a, "A"), "hostB": node(ns_b, addr_b, "B")},
-                                  timeout=150, log_dir=tmp_path)
+    return {"hostA": node(ns_a, addr_a, "A"), "hostB": node(ns_b, addr_b, "B")}
+
+
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="a rustc10d job")
+@pytest.mark.timeout(180)
+def test_two_hosts_all_reduce_p2p_and_ddp(two_hosts, tmp_path):
+    procs = harness.run_processes(torchrun_on_both(two_hosts), timeout=150, log_dir=tmp_path)
     for proc in procs:
         assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     out = "".join(p.stdout for p in procs)
     for rank, host in [(0, "A"), (1, "A"), (2, "B"), (3, "B")]:
         assert f"rank {rank} on {host} ok" in out, out
+
+
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="a rustc10d job")
+@pytest.mark.timeout(180)
+def test_partition_fails_both_sides_within_the_timeout(two_hosts, tmp_path):
+    """Cut the link between the hosts mid-job: ranks on both sides raise within the group's 5 s
+    timeout (plus slack), instead of hanging."""
+    (ns_a, _), _ = two_hosts
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(procs=harness.run_processes(
+        torchrun_on_both(two_hosts, "partition"), timeout=150, log_dir=tmp_path)))
+    runner.start()
+    outputs = [tmp_path / "hostA.out", tmp_path / "hostB.out"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+            p.exists() and p.read_text().count(" ok") == 2 for p in outputs):
+        time.sleep(0.2)
+    veth = subprocess.run(["ip", "-n", ns_a, "-o", "link", "show", "type", "veth"], capture_output=True,
+                          text=True).stdout.split(":")[1].strip().split("@")[0]
+    ip("-n", ns_a, "link", "set", veth, "down")
+    runner.join()
+    out = "".join(p.stdout for p in result["procs"])
+    raised = [float(x) for x in re.findall(r"raised after ([\d.]+) s", out)]
+    assert len(raised) == 4, out
+    assert all(x < 20 for x in raised), raised

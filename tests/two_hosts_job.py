@@ -1,9 +1,11 @@
-"""One rank of the two-host job (tests/test_two_hosts.py): 2 "hosts" (network namespaces)
+"""One rank of the two-host jobs (tests/test_two_hosts.py): 2 "hosts" (network namespaces)
 with 2 ranks each. Ranks on different hosts can only reach each other if every rank
-advertised an address of its own host, not loopback."""
+advertised an address of its own host, not loopback. With `partition`, after the checks every
+rank keeps all-reducing until the test cuts the link, and reports how long the failure took."""
 
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -11,7 +13,8 @@ import torch.distributed as dist
 
 import rustc10d  # noqa: F401
 
-dist.init_process_group("rustc10d", timeout=timedelta(seconds=30))
+PARTITION = "partition" in sys.argv[1:]
+dist.init_process_group("rustc10d", timeout=timedelta(seconds=5 if PARTITION else 30))
 rank, world = dist.get_rank(), dist.get_world_size()
 
 t = torch.full((100_003,), float(rank))
@@ -42,4 +45,18 @@ dist.all_gather(everyone, flat)
 assert all(torch.equal(everyone[0], x) for x in everyone), "DDP replicas diverged"
 
 sys.stdout.write(f"rank {rank} on {os.environ.get('RUSTC10D_TEST_HOST')} ok\n")
+if PARTITION:
+    sys.stdout.flush()
+    t = torch.ones(1000)
+    last_ok = time.monotonic()
+    try:
+        while time.monotonic() - last_ok < 60:
+            dist.all_reduce(t)
+            last_ok = time.monotonic()
+    except Exception as e:  # noqa: BLE001 - the failure is what we measure
+        sys.stdout.write(f"rank {rank} raised after {time.monotonic() - last_ok:.1f} s: {e}\n")
+        sys.stdout.flush()
+        os._exit(0)
+    sys.stdout.write(f"rank {rank} never raised\n")
+    os._exit(1)
 dist.destroy_process_group()
