@@ -422,22 +422,12 @@ class RustBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors, opts);
-    Staging s("allreduce", tensors);
-    auto ds = s.outputs(tensors);
-    auto spec = spec_of(opts.reduceOp, ds, s.name());
-    return run(s, OpType::ALLREDUCE, [&](auto done) {
-      return group_->all_reduce(slice(ds), spec, to_ms(opts.timeout), std::move(done));
-    });
+    return dense_allreduce(tensors, opts, "allreduce", OpType::ALLREDUCE);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override {
-    Staging s("allreduce_coalesced", tensors);
-    auto ds = s.outputs(tensors);
-    auto spec = spec_of(opts.reduceOp, ds, s.name());
-    return run(s, OpType::ALLREDUCE_COALESCED, [&](auto done) {
-      return group_->all_reduce(slice(ds), spec, to_ms(opts.timeout), std::move(done));
-    });
+    return dense_allreduce(tensors, opts, "allreduce_coalesced", OpType::ALLREDUCE_COALESCED);
   }
 
   // SUM of sparse COO tensors, as Gloo does it: gather every rank's indices and
@@ -708,6 +698,17 @@ class RustBackend final : public c10d::Backend {
   static at::Tensor& single(std::vector<at::Tensor>& tensors, const char* op) {
     TORCH_CHECK(tensors.size() == 1, "rustc10d: ", op, " takes exactly one tensor, got ", tensors.size());
     return tensors[0];
+  }
+
+  // One engine op per tensor, one Work for all of them.
+  c10::intrusive_ptr<c10d::Work> dense_allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts,
+                                                 const char* name, OpType type) {
+    Staging s(name, tensors);
+    auto ds = s.outputs(tensors);
+    auto spec = spec_of(opts.reduceOp, ds, s.name());
+    return run(s, type, [&](auto done) {
+      return group_->all_reduce(slice(ds), spec, to_ms(opts.timeout), std::move(done));
+    });
   }
 
   static rust::Slice<const TensorDesc> slice(const std::vector<TensorDesc>& v) {
