@@ -321,16 +321,11 @@ impl Engine {
         let t = &self.shared.transport;
         let status = Status::with_callback(self.shared.recorded("send", buf.len, done));
         let deadline = Instant::now() + timeout;
-        let message = format!(
-            "rustc10d: send to {} (tag {tag}) on rank {} timed out after {} ms",
-            t.describe_peer(dst),
-            self.rank(),
-            timeout.as_millis()
-        );
-        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline)
-            .map_err(|e| e.context(format!("rustc10d: send to rank {dst} (tag {tag}) on rank {}", self.rank())))?;
+        let what = format!("rustc10d: send #{seq} to {} (tag {tag}) on rank {}", t.describe_peer(dst), self.rank());
+        let message = format!("{what} timed out after {} ms", timeout.as_millis());
+        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline).map_err(|e| e.context(&what))?;
         let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, message };
-        Ok(OpHandle { status, seq: 0, source_rank: -1, expiry: Some(expiry) })
+        Ok(OpHandle { status, seq, source_rank: -1, expiry: Some(expiry) })
     }
 
     /// Receive from `src`, or from whichever peer sends first when `src` is None.
@@ -348,7 +343,7 @@ impl Engine {
         let t = &self.shared.transport;
         let rank = self.rank();
         let from = src.map_or_else(|| "any rank".to_string(), |s| t.describe_peer(s));
-        let what = format!("rustc10d: recv from {from} (tag {tag}) on rank {rank}");
+        let what = format!("rustc10d: recv #{seq} from {from} (tag {tag}) on rank {rank}");
         let message = format!("{what} timed out after {} ms waiting for data", timeout.as_millis());
         // Name the op in errors that come from the transport, too.
         let status = Status::with_callback(Box::new(move |r: &Result<i64>| match r {
@@ -361,7 +356,7 @@ impl Engine {
             None => t.recv_any(key, buf.ptr, buf.len, status.clone())?,
         }
         let expiry = Expiry { deadline: Instant::now() + timeout, transport: t.clone(), peer: src, recv_key: Some(key), message };
-        Ok(OpHandle { status, seq: 0, source_rank: src.map_or(ANY_SOURCE, |s| s as i64), expiry: Some(expiry) })
+        Ok(OpHandle { status, seq, source_rank: src.map_or(ANY_SOURCE, |s| s as i64), expiry: Some(expiry) })
     }
 
     /// Fail what is pending, close connections, stop the worker. Idempotent.
@@ -427,7 +422,7 @@ impl Shared {
             fault => {
                 match fault {
                     Some(Action::Stall(d)) => std::thread::sleep(d),
-                    Some(Action::Drop) => self.drop_all(&format!("{}: connections dropped by {ENV_FAULT}", ctx.what)),
+                    Some(Action::Drop) => self.drop_all(&format!("connections dropped by {ENV_FAULT}")),
                     _ => {}
                 }
                 // A monitored barrier exists to name missing ranks: no neighbour check first.

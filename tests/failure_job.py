@@ -73,6 +73,24 @@ def injected(store, rank, world):
     report(first=timed_failure(lambda: dist.all_reduce(t)))
 
 
+def dropped(store, rank, world):
+    """RUSTC10D_FAULT cuts rank 0's connections as its second all_reduce starts."""
+    init(store, rank, world)
+    t = torch.ones(100)
+    dist.all_reduce(t)
+    report(first=timed_failure(lambda: dist.all_reduce(t)))
+
+
+def recv_times_out(store, rank, world):
+    """A receive whose sender never sends, with the group's 2 s timeout."""
+    init(store, rank, world, seconds=2)
+    if rank == 0:
+        report(first=timed_failure(lambda: dist.recv(torch.zeros(3), src=1, tag=5)))
+    else:
+        time.sleep(3)
+        report(first={"raised": True, "seconds": 0, "error": ""})
+
+
 def stall_times_out(store, rank, world):
     """RUSTC10D_FAULT stalls rank 0's broadcast past the group's 2 s timeout."""
     init(store, rank, world, seconds=2)
@@ -114,7 +132,8 @@ def destroy_cleans_up(store, rank, world):
     report(cycles=counts)
 
 
-SCENARIOS = {f.__name__: f for f in (sigkill, injected, stall_times_out, mismatch, destroy_cleans_up)}
+SCENARIOS = {f.__name__: f for f in (sigkill, injected, dropped, recv_times_out, stall_times_out, mismatch,
+                                      destroy_cleans_up)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

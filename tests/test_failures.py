@@ -49,6 +49,22 @@ def test_injected_failure_fails_all_ranks(tmp_path):
     assert "RUSTC10D_FAULT" in results[1]["first"]["error"]
 
 
+def test_injected_connection_drop_fails_all_ranks(tmp_path):
+    results, procs = run("dropped", 3, tmp_path, {"RUSTC10D_FAULT": "rank=0,op=allreduce,seq=1,action=drop"})
+    for rank in range(3):
+        first = results[rank]["first"]
+        assert first["raised"] and first["seconds"] < 10, (rank, first)
+    assert "RUSTC10D_FAULT" in " ".join(results[r]["first"]["error"] for r in range(3))
+
+
+def test_recv_times_out_naming_op_seq_and_peer(tmp_path):
+    results, procs = run("recv_times_out", 2, tmp_path)
+    first = results[0]["first"]
+    assert first["raised"] and 1.5 < first["seconds"] < 5, first
+    for word in ("recv #0", "rank 1", "tag 5", "rank 0", "timed out"):
+        assert word in first["error"], (word, first["error"])
+
+
 def test_stalled_rank_times_out_the_others_naming_op_and_peer(tmp_path):
     results, procs = run("stall_times_out", 2, tmp_path,
                          {"RUSTC10D_FAULT": "rank=0,op=broadcast,action=stall,secs=6"})

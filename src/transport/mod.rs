@@ -100,7 +100,7 @@ impl<'t> Transfers<'t> {
         let status = Status::new();
         self.transport
             .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline)
-            .map_err(|e| e.context(&self.what))?;
+            .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
         self.pending.push(Pending { peer, recv_key: None, status });
         Ok(TransferId(self.pending.len() - 1))
     }
@@ -110,7 +110,7 @@ impl<'t> Transfers<'t> {
     /// for or this `Transfers` is dropped.
     pub unsafe fn recv(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
         let status = Status::new();
-        self.transport.recv(peer, key, data, len, status.clone()).map_err(|e| e.context(&self.what))?;
+        self.transport.recv(peer, key, data, len, status.clone()).map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
         self.pending.push(Pending { peer, recv_key: Some(key), status });
         Ok(TransferId(self.pending.len() - 1))
     }
