@@ -3,7 +3,7 @@
 //! fills posted buffers straight from the socket; the connection a rank sends
 //! on has a writer thread, so queued sends never block the caller.
 
-use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT};
+use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT, KIND_P2P};
 use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Mailbox, PostedRecv, RecvBuf};
 use super::Transport;
 use crate::error::{Error, Result};
@@ -40,6 +40,7 @@ struct Inner {
     listener: TcpListener,
     stopping: AtomicBool,
     handshakes: AtomicUsize,
+    nsocks: usize,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -47,6 +48,14 @@ struct Peer {
     mailbox: Mutex<Mailbox>,
     link: Mutex<Link>,
     linked: Condvar,
+}
+
+/// Connections a rank opens to each peer it sends to.
+pub const ENV_NSOCKS: &str = "RUSTC10D_NSOCKS";
+const DEFAULT_NSOCKS: usize = 1;
+
+fn nsocks() -> usize {
+    std::env::var(ENV_NSOCKS).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_NSOCKS).clamp(1, 16)
 }
 
 /// Frames up to this size are written on the caller's thread when nothing is
@@ -71,8 +80,10 @@ struct WriteHalf {
 
 #[derive(Default)]
 struct Link {
-    /// Where this rank's frames to the peer go.
-    sender: Option<Outbox>,
+    /// The connections this rank sends on (RUSTC10D_NSOCKS of them at most).
+    /// Point-to-point frames always take the first, so they stay in order;
+    /// collective frames, whose keys are unique, are spread over all.
+    lanes: Vec<Outbox>,
     /// Every connection with the peer, kept to shut them down.
     streams: Vec<TcpStream>,
     /// Connections whose reader is still running.
@@ -111,13 +122,14 @@ impl TcpMesh {
             listener,
             stopping: AtomicBool::new(false),
             handshakes: AtomicUsize::new(0),
+            nsocks: nsocks(),
             threads: Mutex::new(Vec::new()),
         });
         let acceptor = inner.clone();
         inner.spawn("rustc10d-accept", move || acceptor.accept_loop());
         let mesh = TcpMesh { inner };
         for &p in eager {
-            mesh.inner.sender(p, deadline)?;
+            mesh.inner.sender(p, 0, deadline)?;
         }
         for &p in expect {
             mesh.inner.wait_linked(p, deadline)?;
@@ -159,7 +171,8 @@ impl Transport for TcpMesh {
         status: Arc<Status>,
         deadline: Instant,
     ) -> Result<()> {
-        let out = self.inner.sender(peer, deadline)?;
+        let lane = if key.kind == KIND_P2P { 0 } else { key.sub as usize };
+        let out = self.inner.sender(peer, lane, deadline)?;
         let header = FrameHeader { key, len: len as u64 }.encode();
         if len <= INLINE_SEND_MAX && out.half.queued.load(Ordering::SeqCst) == 0 {
             if let Ok(mut stream) = out.half.stream.try_lock() {
@@ -222,7 +235,7 @@ impl Transport for TcpMesh {
         // behind the very transfer that failed.
         let grace = Instant::now() + Duration::from_millis(200);
         for peer in peers() {
-            let out = inner.peers[peer].link.lock().unwrap().sender.clone();
+            let out = inner.peers[peer].link.lock().unwrap().lanes.first().cloned();
             let Some(out) = out else { continue };
             loop {
                 if let Ok(mut stream) = out.half.stream.try_lock() {
@@ -267,8 +280,9 @@ impl Inner {
         link.lost.clone().unwrap_or_else(|| Error::peer_lost(format!("connection to {} closed", self.describe(peer))))
     }
 
-    /// The queue to send to `peer` on, dialling it first if we have no connection.
-    fn sender(self: &Arc<Self>, peer: usize, deadline: Instant) -> Result<Outbox> {
+    /// The connection to send to `peer` on (`lane` picks one of several),
+    /// dialling the peer first if we have none.
+    fn sender(self: &Arc<Self>, peer: usize, lane: usize, deadline: Instant) -> Result<Outbox> {
         if peer == self.rank() || peer >= self.peers.len() {
             return Err(Error::invalid(format!("rank {} cannot send to rank {peer}", self.rank())));
         }
@@ -278,12 +292,14 @@ impl Inner {
                 if let Some(err) = &link.lost {
                     return Err(err.clone());
                 }
-                if let Some(tx) = &link.sender {
-                    return Ok(tx.clone());
+                if !link.lanes.is_empty() {
+                    return Ok(link.lanes[lane % link.lanes.len()].clone());
                 }
             }
-            let stream = self.dial(peer, deadline)?;
-            self.register(peer, stream);
+            for _ in 0..self.nsocks {
+                let stream = self.dial(peer, deadline)?;
+                self.register(peer, stream);
+            }
         }
     }
 
@@ -384,7 +400,7 @@ impl Inner {
     }
 
     /// Adopt a connection that passed the handshake: read from it, and send on
-    /// it if we have no sending connection to that peer yet.
+    /// it too while we have fewer than RUSTC10D_NSOCKS to that peer.
     fn register(self: &Arc<Self>, peer: usize, stream: TcpStream) {
         let (Ok(reader), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else {
             return;
@@ -399,10 +415,10 @@ impl Inner {
         link.readers += 1;
         let me = self.clone();
         self.spawn("rustc10d-recv", move || me.read_loop(peer, reader));
-        if link.sender.is_none() {
+        if link.lanes.len() < self.nsocks {
             let (queue, rx) = channel();
             let half = Arc::new(WriteHalf { stream: Mutex::new(stream), queued: AtomicUsize::new(0) });
-            link.sender = Some(Outbox { queue, half: half.clone() });
+            link.lanes.push(Outbox { queue, half: half.clone() });
             let me = self.clone();
             self.spawn("rustc10d-send", move || me.write_loop(peer, half, rx));
         }
@@ -542,7 +558,7 @@ impl Inner {
             if first {
                 link.lost = Some(err.clone());
             }
-            link.sender = None;
+            link.lanes.clear();
             for s in &link.streams {
                 let _ = s.shutdown(Shutdown::Both);
             }
