@@ -4,7 +4,7 @@
 //! The engine owns every op until it finishes; a handle only observes it.
 
 use crate::algorithms::{
-    copy_buf, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, ring_allgather, ring_allreduce,
+    copy_buf, direct_allreduce, direct_gather, direct_scatter, prefers_direct, small_allreduce_bytes, monitored_barrier, pairwise_alltoall, ring_allgather, ring_allreduce,
     ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes, OpCtx, RawBuf, Scratch, ScratchPool,
 };
 use crate::call_check::{agree, Fingerprint};
@@ -31,6 +31,7 @@ struct Shared {
     transport: Arc<dyn Transport>,
     timeout_ms: AtomicU64,
     segment_bytes: usize,
+    small_allreduce_bytes: usize,
     next_seq: AtomicU64,
     stopping: AtomicBool,
     /// Set by the first collective that fails: later ones fail at once with it,
@@ -243,6 +244,7 @@ impl Engine {
             transport,
             timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
             segment_bytes: segment_bytes(),
+            small_allreduce_bytes: small_allreduce_bytes(),
             next_seq: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
             broken: Mutex::new(None),
@@ -415,7 +417,15 @@ impl Shared {
         }
         let start = Instant::now();
         let fingerprint = part.fingerprint();
-        let ctx = OpCtx { transport: &*self.transport, seq, timeout, what, segment_bytes: self.segment_bytes, pool: &self.pool };
+        let ctx = OpCtx {
+            transport: &*self.transport,
+            seq,
+            timeout,
+            what,
+            segment_bytes: self.segment_bytes,
+            small_allreduce_bytes: self.small_allreduce_bytes,
+            pool: &self.pool,
+        };
         let r = match self.faults.hit(self.transport.rank(), part.name(), seq) {
             // An injected failure behaves like a real one: the group breaks.
             Some(Action::Fail) => Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what))),
@@ -491,7 +501,7 @@ fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
-            ring_allreduce(ctx, *buf, red.dtype, op)
+            all_reduce(ctx, *buf, red.dtype, op)
         }
         Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
             let op = premultiply(buf, red);
@@ -534,9 +544,18 @@ fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
         Collective::Barrier => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            ring_allreduce(ctx, buf, DType::U8, ReduceOp::BOr)
+            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr)
         }
         Collective::MonitoredBarrier { wait_all } => monitored_barrier(ctx, *wait_all),
+    }
+}
+
+/// Small messages: one direct exchange; large ones: the bandwidth-optimal ring.
+fn all_reduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+    if prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) {
+        direct_allreduce(ctx, buf, dtype, op)
+    } else {
+        ring_allreduce(ctx, buf, dtype, op)
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 mod alltoall;
 mod broadcast;
 mod direct;
+mod direct_allreduce;
 mod monitored_barrier;
 mod ring_allgather;
 mod ring_allreduce;
@@ -17,6 +18,7 @@ mod ring_reduce_scatter;
 pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
 pub use direct::{direct_gather, direct_scatter};
+pub use direct_allreduce::{direct_allreduce, prefers_direct, small_allreduce_bytes, ENV_SMALL_BYTES};
 pub use monitored_barrier::monitored_barrier;
 pub use ring_allgather::ring_allgather;
 pub use ring_allreduce::ring_allreduce;
@@ -42,6 +44,8 @@ pub struct OpCtx<'a> {
     /// "allreduce #4 on rank 1", for errors.
     pub what: String,
     pub segment_bytes: usize,
+    /// All-reduces up to this size use the direct exchange.
+    pub small_allreduce_bytes: usize,
     pub pool: &'a ScratchPool,
 }
 
