@@ -29,7 +29,7 @@ pub use ring_reduce_scatter::ring_reduce_scatter;
 /// the 32-byte header and a syscall, small enough that send, receive and
 /// reduce of consecutive segments overlap.
 pub const ENV_SEGMENT_BYTES: &str = "RUSTC10D_SEGMENT_BYTES";
-const DEFAULT_SEGMENT_BYTES: usize = 256 * 1024;
+const DEFAULT_SEGMENT_BYTES: usize = 1024 * 1024;
 
 pub fn segment_bytes() -> usize {
     std::env::var(ENV_SEGMENT_BYTES).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(DEFAULT_SEGMENT_BYTES)
