@@ -552,6 +552,20 @@ def registration(ctx: Ctx):
     assert (backend.rank(), backend.size()) == (ctx.rank, ctx.world)
 
 
+@check("init", skip_on={"gloo": "rustc10d's own counters"})
+def per_op_stats(ctx: Ctx):
+    """rustc10d.stats() counts what this group ran: ops, bytes, time."""
+    import rustc10d
+
+    before = rustc10d.stats().get("allreduce", {"count": 0, "bytes": 0, "seconds": 0.0})
+    for _ in range(3):
+        dist.all_reduce(torch.ones(256))
+    after = rustc10d.stats()["allreduce"]
+    assert after["count"] == before["count"] + 3, (before, after)
+    assert after["bytes"] == before["bytes"] + 3 * 1024, (before, after)
+    assert after["seconds"] > before["seconds"] and after["failed"] >= 0, (before, after)
+
+
 # ============================================================================= suite "collectives"
 
 
