@@ -112,7 +112,7 @@ impl Collective {
         let bad = |msg: String| Err(Error::invalid(format!("rustc10d: {name}: {msg}")));
         let root_ok = |root: usize| if root < world { Ok(()) } else { bad(format!("root rank {root} is out of range for a group of size {world}")) };
         let whole = |b: &RawBuf, red: &Reduction| {
-            if b.len % red.dtype.size() == 0 { Ok(()) } else { bad(format!("{} bytes is not a whole number of {} elements", b.len, red.dtype.torch_name())) }
+            if b.len.is_multiple_of(red.dtype.size()) { Ok(()) } else { bad(format!("{} bytes is not a whole number of {} elements", b.len, red.dtype.torch_name())) }
         };
         let blocks = |what: &str, bufs: &[RawBuf], want: usize| {
             if bufs.len() != world {

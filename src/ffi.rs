@@ -148,7 +148,7 @@ fn bufs(ts: &[bridge::TensorDesc]) -> Vec<RawBuf> {
 
 /// Cut a flat list into `parts` equal groups (one per coalesced call).
 fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>> {
-    if parts == 0 || ts.len() % parts != 0 {
+    if parts == 0 || !ts.len().is_multiple_of(parts) {
         return Err(Error::invalid(format!("rustc10d: {} tensors do not split into {parts} calls", ts.len())));
     }
     Ok(ts.chunks(ts.len() / parts).map(bufs).collect())

@@ -8,14 +8,14 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 /// Reinterpret a byte slice as `T`. Buffers are tensor storage or scratch
 /// allocated with 8-byte alignment, and lengths are whole elements.
 fn typed<T>(bytes: &[u8]) -> &[T] {
-    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0, "misaligned buffer");
-    assert!(bytes.len() % std::mem::size_of::<T>() == 0, "partial element");
+    assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
+    assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) }
 }
 
 fn typed_mut<T>(bytes: &mut [u8]) -> &mut [T] {
-    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0, "misaligned buffer");
-    assert!(bytes.len() % std::mem::size_of::<T>() == 0, "partial element");
+    assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
+    assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
     unsafe {
         std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut T, bytes.len() / std::mem::size_of::<T>())
     }

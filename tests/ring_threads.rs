@@ -130,8 +130,8 @@ fn p2p_in_any_order_and_recv_timeout() {
         for h in recvs.into_iter().chain(sends) {
             wait_ok(h);
         }
-        for t in 0..3 {
-            assert_eq!(inbox[t], vec![peer as u32 * 100 + t as u32; 4]);
+        for (t, got) in inbox.iter().enumerate() {
+            assert_eq!(got, &vec![peer as u32 * 100 + t as u32; 4]);
         }
 
         let mut never = vec![0u8; 4];

@@ -305,7 +305,9 @@ mod tests {
             let any = Mutex::new(AnyPosted::default());
             let mut mb = Mailbox::new(1);
             let (mut sent, mut posted) = ([0u8; 3], [0u8; 3]);
-            let mut bufs: Vec<(u8, u8, Box<[u8; 1]>, Arc<Status>)> = Vec::new();
+            // (key, nth receive of that key, buffer, status)
+            type Posted = (u8, u8, Box<[u8; 1]>, Arc<Status>);
+            let mut bufs: Vec<Posted> = Vec::new();
             for (key, is_post) in ops {
                 let k = Key::p2p(key as i64);
                 if is_post {
