@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import rustc10d
+import job_args
+import rustc10d  # noqa: F401
 
 
 def report(**fields):
@@ -138,11 +139,6 @@ SCENARIOS = {f.__name__: f for f in (sigkill, injected, dropped, recv_times_out,
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=SCENARIOS)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--store", required=True)
-    a = p.parse_args()
-    host, port = a.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timedelta(seconds=60))
+    a, store = job_args.parse(p)
     SCENARIOS[a.scenario](store, a.rank, a.world)
     os._exit(0)  # skip interpreter teardown of a possibly broken group

@@ -15,12 +15,16 @@ fn group(world: usize, timeout: Duration) -> Vec<Engine> {
 
 /// `faults` in RUSTC10D_FAULT's grammar (passed directly: tests share the environment).
 fn group_with_faults(world: usize, timeout: Duration, faults: &'static str) -> Vec<Engine> {
-    let store = Arc::new(MemStore::default());
+    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", faults)
+}
+
+/// W ranks as threads rendezvousing through `store`, advertising the route to `host`.
+fn group_on(store: Arc<MemStore>, world: usize, timeout: Duration, host: &'static str, faults: &'static str) -> Vec<Engine> {
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let store = store.clone();
             std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
+                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some(host.into()) };
                 let mesh = Arc::new(connect(&*store, &cfg).unwrap());
                 Engine::with_faults(mesh, timeout, Faults::parse(faults).unwrap())
             })
@@ -459,18 +463,7 @@ fn injected_faults_fail_stall_and_drop() {
 fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
     let store = Arc::new(MemStore::default());
     for round in 0..3 {
-        let engines: Vec<Engine> = (0..2)
-            .map(|rank| {
-                let store = store.clone();
-                std::thread::spawn(move || {
-                    let cfg = GroupConfig { rank, size: 2, timeout: Duration::from_secs(5), store_host: Some("127.0.0.1".into()) };
-                    Engine::new(Arc::new(connect(&*store, &cfg).unwrap()), cfg.timeout).unwrap()
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect();
+        let engines = group_on(store.clone(), 2, Duration::from_secs(5), "127.0.0.1", "");
         let sums = on_all(&engines, |rank, e| {
             let mut v = vec![rank as i32 + round; 2];
             wait_ok(all_reduce(e, raw(&mut v), DType::I32, ReduceOp::Sum));
@@ -487,18 +480,7 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
         return;
     }
     let store = Arc::new(MemStore::default());
-    let engines: Vec<Engine> = (0..2)
-        .map(|rank| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: 2, timeout: Duration::from_secs(5), store_host: Some("::1".into()) };
-                Engine::new(Arc::new(connect(&*store, &cfg).unwrap()), cfg.timeout).unwrap()
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|h| h.join().unwrap())
-        .collect();
+    let engines = group_on(store.clone(), 2, Duration::from_secs(5), "::1", "");
     let addr = String::from_utf8(store.get("rustc10d/0/addr/0", Duration::from_secs(1)).unwrap()).unwrap();
     assert!(addr.contains("[::1]:"), "{addr}");
     let out = on_all(&engines, |rank, e| {

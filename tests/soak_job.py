@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import job_args
 import rustc10d  # noqa: F401
 
 
@@ -64,12 +65,7 @@ def one_step(rng: random.Random, rank: int, world: int):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--store", required=True)
-    a = p.parse_args()
-    host, port = a.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), a.world, is_master=False, timeout=timedelta(seconds=60))
+    a, store = job_args.parse(p)
     dist.init_process_group("rustc10d", store=store, rank=a.rank, world_size=a.world,
                             timeout=timedelta(seconds=30))
     rng = random.Random(1234)
