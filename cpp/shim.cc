@@ -366,8 +366,17 @@ class CoalescedWork final : public c10d::Work {
       if (auto e = w->exception()) return e;
     return nullptr;
   }
+  // One deadline for the whole batch, not `timeout` per Work.
   bool wait(milliseconds timeout = kNoTimeout) override {
-    for (auto& w : works_) w->wait(timeout);
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (auto& w : works_) {
+      if (timeout == kNoTimeout) {
+        w->wait();
+        continue;
+      }
+      auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+      w->wait(std::max(left, milliseconds(1)));
+    }
     return true;
   }
   void synchronize() override { wait(); }

@@ -497,7 +497,6 @@ impl Shared {
 }
 
 fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
-    let world = ctx.transport.size();
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
@@ -509,35 +508,18 @@ fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
         }
         Collective::Reduce { buf, root, red } => {
             // Not the root: the caller's buffer must stay as it was.
-            let mut copy = ctx.scratch(if red.premul.is_some() { buf.len } else { 0 });
-            let input = if red.premul.is_some() { scaled_copy(&mut copy, *buf, red) } else { *buf };
-            ring_reduce(ctx, input, *root, red.dtype, red.op)
+            let mut copy = Scratch::new(0);
+            let input = premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red);
+            ring_reduce(ctx, input[0], *root, red.dtype, red.op)
         }
         Collective::Broadcast { buf, root } => ring_broadcast(ctx, *buf, *root),
         Collective::AllGather { input, outputs } => ring_allgather(ctx, *input, outputs),
         Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
         Collective::Scatter { inputs, output, root } => direct_scatter(ctx, inputs, *output, *root),
         Collective::ReduceScatter { inputs, output, red } => {
-            let len = output.len;
-            let mut copy = ctx.scratch(if red.premul.is_some() { len * world } else { 0 });
-            let scaled: Vec<RawBuf>;
-            let inputs = if red.premul.is_some() {
-                let all = copy.raw();
-                scaled = inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, b)| {
-                        let dst = RawBuf::new(unsafe { all.ptr.add(i * len) }, len);
-                        unsafe { copy_buf(dst, *b) };
-                        scale(red.dtype, unsafe { dst.slice_mut(0, len) }, red.premul.unwrap());
-                        dst
-                    })
-                    .collect();
-                &scaled
-            } else {
-                inputs
-            };
-            ring_reduce_scatter(ctx, inputs, *output, red.dtype, red.op)
+            let mut copy = Scratch::new(0);
+            let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
+            ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op)
         }
         Collective::AllToAll { inputs, outputs } => pairwise_alltoall(ctx, inputs, outputs),
         // An allreduce of one byte: nobody finishes before everybody has arrived.
@@ -567,11 +549,24 @@ fn premultiply(buf: &RawBuf, red: &Reduction) -> ReduceOp {
     red.op
 }
 
-fn scaled_copy(copy: &mut Scratch, src: RawBuf, red: &Reduction) -> RawBuf {
-    let dst = RawBuf::new(copy.raw().ptr, src.len);
-    unsafe { copy_buf(dst, src) };
-    scale(red.dtype, unsafe { dst.slice_mut(0, dst.len) }, red.premul.unwrap_or(1.0));
-    dst
+/// PREMUL_SUM on inputs the caller keeps: scaled copies of `blocks` in `scratch`
+/// (taken from the pool here); without PREMUL_SUM the blocks themselves.
+fn premultiplied_copies<'a>(scratch: &mut Scratch<'a>, ctx: &OpCtx<'a>, blocks: &[RawBuf], red: &Reduction) -> Vec<RawBuf> {
+    let Some(factor) = red.premul else { return blocks.to_vec() };
+    *scratch = ctx.scratch(blocks.iter().map(|b| b.len).sum());
+    let mut at = scratch.raw().ptr;
+    blocks
+        .iter()
+        .map(|b| {
+            let dst = RawBuf::new(at, b.len);
+            unsafe {
+                copy_buf(dst, *b);
+                scale(red.dtype, dst.slice_mut(0, dst.len), factor);
+                at = at.add(b.len);
+            }
+            dst
+        })
+        .collect()
 }
 
 impl OpHandle {

@@ -176,10 +176,6 @@ impl Mailbox {
         }
         failed
     }
-
-    pub fn closed(&self) -> Option<&Error> {
-        self.closed.as_ref()
-    }
 }
 
 pub fn fail_mismatch(p: PostedRecv, got: u64) {

@@ -90,10 +90,6 @@ impl<'t> Transfers<'t> {
         Transfers { transport, deadline: Instant::now() + timeout, timeout, what, pending: Vec::new() }
     }
 
-    pub fn transport(&self) -> &'t dyn Transport {
-        self.transport
-    }
-
     /// # Safety
     /// `data` must stay valid and unchanged until this `Transfers` is dropped.
     pub unsafe fn send(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
