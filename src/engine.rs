@@ -272,6 +272,11 @@ impl Engine {
         self.shared.stats.clone()
     }
 
+    /// How bytes reach `peer` ("shm" or "tcp"), once connected.
+    pub fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.shared.transport.link_kind(peer)
+    }
+
     pub fn rank(&self) -> usize {
         self.shared.transport.rank()
     }

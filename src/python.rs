@@ -3,7 +3,7 @@
 
 use crate::engine::Engine;
 use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
-use crate::rendezvous::{connect, GroupConfig};
+use crate::rendezvous::{connect, GroupConfig, TransportMode};
 use pyo3::exceptions::PyRuntimeError;
 use crate::stats::Stats;
 use pyo3::prelude::*;
@@ -35,6 +35,7 @@ fn create_backend(
         size: usize::try_from(size).map_err(|_| PyRuntimeError::new_err(format!("rustc10d: invalid size {size}")))?,
         timeout: Duration::from_millis(timeout_ms.max(1) as u64),
         store_host: Some(store_host(&store_ref)),
+        transport: TransportMode::from_env().map_err(|e| PyRuntimeError::new_err(e.message))?,
     };
     // Rendezvous can take a while: let other Python threads run meanwhile.
     let engine = py

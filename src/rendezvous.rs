@@ -3,7 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
-use crate::transport::tcp::TcpMesh;
+use crate::transport::mesh::{Mesh, PeerAddr, ShmEndpoint};
+use crate::transport::shm;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::sync::{Condvar, Mutex};
@@ -11,6 +12,29 @@ use std::time::{Duration, Instant};
 
 /// Forces the interface whose IPv4 address is advertised (like GLOO_SOCKET_IFNAME).
 pub const ENV_SOCKET_IFNAME: &str = "RUSTC10D_SOCKET_IFNAME";
+
+/// How ranks on the same host talk: `auto` (default: shared memory where it
+/// can be set up, else TCP), `shm` (shared memory, or fail at init), `tcp`.
+/// Ranks on other hosts always use TCP.
+pub const ENV_TRANSPORT: &str = "RUSTC10D_TRANSPORT";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportMode {
+    Auto,
+    Shm,
+    Tcp,
+}
+
+impl TransportMode {
+    pub fn from_env() -> Result<TransportMode> {
+        match std::env::var(ENV_TRANSPORT).unwrap_or_default().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(TransportMode::Auto),
+            "shm" => Ok(TransportMode::Shm),
+            "tcp" => Ok(TransportMode::Tcp),
+            other => Err(Error::invalid(format!("rustc10d: {ENV_TRANSPORT}={other:?}: expected auto, shm or tcp"))),
+        }
+    }
+}
 
 /// The key/value store the group rendezvous through (torch's c10d Store, already
 /// prefixed per group; an in-memory one in tests).
@@ -68,10 +92,51 @@ pub struct GroupConfig {
     /// Host of the Store's server, when known: we advertise the local address
     /// that routes to it, so that ranks on other machines can reach us.
     pub store_host: Option<String>,
+    pub transport: TransportMode,
+}
+
+/// What each rank publishes: how to reach it, and on which host it runs.
+#[derive(Debug, Clone, PartialEq)]
+struct Published {
+    tcp: SocketAddr,
+    host: String,
+    /// Its shared-memory socket name, or None if it takes TCP only.
+    shm: Option<String>,
+}
+
+impl Published {
+    fn encode(&self) -> String {
+        format!("v{PROTOCOL_VERSION} {} {} {}", self.tcp, self.host, self.shm.as_deref().unwrap_or("-"))
+    }
+
+    fn decode(text: &str) -> Option<Published> {
+        let mut it = text.split(' ').skip(1);
+        let tcp = it.next()?.parse().ok()?;
+        let host = it.next()?.to_string();
+        let shm = it.next().filter(|s| *s != "-").map(str::to_string);
+        Some(Published { tcp, host, shm })
+    }
+}
+
+/// Set up this rank's shared-memory endpoint, unless the mode says TCP.
+/// In `auto`, a machine that cannot (no memfd, a sandbox) falls back to TCP.
+fn shm_endpoint(mode: TransportMode, rank: usize) -> Result<Option<(ShmEndpoint, String)>> {
+    if mode == TransportMode::Tcp {
+        return Ok(None);
+    }
+    let probe = shm::Segment::create(64 << 10).and_then(|_| ShmEndpoint::bind());
+    match (probe, mode) {
+        (Ok(ep), _) => Ok(Some(ep)),
+        (Err(e), TransportMode::Shm) => Err(e.context(format!("rustc10d: rank {rank}: {ENV_TRANSPORT}=shm but shared memory is unavailable"))),
+        (Err(e), _) => {
+            tracing::info!("rustc10d: rank {rank}: shared memory unavailable, using TCP only: {}", e.message);
+            Ok(None)
+        }
+    }
 }
 
 /// Rendezvous through `store` and connect the ring neighbours.
-pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<TcpMesh> {
+pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<Mesh> {
     let (rank, size) = (cfg.rank, cfg.size);
     if size == 0 || rank >= size {
         return Err(Error::invalid(format!("rustc10d: rank {rank} is out of range for world size {size}")));
@@ -89,16 +154,26 @@ pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<TcpMesh> {
     let generation = (joined - 1) / size as i64;
     let keys = Keys(generation);
     let token = agree_on_token(store, &keys, rank, cfg.timeout)?;
-    store.set(&keys.addr(rank), format!("v{PROTOCOL_VERSION} {me}").as_bytes())?;
+    let (local, shm_name) = match shm_endpoint(cfg.transport, rank)? {
+        Some((ep, name)) => (Some(ep), Some(name)),
+        None => (None, None),
+    };
+    let mine = Published { tcp: me, host: shm::host_key().unwrap_or_else(|| "unknown".into()), shm: shm_name };
+    store.set(&keys.addr(rank), mine.encode().as_bytes())?;
     let addrs = (0..size)
-        .map(|peer| if peer == rank { Ok(me) } else { lookup_peer(store, &keys, rank, peer, cfg.timeout) })
+        .map(|peer| {
+            let theirs = if peer == rank { mine.clone() } else { lookup_peer(store, &keys, rank, peer, cfg.timeout)? };
+            // Shared memory when both ends offer it on the same host.
+            let same_host = mine.shm.is_some() && theirs.host == mine.host && theirs.host != "unknown";
+            Ok(PeerAddr { tcp: theirs.tcp, shm: theirs.shm.filter(|_| same_host && peer != rank) })
+        })
         .collect::<Result<Vec<_>>>()?;
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };
-    let mesh = TcpMesh::start(listener, hello, addrs, ring, from, deadline)?;
+    let mesh = Mesh::start(listener, local, hello, addrs, ring, from, deadline)?;
     tracing::debug!("rustc10d: rank {rank}/{size} listening on {me}");
     Ok(mesh)
 }
@@ -135,18 +210,18 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
     bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
 }
 
-fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<SocketAddr> {
+fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<Published> {
     let raw = store.get(&keys.addr(peer), timeout).map_err(|e| {
         e.context(format!("rustc10d: rank {rank} timed out after {} ms waiting for rank {peer} to publish its address", timeout.as_millis()))
     })?;
     let text = String::from_utf8_lossy(&raw);
-    let (version, addr) = text.split_once(' ').unwrap_or(("", &text));
+    let version = text.split(' ').next().unwrap_or("");
     if version != format!("v{PROTOCOL_VERSION}") {
         return Err(Error::invalid(format!(
             "rustc10d: rank {peer} speaks protocol {version:?}, rank {rank} speaks v{PROTOCOL_VERSION}: all ranks must run the same rustc10d version"
         )));
     }
-    addr.parse().map_err(|_| Error::io(format!("rustc10d: rank {peer} published a malformed address {addr:?}")))
+    Published::decode(&text).ok_or_else(|| Error::io(format!("rustc10d: rank {peer} published a malformed address {text:?}")))
 }
 
 /// The address to advertise: the forced interface's, else the one that routes
@@ -254,6 +329,13 @@ mod tests {
         let store = MemStore::default();
         let keys = Keys(0);
         store.set(&keys.addr(1), b"v999 127.0.0.1:1").unwrap();
+        store.set(&keys.addr(3), format!("v{PROTOCOL_VERSION} 127.0.0.1").as_bytes()).unwrap();
+        let err = lookup_peer(&store, &keys, 0, 3, Duration::from_millis(10)).unwrap_err();
+        assert!(err.message.contains("malformed"), "{}", err.message);
+        let p = Published { tcp: "[::1]:5".parse().unwrap(), host: "h".into(), shm: None };
+        assert_eq!(Published::decode(&p.encode()), Some(p.clone()));
+        let p = Published { shm: Some("rustc10d-ab".into()), ..p };
+        assert_eq!(Published::decode(&p.encode()), Some(p));
         let err = lookup_peer(&store, &keys, 0, 1, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("v999") && err.message.contains("rank 1"), "{}", err.message);
         let err = lookup_peer(&store, &keys, 0, 2, Duration::from_millis(10)).unwrap_err();

@@ -18,7 +18,7 @@ pub type Callback = Box<dyn FnOnce(&Result<i64>) + Send>;
 pub const ENV_SPIN_US: &str = "RUSTC10D_SPIN_US";
 const DEFAULT_SPIN_US: u64 = 50;
 
-fn spin_budget() -> Duration {
+pub(crate) fn spin_budget() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {
         let us = std::env::var(ENV_SPIN_US).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_SPIN_US);

@@ -4,7 +4,7 @@
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Collective, Engine, Reduction, Waited};
-use rustc10d::rendezvous::{connect, GroupConfig, MemStore};
+use rustc10d::rendezvous::{connect, GroupConfig, TransportMode, MemStore};
 use rustc10d::transport::frame::{Hello, HELLO_LEN, PROTOCOL_VERSION, TOKEN_LEN};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -18,7 +18,7 @@ fn group(world: usize) -> (Vec<Engine>, Vec<SocketAddr>) {
         .map(|rank| {
             let store = store.clone();
             std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
+                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()), transport: TransportMode::Tcp };
                 let mesh = connect(&*store, &cfg).unwrap();
                 let addr = mesh.local_addr();
                 (Engine::new(Arc::new(mesh), timeout).unwrap(), addr)

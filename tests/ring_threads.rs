@@ -1,30 +1,44 @@
 //! The core end to end without torch: W ranks as threads of one process,
-//! rendezvous through an in-memory Store, real TCP sockets on loopback.
+//! rendezvous through an in-memory Store, real TCP sockets on loopback or
+//! real shared-memory segments (threads of one process share a host too).
 
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Waited};
 use rustc10d::fault::Faults;
-use rustc10d::rendezvous::{connect, GroupConfig, MemStore, Store};
+use rustc10d::rendezvous::{connect, GroupConfig, TransportMode, MemStore, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+const BOTH: [TransportMode; 2] = [TransportMode::Tcp, TransportMode::Shm];
+
 fn group(world: usize, timeout: Duration) -> Vec<Engine> {
-    group_with_faults(world, timeout, "")
+    group_via(TransportMode::Auto, world, timeout)
+}
+
+fn group_via(mode: TransportMode, world: usize, timeout: Duration) -> Vec<Engine> {
+    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", "", mode)
 }
 
 /// `faults` in RUSTC10D_FAULT's grammar (passed directly: tests share the environment).
 fn group_with_faults(world: usize, timeout: Duration, faults: &'static str) -> Vec<Engine> {
-    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", faults)
+    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", faults, TransportMode::Auto)
 }
 
 /// W ranks as threads rendezvousing through `store`, advertising the route to `host`.
-fn group_on(store: Arc<MemStore>, world: usize, timeout: Duration, host: &'static str, faults: &'static str) -> Vec<Engine> {
+fn group_on(
+    store: Arc<MemStore>,
+    world: usize,
+    timeout: Duration,
+    host: &'static str,
+    faults: &'static str,
+    transport: TransportMode,
+) -> Vec<Engine> {
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let store = store.clone();
             std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some(host.into()) };
+                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some(host.into()), transport };
                 let mesh = Arc::new(connect(&*store, &cfg).unwrap());
                 Engine::with_faults(mesh, timeout, Faults::parse(faults).unwrap())
             })
@@ -61,11 +75,10 @@ fn all_reduce(e: &Engine, buf: RawBuf, dtype: DType, op: ReduceOp) -> OpHandle {
     run(e, Collective::AllReduce { buf, red: Reduction::new(dtype, op) })
 }
 
-#[test]
-fn allreduce_matches_arithmetic_for_many_sizes_and_worlds() {
+fn allreduce_matches_arithmetic_for_many_sizes_and_worlds_on(mode: TransportMode) {
     std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
     for world in [2, 3, 4] {
-        let engines = group(world, Duration::from_secs(10));
+        let engines = group_via(mode, world, Duration::from_secs(10));
         for n in [0usize, 1, world - 1, 7, 1001, 4096] {
             let results = on_all(&engines, |rank, e| {
                 let mut v: Vec<i64> = (0..n as i64).map(|i| i * 10 + rank as i64).collect();
@@ -83,6 +96,11 @@ fn allreduce_matches_arithmetic_for_many_sizes_and_worlds() {
             }
         }
     }
+}
+
+#[test]
+fn allreduce_matches_arithmetic_for_many_sizes_and_worlds() {
+    BOTH.into_iter().for_each(allreduce_matches_arithmetic_for_many_sizes_and_worlds_on);
 }
 
 #[test]
@@ -114,9 +132,8 @@ fn avg_broadcast_barrier_and_many_in_flight() {
     }
 }
 
-#[test]
-fn p2p_in_any_order_and_recv_timeout() {
-    let engines = group(2, Duration::from_secs(10));
+fn p2p_in_any_order_and_recv_timeout_on(mode: TransportMode) {
+    let engines = group_via(mode, 2, Duration::from_secs(10));
     on_all(&engines, |rank, e| {
         let peer = 1 - rank;
         let mut inbox = vec![vec![0u32; 4]; 3];
@@ -152,8 +169,12 @@ fn p2p_in_any_order_and_recv_timeout() {
 }
 
 #[test]
-fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
-    let mut engines = group(3, Duration::from_secs(20));
+fn p2p_in_any_order_and_recv_timeout() {
+    BOTH.into_iter().for_each(p2p_in_any_order_and_recv_timeout_on);
+}
+
+fn lost_peer_fails_pending_ops_fast_and_breaks_the_group_on(mode: TransportMode) {
+    let mut engines = group_via(mode, 3, Duration::from_secs(20));
     let dead = engines.pop().unwrap();
     let t0 = Instant::now();
     let handles = on_all(&engines, |_, e| {
@@ -176,6 +197,11 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
         Waited::Failed(msg) => assert!(msg.contains("broken"), "{msg}"),
         other => panic!("expected broken group, got {other:?}"),
     }
+}
+
+#[test]
+fn lost_peer_fails_pending_ops_fast_and_breaks_the_group() {
+    BOTH.into_iter().for_each(lost_peer_fails_pending_ops_fast_and_breaks_the_group_on);
 }
 
 #[test]
@@ -218,7 +244,7 @@ fn bad_input_is_refused_before_the_wire() {
 #[test]
 fn init_without_peer_times_out_naming_it() {
     let store = MemStore::default();
-    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(500), store_host: Some("127.0.0.1".into()) };
+    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(500), store_host: Some("127.0.0.1".into()), transport: TransportMode::Tcp };
     let t0 = Instant::now();
     let err = connect(&store, &cfg).err().expect("no peer: must fail");
     assert!(err.message.contains("rank 1"), "{}", err.message);
@@ -229,19 +255,18 @@ fn init_without_peer_times_out_naming_it() {
 fn init_with_unreachable_peer_names_its_address() {
     let store = MemStore::default();
     // Rank 1 "published" an address where nothing listens (first incarnation: generation 0).
-    store.set("rustc10d/0/addr/1", b"v1 127.0.0.1:1").unwrap();
-    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(800), store_host: Some("127.0.0.1".into()) };
+    store.set("rustc10d/0/addr/1", b"v2 127.0.0.1:1 elsewhere -").unwrap();
+    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(800), store_host: Some("127.0.0.1".into()), transport: TransportMode::Tcp };
     let t0 = Instant::now();
     let err = connect(&store, &cfg).err().expect("unreachable peer: must fail");
     assert!(err.message.contains("rank 1 (127.0.0.1:1)"), "{}", err.message);
     assert!(t0.elapsed() < Duration::from_secs(3));
 }
 
-#[test]
-fn data_movement_collectives() {
+fn data_movement_collectives_on(mode: TransportMode) {
     std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
     for world in [2usize, 3, 4] {
-        let engines = group(world, Duration::from_secs(10));
+        let engines = group_via(mode, world, Duration::from_secs(10));
         let n = 37usize; // several segments of 64 bytes
         let out = on_all(&engines, |rank, e| {
             let mut input: Vec<u32> = (0..n as u32).map(|i| i + 1000 * rank as u32).collect();
@@ -281,10 +306,14 @@ fn data_movement_collectives() {
 }
 
 #[test]
-fn reducing_collectives() {
+fn data_movement_collectives() {
+    BOTH.into_iter().for_each(data_movement_collectives_on);
+}
+
+fn reducing_collectives_on(mode: TransportMode) {
     std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
     for world in [2usize, 3, 4] {
-        let engines = group(world, Duration::from_secs(10));
+        let engines = group_via(mode, world, Duration::from_secs(10));
         let n = 41usize;
         let out = on_all(&engines, |rank, e| {
             // reduce_scatter: block b of rank r holds b*100 + r + i
@@ -320,6 +349,11 @@ fn reducing_collectives() {
 }
 
 #[test]
+fn reducing_collectives() {
+    BOTH.into_iter().for_each(reducing_collectives_on);
+}
+
+#[test]
 fn monitored_barrier_names_the_missing_rank() {
     let engines = group(3, Duration::from_secs(10));
     let short = Some(Duration::from_millis(300));
@@ -339,9 +373,8 @@ fn monitored_barrier_names_the_missing_rank() {
     assert!(out.iter().all(|w| *w == Waited::Done), "{out:?}");
 }
 
-#[test]
-fn recv_from_any_source() {
-    let engines = group(3, Duration::from_secs(10));
+fn recv_from_any_source_on(mode: TransportMode) {
+    let engines = group_via(mode, 3, Duration::from_secs(10));
     on_all(&engines, |rank, e| {
         if rank == 0 {
             let mut got = Vec::new();
@@ -367,6 +400,11 @@ fn recv_from_any_source() {
     });
 }
 
+#[test]
+fn recv_from_any_source() {
+    BOTH.into_iter().for_each(recv_from_any_source_on);
+}
+
 fn wait_ok_ref(h: &OpHandle) {
     assert_eq!(h.wait(None), Waited::Done);
 }
@@ -390,9 +428,8 @@ fn allgather_with_blocks_of_different_sizes() {
     }
 }
 
-#[test]
-fn mismatched_calls_fail_on_every_rank_without_touching_data() {
-    let engines = group(3, Duration::from_secs(10));
+fn mismatched_calls_fail_on_every_rank_without_touching_data_on(mode: TransportMode) {
+    let engines = group_via(mode, 3, Duration::from_secs(10));
     let t0 = Instant::now();
     let out = on_all(&engines, |rank, e| {
         // Rank 1 reduces int32 where the others reduce float32 (same byte count).
@@ -414,10 +451,17 @@ fn mismatched_calls_fail_on_every_rank_without_touching_data() {
 }
 
 #[test]
+fn mismatched_calls_fail_on_every_rank_without_touching_data() {
+    BOTH.into_iter().for_each(mismatched_calls_fail_on_every_rank_without_touching_data_on);
+}
+
+#[test]
 #[ignore = "timing probe, run by hand: cargo test --release -- --ignored latency"]
 fn latency_probe() {
-    let engines = group(2, Duration::from_secs(10));
-    for n in [2usize, 1024, 262144] {
+    for mode in BOTH {
+    eprintln!("{mode:?}");
+    let engines = group_via(mode, 2, Duration::from_secs(10));
+    for n in [2usize, 1024, 262144, 4 << 20] {
         let t = on_all(&engines, |_, e| {
             let mut v = vec![1.0f32; n];
             for _ in 0..50 {
@@ -430,6 +474,21 @@ fn latency_probe() {
             t0.elapsed() / 500
         });
         eprintln!("allreduce {} B: {:?}", n * 4, t[0]);
+    }
+    }
+}
+
+#[test]
+fn the_transport_is_the_one_asked_for() {
+    for (mode, want) in [(TransportMode::Tcp, "tcp"), (TransportMode::Shm, "shm"), (TransportMode::Auto, "shm")] {
+        let engines = group_via(mode, 3, Duration::from_secs(10));
+        on_all(&engines, |_, e| {
+            let mut v = vec![1u8; 10];
+            wait_ok(all_reduce(e, raw(&mut v), DType::U8, ReduceOp::Sum));
+        });
+        for (rank, e) in engines.iter().enumerate() {
+            assert_eq!(e.link_kind((rank + 1) % 3), Some(want), "{mode:?}");
+        }
     }
 }
 
@@ -463,7 +522,7 @@ fn injected_faults_fail_stall_and_drop() {
 fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
     let store = Arc::new(MemStore::default());
     for round in 0..3 {
-        let engines = group_on(store.clone(), 2, Duration::from_secs(5), "127.0.0.1", "");
+        let engines = group_on(store.clone(), 2, Duration::from_secs(5), "127.0.0.1", "", TransportMode::Auto);
         let sums = on_all(&engines, |rank, e| {
             let mut v = vec![rank as i32 + round; 2];
             wait_ok(all_reduce(e, raw(&mut v), DType::I32, ReduceOp::Sum));
@@ -480,7 +539,7 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
         return;
     }
     let store = Arc::new(MemStore::default());
-    let engines = group_on(store.clone(), 2, Duration::from_secs(5), "::1", "");
+    let engines = group_on(store.clone(), 2, Duration::from_secs(5), "::1", "", TransportMode::Tcp);
     let addr = String::from_utf8(store.get("rustc10d/0/addr/0", Duration::from_secs(1)).unwrap()).unwrap();
     assert!(addr.contains("[::1]:"), "{addr}");
     let out = on_all(&engines, |rank, e| {

@@ -1,9 +1,13 @@
 //! The transport layer: move bytes to and from ranks. It knows nothing of
 //! collectives; algorithms see only `send`/`recv` of byte ranges keyed by `Key`.
+//! One `Mesh` carries frames over TCP to other hosts and through shared memory
+//! to ranks on the same host.
 
+pub mod conn;
 pub mod frame;
 pub mod mailbox;
-pub mod tcp;
+pub mod mesh;
+pub mod shm;
 
 pub use frame::Key;
 
@@ -56,6 +60,9 @@ pub trait Transport: Send + Sync {
 
     /// Close every connection; all pending transfers fail. Idempotent.
     fn shutdown(&self);
+
+    /// How bytes reach `peer` now: "shm", "tcp", or None before the first connection.
+    fn link_kind(&self, peer: usize) -> Option<&'static str>;
 }
 
 /// How long cleanup after a failure waits for a transfer before it breaks

@@ -1,16 +1,21 @@
-//! `TcpMesh`: one TCP connection (occasionally two) per peer, opened lazily
-//! when a rank first sends to it. Each connection has a reader thread that
-//! fills posted buffers straight from the socket; the connection a rank sends
-//! on has a writer thread, so queued sends never block the caller.
+//! `Mesh`: one connection (occasionally two) per peer, opened lazily when a
+//! rank first sends to it: shared memory to a peer on this host, TCP to the
+//! others. Each connection has a reader thread that fills posted buffers
+//! straight from it; the connection a rank sends on has a writer thread, so
+//! queued sends never block the caller.
 
+use super::conn::Conn;
 use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT, KIND_P2P};
 use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Mailbox, PostedRecv, RecvBuf};
+use super::shm::{self, Segment, ShmConn};
 use super::Transport;
 use crate::error::{Error, Result};
 use crate::status::Status;
 use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -27,17 +32,48 @@ const EARLY_RESERVE_MAX: u64 = 64 << 20;
 /// a flood of connections cannot exhaust threads.
 const MAX_HANDSHAKES: usize = 64;
 
-pub struct TcpMesh {
+pub struct Mesh {
     inner: Arc<Inner>,
+}
+
+/// Where a peer listens.
+#[derive(Debug, Clone)]
+pub struct PeerAddr {
+    pub tcp: SocketAddr,
+    /// The abstract Unix socket name to reach it through shared memory, for
+    /// a peer on this host; None: over TCP.
+    pub shm: Option<String>,
+}
+
+/// This rank's end for shared-memory peers: a Unix socket in the abstract
+/// namespace (nothing on disk), where peers hand over their segments.
+pub struct ShmEndpoint {
+    pub listener: UnixListener,
+    pub ring_bytes: usize,
+}
+
+impl ShmEndpoint {
+    /// Listen under a fresh random name; the name goes to peers via the Store.
+    pub fn bind() -> Result<(ShmEndpoint, String)> {
+        let mut r = [0u8; 16];
+        if unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) } != r.len() as isize {
+            return Err(Error::io("rustc10d: getrandom failed"));
+        }
+        let name = format!("rustc10d-{}", r.iter().map(|b| format!("{b:02x}")).collect::<String>());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| Error::io(e.to_string()))?;
+        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(format!("rustc10d: cannot listen on a Unix socket: {e}")))?;
+        Ok((ShmEndpoint { listener, ring_bytes: shm::ring_bytes() }, name))
+    }
 }
 
 struct Inner {
     me: Hello,
-    addrs: Vec<SocketAddr>,
+    addrs: Vec<PeerAddr>,
     peers: Vec<Peer>,
     /// Receives posted for any peer (recv with src=None).
     any: Mutex<AnyPosted>,
     listener: TcpListener,
+    local: Option<ShmEndpoint>,
     stopping: AtomicBool,
     handshakes: AtomicUsize,
     nsocks: usize,
@@ -72,7 +108,7 @@ struct Outbox {
 
 struct WriteHalf {
     /// Held while one frame is written, so frames never interleave.
-    stream: Mutex<TcpStream>,
+    stream: Mutex<Conn>,
     /// Frames queued for the writer thread and not yet written: while any
     /// are, inline writes would overtake them, so they queue too.
     queued: AtomicUsize,
@@ -85,7 +121,7 @@ struct Link {
     /// collective frames, whose keys are unique, are spread over all.
     lanes: Vec<Outbox>,
     /// Every connection with the peer, kept to shut them down.
-    streams: Vec<TcpStream>,
+    streams: Vec<Conn>,
     /// Connections whose reader is still running.
     readers: usize,
     lost: Option<Error>,
@@ -100,17 +136,18 @@ struct SendReq {
 // The sender keeps `data` alive until `status` finishes (Transport::send's contract).
 unsafe impl Send for SendReq {}
 
-impl TcpMesh {
+impl Mesh {
     /// Start accepting on `listener`, connect to `eager` peers and wait until
     /// each of `expect` has connected to us, all before `deadline`.
     pub fn start(
         listener: TcpListener,
+        local: Option<ShmEndpoint>,
         me: Hello,
-        addrs: Vec<SocketAddr>,
+        addrs: Vec<PeerAddr>,
         eager: &[usize],
         expect: &[usize],
         deadline: Instant,
-    ) -> Result<TcpMesh> {
+    ) -> Result<Mesh> {
         let peers = (0..addrs.len())
             .map(|p| Peer { mailbox: Mutex::new(Mailbox::new(p)), link: Mutex::default(), linked: Condvar::new() })
             .collect();
@@ -120,6 +157,7 @@ impl TcpMesh {
             peers,
             any: Mutex::default(),
             listener,
+            local,
             stopping: AtomicBool::new(false),
             handshakes: AtomicUsize::new(0),
             nsocks: nsocks(),
@@ -127,7 +165,11 @@ impl TcpMesh {
         });
         let acceptor = inner.clone();
         inner.spawn("rustc10d-accept", move || acceptor.accept_loop());
-        let mesh = TcpMesh { inner };
+        if inner.local.is_some() {
+            let acceptor = inner.clone();
+            inner.spawn("rustc10d-accept-shm", move || acceptor.accept_shm_loop());
+        }
+        let mesh = Mesh { inner };
         for &p in eager {
             mesh.inner.sender(p, 0, deadline)?;
         }
@@ -143,13 +185,13 @@ impl TcpMesh {
 
 }
 
-impl Drop for TcpMesh {
+impl Drop for Mesh {
     fn drop(&mut self) {
         self.inner.shutdown();
     }
 }
 
-impl Transport for TcpMesh {
+impl Transport for Mesh {
     fn rank(&self) -> usize {
         self.inner.me.rank as usize
     }
@@ -239,7 +281,7 @@ impl Transport for TcpMesh {
             let Some(out) = out else { continue };
             loop {
                 if let Ok(mut stream) = out.half.stream.try_lock() {
-                    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                    stream.set_write_timeout(Some(Duration::from_millis(100)));
                     let _ = write_frame(&mut stream, &header, why);
                     break;
                 }
@@ -257,6 +299,11 @@ impl Transport for TcpMesh {
     fn shutdown(&self) {
         self.inner.shutdown();
     }
+
+    fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        let link = self.inner.peers.get(peer)?.link.lock().unwrap();
+        link.streams.first().map(|c| if c.is_shm() { "shm" } else { "tcp" })
+    }
 }
 
 impl Inner {
@@ -265,7 +312,11 @@ impl Inner {
     }
 
     fn describe(&self, peer: usize) -> String {
-        format!("rank {peer} ({})", self.addrs[peer])
+        let a = &self.addrs[peer];
+        match a.shm {
+            Some(_) => format!("rank {peer} ({}, shared memory)", a.tcp),
+            None => format!("rank {peer} ({})", a.tcp),
+        }
     }
 
     fn spawn(&self, name: &str, f: impl FnOnce() + Send + 'static) {
@@ -296,15 +347,20 @@ impl Inner {
                     return Ok(link.lanes[lane % link.lanes.len()].clone());
                 }
             }
+            if self.addrs[peer].shm.is_some() {
+                let conn = self.dial_shm(peer, deadline)?;
+                self.register(peer, conn);
+                continue;
+            }
             for _ in 0..self.nsocks {
                 let stream = self.dial(peer, deadline)?;
-                self.register(peer, stream);
+                self.register(peer, Conn::Tcp(stream));
             }
         }
     }
 
     fn dial(&self, peer: usize, deadline: Instant) -> Result<TcpStream> {
-        let addr = self.addrs[peer];
+        let addr = self.addrs[peer].tcp;
         let mut backoff = Duration::from_millis(20);
         let mut attempts = 0u32;
         loop {
@@ -312,7 +368,7 @@ impl Inner {
             let now = Instant::now();
             let left = deadline.saturating_duration_since(now);
             let err = match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), HANDSHAKE_TIMEOUT)) {
-                Ok(stream) => match self.handshake(&stream, Some(peer), deadline) {
+                Ok(stream) => match stream.set_nodelay(true).map_err(|e| Error::io(e.to_string())).and_then(|_| self.handshake(&stream, Some(peer), deadline)) {
                     Ok(_) => return Ok(stream),
                     // A wrong peer at that address will not become right by retrying.
                     Err(e) => {
@@ -341,26 +397,62 @@ impl Inner {
     /// Exchange hellos; on success the stream is ready for frames. The dialling
     /// side (`expected` is Some) speaks first; the accepting side answers only
     /// a hello that carries the group's token, so a stranger learns nothing.
-    fn handshake(&self, stream: &TcpStream, expected: Option<usize>, deadline: Instant) -> Result<usize> {
+    /// Leaves the stream's timeouts at `keep_timeout` (None: blocking).
+    fn handshake<S: Timeouts>(&self, stream: &S, expected: Option<usize>, deadline: Instant) -> Result<usize>
+    where
+        for<'a> &'a S: Read + Write,
+    {
         let io_err = |e: io::Error| Error::io(e.to_string());
         let limit = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), HANDSHAKE_TIMEOUT);
-        stream.set_nodelay(true).map_err(io_err)?;
-        stream.set_read_timeout(Some(limit)).map_err(io_err)?;
-        stream.set_write_timeout(Some(limit)).map_err(io_err)?;
+        stream.timeouts(Some(limit)).map_err(io_err)?;
         let dialling = expected.is_some();
+        let mut io = stream;
         if dialling {
-            (&*stream).write_all(&self.me.encode()).map_err(io_err)?;
+            io.write_all(&self.me.encode()).map_err(io_err)?;
         }
         let mut buf = [0u8; HELLO_LEN];
-        (&*stream).read_exact(&mut buf).map_err(io_err)?;
+        io.read_exact(&mut buf).map_err(io_err)?;
         let theirs = Hello::decode(&buf)?;
         theirs.verify(&self.me, expected.map(|r| r as u32))?;
         if !dialling {
-            (&*stream).write_all(&self.me.encode()).map_err(io_err)?;
+            io.write_all(&self.me.encode()).map_err(io_err)?;
         }
-        stream.set_read_timeout(None).map_err(io_err)?;
-        stream.set_write_timeout(None).map_err(io_err)?;
+        stream.timeouts(None).map_err(io_err)?;
         Ok(theirs.rank as usize)
+    }
+
+    /// Connect to a peer on this host and hand it a fresh segment: the token
+    /// handshake first, so the segment only ever reaches a member of the group.
+    fn dial_shm(&self, peer: usize, deadline: Instant) -> Result<Conn> {
+        let (Some(local), Some(name)) = (&self.local, &self.addrs[peer].shm) else {
+            return Err(Error::invalid("rustc10d: shared memory is not set up here"));
+        };
+        let fail = |what: String| {
+            Error::io(format!("rustc10d: rank {} could not connect to {} through shared memory: {what}", self.rank(), self.describe(peer)))
+        };
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| fail(e.to_string()))?;
+        let sock = UnixStream::connect_addr(&addr).map_err(|e| fail(e.to_string()))?;
+        self.handshake(&sock, Some(peer), deadline).map_err(|e| fail(format!("handshake failed: {}", e.message)))?;
+        let (seg, fd) = Segment::create(local.ring_bytes).map_err(|e| fail(e.message))?;
+        sock.timeouts(Some(HANDSHAKE_TIMEOUT)).map_err(|e| fail(e.to_string()))?;
+        shm::send_fd(&sock, fd.as_raw_fd()).map_err(|e| fail(e.to_string()))?;
+        // The peer answers once it has mapped the segment.
+        let mut ack = [0u8; 1];
+        (&sock).read_exact(&mut ack).map_err(|e| fail(format!("no answer after sending the segment: {e}")))?;
+        sock.timeouts(None).map_err(|e| fail(e.to_string()))?;
+        Ok(Conn::Shm(Arc::new(ShmConn::new(Arc::new(seg), true, sock, crate::status::spin_budget()))))
+    }
+
+    /// The accepting side of `dial_shm`.
+    fn accept_shm(&self, sock: &UnixStream) -> Result<(usize, Arc<Segment>)> {
+        let peer = self.handshake(sock, None, Instant::now() + HANDSHAKE_TIMEOUT)?;
+        sock.timeouts(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io(e.to_string()))?;
+        let fd = shm::recv_fd(sock).map_err(|e| Error::io(format!("no segment from rank {peer}: {e}")))?;
+        let seg = Segment::open(&fd)?;
+        drop(fd); // the mapping keeps the memory; nothing names it any more
+        (&*sock).write_all(&[1]).map_err(|e| Error::io(e.to_string()))?;
+        sock.timeouts(None).map_err(|e| Error::io(e.to_string()))?;
+        Ok((peer, Arc::new(seg)))
     }
 
     fn accept_loop(self: Arc<Self>) {
@@ -380,42 +472,80 @@ impl Inner {
                 return;
             }
             let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-            if self.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
-                self.handshakes.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!("rustc10d: rank {} dropped a connection from {from}: too many handshakes at once", self.rank());
-                continue;
-            }
-            // Handshake off the accept thread: a slow client must not block
-            // others. Not joined at shutdown: it ends within HANDSHAKE_TIMEOUT.
-            let me = self.clone();
-            let _ = std::thread::Builder::new().name("rustc10d-hello".into()).spawn(move || {
-                let shook = me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT);
-                me.handshakes.fetch_sub(1, Ordering::SeqCst);
-                match shook {
-                    Ok(peer) => me.register(peer, stream),
-                    Err(e) => tracing::warn!("rustc10d: rank {} dropped a connection from {from}: {}", me.rank(), e.message),
-                }
+            self.handshake_off_thread(from, move |me| {
+                stream.set_nodelay(true).map_err(|e| Error::io(e.to_string()))?;
+                let peer = me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT)?;
+                Ok((peer, Conn::Tcp(stream)))
             });
         }
     }
 
+    fn accept_shm_loop(self: Arc<Self>) {
+        let Some(local) = &self.local else { return };
+        loop {
+            let sock = match local.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    if self.stopping.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    tracing::warn!("rustc10d: accept on the shared-memory socket failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            if self.stopping.load(Ordering::SeqCst) {
+                return;
+            }
+            self.handshake_off_thread("a local process".into(), move |me| {
+                let (peer, seg) = me.accept_shm(&sock)?;
+                Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, crate::status::spin_budget())))))
+            });
+        }
+    }
+
+    /// Run an accepted connection's handshake on its own thread, so a slow
+    /// client cannot block others, and register it if it passes. Not joined
+    /// at shutdown: it ends within HANDSHAKE_TIMEOUT.
+    fn handshake_off_thread(self: &Arc<Self>, from: String, shake: impl FnOnce(&Arc<Self>) -> Result<(usize, Conn)> + Send + 'static) {
+        if self.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+            self.handshakes.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("rustc10d: rank {} dropped a connection from {from}: too many handshakes at once", self.rank());
+            return;
+        }
+        let me = self.clone();
+        let _ = std::thread::Builder::new().name("rustc10d-hello".into()).spawn(move || {
+            let shook = shake(&me);
+            me.handshakes.fetch_sub(1, Ordering::SeqCst);
+            match shook {
+                Ok((peer, conn)) => me.register(peer, conn),
+                Err(e) => tracing::warn!("rustc10d: rank {} dropped a connection from {from}: {}", me.rank(), e.message),
+            }
+        });
+    }
+
     /// Adopt a connection that passed the handshake: read from it, and send on
     /// it too while we have fewer than RUSTC10D_NSOCKS to that peer.
-    fn register(self: &Arc<Self>, peer: usize, stream: TcpStream) {
+    fn register(self: &Arc<Self>, peer: usize, stream: Conn) {
         let (Ok(reader), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else {
             return;
         };
         let p = &self.peers[peer];
         let mut link = p.link.lock().unwrap();
         if link.lost.is_some() || self.stopping.load(Ordering::SeqCst) {
-            let _ = stream.shutdown(Shutdown::Both);
+            stream.shutdown();
             return;
         }
+        if let Conn::Shm(shm) = &stream {
+            let shm = shm.clone();
+            self.spawn("rustc10d-watch", move || shm.watch());
+        }
+        let lanes = if stream.is_shm() { 1 } else { self.nsocks };
         link.streams.push(keep);
         link.readers += 1;
         let me = self.clone();
         self.spawn("rustc10d-recv", move || me.read_loop(peer, reader));
-        if link.lanes.len() < self.nsocks {
+        if link.lanes.len() < lanes {
             let (queue, rx) = channel();
             let half = Arc::new(WriteHalf { stream: Mutex::new(stream), queued: AtomicUsize::new(0) });
             link.lanes.push(Outbox { queue, half: half.clone() });
@@ -445,7 +575,7 @@ impl Inner {
         Ok(())
     }
 
-    fn read_loop(&self, peer: usize, mut stream: TcpStream) {
+    fn read_loop(&self, peer: usize, mut stream: Conn) {
         let failure = loop {
             match self.read_frame(peer, &mut stream) {
                 Ok(true) => continue,
@@ -472,7 +602,7 @@ impl Inner {
     }
 
     /// Read one frame; Ok(false) when the peer closed the connection between frames.
-    fn read_frame(&self, peer: usize, stream: &mut TcpStream) -> io::Result<bool> {
+    fn read_frame(&self, peer: usize, stream: &mut Conn) -> io::Result<bool> {
         let mut hb = [0u8; HEADER_LEN];
         let first = loop {
             match stream.read(&mut hb) {
@@ -508,7 +638,7 @@ impl Inner {
                 };
             }
             Delivery::Mismatch(p) => {
-                io::copy(&mut (&*stream).take(header.len), &mut io::sink())?;
+                io::copy(&mut Read::by_ref(stream).take(header.len), &mut io::sink())?;
                 fail_mismatch(p, header.len);
             }
             Delivery::Stash => {
@@ -516,7 +646,7 @@ impl Inner {
                 // and again), but never more than a bound: the length is the
                 // peer's word, and the Vec still grows only as bytes arrive.
                 let mut data = Vec::with_capacity(header.len.min(EARLY_RESERVE_MAX) as usize);
-                (&*stream).take(header.len).read_to_end(&mut data)?;
+                Read::by_ref(stream).take(header.len).read_to_end(&mut data)?;
                 if data.len() as u64 != header.len {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
@@ -560,7 +690,7 @@ impl Inner {
             }
             link.lanes.clear();
             for s in &link.streams {
-                let _ = s.shutdown(Shutdown::Both);
+                s.shutdown();
             }
             self.peers[peer].linked.notify_all();
             first
@@ -582,6 +712,9 @@ impl Inner {
             return;
         }
         unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        if let Some(local) = &self.local {
+            unsafe { libc::shutdown(local.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        }
         let err = Error::aborted("rustc10d: the process group was shut down");
         for peer in 0..self.peers.len() {
             if peer != self.rank() {
@@ -603,8 +736,27 @@ impl Inner {
     }
 }
 
+/// Socket timeouts for the handshake (None: blocking).
+trait Timeouts {
+    fn timeouts(&self, t: Option<Duration>) -> io::Result<()>;
+}
+
+impl Timeouts for TcpStream {
+    fn timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)?;
+        self.set_write_timeout(t)
+    }
+}
+
+impl Timeouts for UnixStream {
+    fn timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)?;
+        self.set_write_timeout(t)
+    }
+}
+
 /// Header and payload in as few syscalls as possible (one for small frames).
-fn write_frame(stream: &mut TcpStream, mut header: &[u8], mut payload: &[u8]) -> io::Result<()> {
+fn write_frame(stream: &mut Conn, mut header: &[u8], mut payload: &[u8]) -> io::Result<()> {
     while !header.is_empty() || !payload.is_empty() {
         let n = if header.is_empty() {
             stream.write(payload)
