@@ -6,6 +6,7 @@ use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
 use crate::rendezvous::{connect, GroupConfig, TransportMode};
 use pyo3::exceptions::PyRuntimeError;
 use crate::stats::Stats;
+use crate::transport::Transport;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::BTreeMap;
@@ -15,8 +16,21 @@ use std::time::Duration;
 /// Logging level for the engine's `tracing` output on stderr (error, warn, info, debug, trace).
 pub const ENV_LOG: &str = "RUSTC10D_LOG";
 
-/// Each live group's counters by group name, for `rustc10d.stats()`.
-static GROUP_STATS: Mutex<BTreeMap<String, Weak<Stats>>> = Mutex::new(BTreeMap::new());
+/// What Python may ask of a live group, by group name (`rustc10d.stats()`, `links()`).
+struct Watched {
+    stats: Weak<Stats>,
+    transport: Weak<dyn Transport>,
+}
+
+static GROUPS: Mutex<BTreeMap<String, Watched>> = Mutex::new(BTreeMap::new());
+
+fn watched<T>(group_name: &str, f: impl FnOnce(&Watched) -> Option<T>) -> PyResult<T> {
+    let groups = GROUPS.lock().unwrap();
+    groups
+        .get(group_name)
+        .and_then(f)
+        .ok_or_else(|| PyRuntimeError::new_err(format!("rustc10d: no live rustc10d group named {group_name:?}")))
+}
 
 /// Rendezvous through `store` and return a `torch.distributed.Backend`.
 #[pyfunction]
@@ -38,12 +52,15 @@ fn create_backend(
         transport: TransportMode::from_env().map_err(|e| PyRuntimeError::new_err(e.message))?,
     };
     // Rendezvous can take a while: let other Python threads run meanwhile.
-    let engine = py
-        .detach(|| connect(&*store_ref, &cfg).and_then(|mesh| Engine::new(Arc::new(mesh), cfg.timeout)))
+    let (engine, transport) = py
+        .detach(|| {
+            let mesh: Arc<dyn Transport> = Arc::new(connect(&*store_ref, &cfg)?);
+            Ok::<_, crate::error::Error>((Engine::new(mesh.clone(), cfg.timeout)?, Arc::downgrade(&mesh)))
+        })
         .map_err(|e| PyRuntimeError::new_err(e.message))?;
-    let mut groups = GROUP_STATS.lock().unwrap();
-    groups.retain(|_, s| s.strong_count() > 0);
-    groups.insert(group_name, Arc::downgrade(&engine.stats()));
+    let mut groups = GROUPS.lock().unwrap();
+    groups.retain(|_, g| g.stats.strong_count() > 0);
+    groups.insert(group_name, Watched { stats: Arc::downgrade(&engine.stats()), transport });
     drop(groups);
     let ptr = backend_to_python(Box::new(Group(engine)), rank, size, timeout_ms).map_err(err)?;
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
@@ -52,10 +69,7 @@ fn create_backend(
 /// {op: {count, failed, bytes, seconds, max_seconds}} of a live group.
 #[pyfunction]
 fn stats(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
-    let groups = GROUP_STATS.lock().unwrap();
-    let Some(s) = groups.get(group_name).and_then(Weak::upgrade) else {
-        return Err(PyRuntimeError::new_err(format!("rustc10d: no live rustc10d group named {group_name:?}")));
-    };
+    let s = watched(group_name, |g| g.stats.upgrade())?;
     let out = PyDict::new(py);
     for (op, s) in s.snapshot() {
         let d = PyDict::new(py);
@@ -65,6 +79,19 @@ fn stats(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
         d.set_item("seconds", s.total.as_secs_f64())?;
         d.set_item("max_seconds", s.max.as_secs_f64())?;
         out.set_item(op, d)?;
+    }
+    Ok(out.unbind())
+}
+
+/// {peer rank: "shm" | "tcp"} for the peers this rank has connected with.
+#[pyfunction]
+fn links(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
+    let t = watched(group_name, |g| g.transport.upgrade())?;
+    let out = PyDict::new(py);
+    for peer in (0..t.size()).filter(|&p| p != t.rank()) {
+        if let Some(kind) = t.link_kind(peer) {
+            out.set_item(peer, kind)?;
+        }
     }
     Ok(out.unbind())
 }
@@ -85,6 +112,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_function(wrap_pyfunction!(create_backend, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(links, m)?)?;
     m.add("TORCH_VERSION", env!("RUSTC10D_TORCH_VERSION"))?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

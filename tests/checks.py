@@ -625,6 +625,20 @@ for _layout in ("gapped", "transposed"):
                  skip_on={"gloo": "Gloo mishandles gapped views"} if _layout == "gapped" else {})
 
 
+@check("collectives", skip_on={"gloo": "rustc10d's transports"})
+def transport_is_the_one_asked_for(ctx: Ctx):
+    """After an all_to_all every peer is connected, through RUSTC10D_TRANSPORT's path: all ranks
+    of a test job share this host, so shared memory unless TCP is forced."""
+    import rustc10d
+
+    out = torch.empty(ctx.world)
+    dist.all_to_all_single(out, torch.full((ctx.world,), float(ctx.rank)))
+    ctx.expect_equal(out, torch.arange(ctx.world, dtype=torch.float32), "all_to_all_single")
+    want = "tcp" if os.environ.get("RUSTC10D_TRANSPORT") == "tcp" else "shm"
+    links = rustc10d.links()
+    assert links == {p: want for p in range(ctx.world) if p != ctx.rank}, (os.environ.get("RUSTC10D_TRANSPORT"), links)
+
+
 @check("collectives")
 def async_ops_in_flight(ctx: Ctx):
     """Eight all_reduces issued before any is waited on; waited in reverse order."""

@@ -115,10 +115,11 @@ class Job:
     """Every check of one job (checks.Check.job) for one world size, run once; `verify(name)`
     reports one check's outcome."""
 
-    def __init__(self, world: int, log_dir: Path, job: str = "main"):
+    def __init__(self, world: int, log_dir: Path, job: str = "main", transport: str = "auto"):
         self.world, self.log_dir = world, log_dir
+        env = worker_env({"RUSTC10D_TRANSPORT": transport})
         self.procs = launch_ranks(world, ["job", "--job", job, "--out", str(log_dir)],
-                                  timeout=JOB_TIMEOUT, log_dir=log_dir)
+                                  timeout=JOB_TIMEOUT, log_dir=log_dir, env=env)
         self.results = [self._load(r) for r in range(world)]
 
     def _load(self, rank) -> dict:
@@ -159,17 +160,28 @@ class JobCache:
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory = tmp_path_factory
-        self.jobs: dict[tuple[int, str], Job] = {}
+        self.jobs: dict[tuple[int, str, str], Job] = {}
 
-    def get(self, world: int, job: str = "main") -> Job:
-        if (world, job) not in self.jobs:
-            log_dir = self.tmp_path_factory.mktemp(f"job-w{world}" + ("" if job == "main" else f"-{job}"))
-            self.jobs[world, job] = Job(world, log_dir, job)
-        return self.jobs[world, job]
+    def get(self, world: int, job: str = "main", transport: str = "auto") -> Job:
+        if (world, job, transport) not in self.jobs:
+            name = f"job-w{world}" + ("" if job == "main" else f"-{job}") + ("" if transport == "auto" else f"-{transport}")
+            self.jobs[world, job, transport] = Job(world, self.tmp_path_factory.mktemp(name), job, transport)
+        return self.jobs[world, job, transport]
 
-    def verify(self, world: int, check: str):
+    def verify(self, world: int, check: str, transport: str = "auto"):
         """Report one check's outcome, from the job that runs it."""
-        self.get(world, checks.CHECKS[check].job).verify(check)
+        self.get(world, checks.CHECKS[check].job, transport).verify(check)
+
+
+# RUSTC10D_TRANSPORT values the collective and p2p suites run under: every rank of a test job is
+# on this host, so "auto" means shared memory; "tcp" forces loopback TCP. Gloo has one path.
+TRANSPORTS = ("shm", "tcp") if checks.BACKEND == "rustc10d" else ("auto",)
+
+
+def transport_check_params(suite: str) -> list:
+    """check_params, once per transport: (world, check name, transport)."""
+    return [pytest.param(*p.values, t, id=f"{t}-{p.id}" if t != "auto" else p.id, marks=p.marks)
+            for t in TRANSPORTS for p in check_params(suite)]
 
 
 def check_params(suite: str) -> list:

@@ -6,6 +6,6 @@ import pytest
 import harness
 
 
-@pytest.mark.parametrize(("world", "check"), harness.check_params("collectives"))
-def test_collective(jobs, world, check):
-    jobs.verify(world, check)
+@pytest.mark.parametrize(("world", "check", "transport"), harness.transport_check_params("collectives"))
+def test_collective(jobs, world, check, transport):
+    jobs.verify(world, check, transport)

@@ -29,7 +29,7 @@ if _native.TORCH_VERSION != torch.__version__:
 
 __version__: str = _native.__version__
 BACKEND_NAME = "rustc10d"
-__all__ = ["BACKEND_NAME", "register", "stats"]
+__all__ = ["BACKEND_NAME", "links", "register", "stats"]
 
 
 def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None):
@@ -45,6 +45,15 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]
     """
     pg = group if group is not None else dist.group.WORLD
     return _native.stats(pg.group_name)
+
+
+def links(group: dist.ProcessGroup | None = None) -> dict[int, str]:
+    """How this rank reaches each peer of a rustc10d group it has connected with so far:
+    ``{peer group rank: "shm" | "tcp"}`` (shared memory on the same host, TCP otherwise; see
+    RUSTC10D_TRANSPORT). Connections open on first use, so an idle peer may be missing.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    return _native.links(pg.group_name)
 
 
 def register() -> None:
