@@ -47,6 +47,12 @@ def sockets() -> int:
     return sum(target(fd).startswith("socket:") for fd in os.listdir("/proc/self/fd"))
 
 
+def shm_maps() -> int:
+    """Shared-memory segments this process still maps (they are memfds: /memfd:rustc10d)."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:rustc10d" in line for line in f)
+
+
 def init(store, rank, world, seconds=30):
     dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=seconds))
@@ -116,6 +122,7 @@ def destroy_cleans_up(store, rank, world):
         init(store, rank, world)
         t = torch.ones(10)
         dist.all_reduce(t)
+        mapped = shm_maps()
         waited = {}
         if rank == 0:
             work = dist.irecv(torch.zeros(1), src=1, tag=77)  # nobody sends this
@@ -129,7 +136,7 @@ def destroy_cleans_up(store, rank, world):
         if rank == 0:
             waiter.join(10)
         counts.append({"threads": rustc10d_threads(), "sockets": sockets(), "destroy_seconds": destroy_seconds,
-                       "waiter": waited})
+                       "waiter": waited, "mapped_during": mapped, "mapped_after": shm_maps()})
     report(cycles=counts)
 
 

@@ -6,26 +6,36 @@ use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Collective, Engine, Reduction, Waited};
 use rustc10d::rendezvous::{connect, GroupConfig, TransportMode, MemStore};
 use rustc10d::transport::frame::{Hello, HELLO_LEN, PROTOCOL_VERSION, TOKEN_LEN};
+use rustc10d::rendezvous::Store;
 use std::io::{Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::UnixStream;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn group(world: usize) -> (Vec<Engine>, Vec<SocketAddr>) {
+    let (engines, addrs, _) = group_via(world, TransportMode::Tcp);
+    (engines, addrs)
+}
+
+/// The group, its TCP addresses, and the Store it met through.
+fn group_via(world: usize, transport: TransportMode) -> (Vec<Engine>, Vec<SocketAddr>, Arc<MemStore>) {
     let store = Arc::new(MemStore::default());
     let timeout = Duration::from_secs(10);
     let hs: Vec<_> = (0..world)
         .map(|rank| {
             let store = store.clone();
             std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()), transport: TransportMode::Tcp };
+                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()), transport };
                 let mesh = connect(&*store, &cfg).unwrap();
                 let addr = mesh.local_addr();
                 (Engine::new(Arc::new(mesh), timeout).unwrap(), addr)
             })
         })
         .collect();
-    hs.into_iter().map(|h| h.join().unwrap()).unzip()
+    let (engines, addrs) = hs.into_iter().map(|h| h.join().unwrap()).unzip();
+    (engines, addrs, store)
 }
 
 /// An all-reduce on every rank gives the right answer, promptly.
@@ -102,4 +112,35 @@ fn silent_clients_and_floods_leave_the_group_alone() {
     drop(engines);
     assert!(t0.elapsed() < Duration::from_secs(3), "shutdown took {:?}", t0.elapsed());
     drop(lingering);
+}
+
+/// A process on the same host (another job, say) that finds a rank's shared-memory socket
+/// (its name is listed in /proc/net/unix) gets no hello, no segment, and does not disturb the group.
+#[test]
+fn strangers_on_the_shared_memory_socket_get_nothing() {
+    let (engines, _, store) = group_via(2, TransportMode::Shm);
+    still_works(&engines);
+    let published = String::from_utf8(store.get("rustc10d/0/addr/0", Duration::from_secs(1)).unwrap()).unwrap();
+    let name = published.split(' ').nth(3).expect("rank 0 offers shared memory").to_string();
+    let connect = || {
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let s = UnixStream::connect_addr(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s
+    };
+    let answer = |mut s: UnixStream| {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        got
+    };
+    // Junk, then a hello with another group's token (a second job on this host).
+    let s = connect();
+    let _ = (&s).write_all(&[7u8; 100]);
+    assert!(answer(s).is_empty());
+    let other_job = Hello { version: PROTOCOL_VERSION, rank: 1, size: 2, token: [0x5A; TOKEN_LEN] };
+    let s = connect();
+    (&s).write_all(&other_job.encode()).unwrap();
+    assert!(answer(s).is_empty(), "the group's hello must not reach another job");
+    still_works(&engines);
 }

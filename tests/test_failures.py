@@ -3,6 +3,7 @@ injected faults (RUSTC10D_FAULT), a timeout, mismatched calls; and destroy_proce
 cleans up. Each scenario is a small job of its own (tests/failure_job.py)."""
 
 import json
+import os
 
 import pytest
 
@@ -28,9 +29,16 @@ def run(scenario: str, world: int, tmp_path, env=None) -> dict[int, dict]:
     return results, procs
 
 
-def test_killed_rank_fails_every_other_rank_fast_and_names_it(tmp_path):
-    results, procs = run("sigkill", 4, tmp_path)
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("transport", harness.TRANSPORTS)
+def test_killed_rank_fails_every_other_rank_fast_and_names_it(tmp_path, transport):
+    before = shm_files()
+    results, procs = run("sigkill", 4, tmp_path, {"RUSTC10D_TRANSPORT": transport})
     assert procs[3].returncode == -9
+    assert shm_files() <= before, f"left in /dev/shm: {shm_files() - before}"
     for rank in range(3):
         r = results.get(rank)
         assert r, f"rank {rank} reported nothing: {procs[rank].describe()}"
@@ -49,8 +57,10 @@ def test_injected_failure_fails_all_ranks(tmp_path):
     assert "RUSTC10D_FAULT" in results[1]["first"]["error"]
 
 
-def test_injected_connection_drop_fails_all_ranks(tmp_path):
-    results, procs = run("dropped", 3, tmp_path, {"RUSTC10D_FAULT": "rank=0,op=allreduce,seq=1,action=drop"})
+@pytest.mark.parametrize("transport", harness.TRANSPORTS)
+def test_injected_connection_drop_fails_all_ranks(tmp_path, transport):
+    env = {"RUSTC10D_FAULT": "rank=0,op=allreduce,seq=1,action=drop", "RUSTC10D_TRANSPORT": transport}
+    results, procs = run("dropped", 3, tmp_path, env)
     for rank in range(3):
         first = results[rank]["first"]
         assert first["raised"] and first["seconds"] < 10, (rank, first)
@@ -84,10 +94,13 @@ def test_mismatched_calls_are_reported_not_reduced(tmp_path):
     assert told and "torch.int32" in told[0] and "torch.float32" in told[0], told
 
 
-def test_destroy_leaves_nothing_behind_and_releases_waiters(tmp_path):
-    results, procs = run("destroy_cleans_up", 2, tmp_path)
+@pytest.mark.parametrize("transport", harness.TRANSPORTS)
+def test_destroy_leaves_nothing_behind_and_releases_waiters(tmp_path, transport):
+    results, procs = run("destroy_cleans_up", 2, tmp_path, {"RUSTC10D_TRANSPORT": transport})
     for rank in range(2):
         cycles = results[rank]["cycles"]
+        # While the group lives, one segment with the peer (two if both dialled); none after.
+        assert all(c["mapped_during"] >= (transport == "shm") and c["mapped_after"] == 0 for c in cycles), cycles
         assert all(c["threads"] == 0 for c in cycles), cycles
         assert cycles[1]["sockets"] <= cycles[0]["sockets"], cycles
         assert all(c["destroy_seconds"] < 3 for c in cycles), cycles

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import rustc10d  # noqa: F401
+import rustc10d
 
 PARTITION = "partition" in sys.argv[1:]
 dist.init_process_group("rustc10d", timeout=timedelta(seconds=5 if PARTITION else 30))
@@ -43,6 +43,12 @@ flat = torch.cat([p.detach().flatten() for p in model.parameters()])
 everyone = [torch.zeros_like(flat) for _ in range(world)]
 dist.all_gather(everyone, flat)
 assert all(torch.equal(everyone[0], x) for x in everyone), "DDP replicas diverged"
+
+# shared memory with the rank on this host, TCP to the other host (torchrun: node 0 has ranks 0, 1)
+links = rustc10d.links()
+want = {p: "shm" if p // 2 == rank // 2 else "tcp" for p in links}
+assert links == want and "shm" in links.values() and "tcp" in links.values(), links
+dist.barrier()  # no rank leaves (closing its links) before every rank has looked
 
 sys.stdout.write(f"rank {rank} on {os.environ.get('RUSTC10D_TEST_HOST')} ok\n")
 if PARTITION:

@@ -689,7 +689,8 @@ impl Inner {
                 link.lost = Some(err.clone());
             }
             link.lanes.clear();
-            for s in &link.streams {
+            // Dropped too: shared-memory segments are unmapped with their last handle.
+            for s in link.streams.drain(..) {
                 s.shutdown();
             }
             self.peers[peer].linked.notify_all();
