@@ -359,7 +359,7 @@ impl Engine {
         }));
         let key = Key::p2p(tag);
         match src {
-            Some(src) => t.recv(src, key, buf.ptr, buf.len, status.clone())?,
+            Some(src) => t.recv(src, key, buf.ptr, buf.len, None, status.clone())?,
             None => t.recv_any(key, buf.ptr, buf.len, status.clone())?,
         }
         let expiry = Expiry { deadline: Instant::now() + timeout, transport: t.clone(), peer: src, recv_key: Some(key), message };

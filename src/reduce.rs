@@ -21,7 +21,7 @@ fn typed_mut<T>(bytes: &mut [u8]) -> &mut [T] {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn zip_apply<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
     let d = typed_mut::<T>(dst);
     let s = typed::<T>(src);
@@ -31,7 +31,7 @@ fn zip_apply<T: Copy>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
 }
 
 /// NaN-propagating min/max, as torch.min/torch.max do.
-#[inline]
+#[inline(always)]
 fn fmin<T: PartialOrd + Copy>(a: T, b: T) -> T {
     #[allow(clippy::eq_op)]
     if a != a {
@@ -43,7 +43,7 @@ fn fmin<T: PartialOrd + Copy>(a: T, b: T) -> T {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn fmax<T: PartialOrd + Copy>(a: T, b: T) -> T {
     #[allow(clippy::eq_op)]
     if a != a {
@@ -69,6 +69,7 @@ macro_rules! float_kernel {
 
 /// Half types widen a block at a time to f32 (SIMD conversions where the CPU
 /// has them), combine there, and round once per element, like torch's CPU kernels.
+#[inline(always)]
 fn half_blocks<E>(dst: &mut [u8], src: &[u8], f: impl Fn(f32, f32) -> f32)
 where
     [E]: HalfFloatSliceExt,
@@ -86,6 +87,35 @@ where
         }
         dc.convert_from_f32_slice(&a[..n]);
     }
+}
+
+/// bfloat16 is the top half of an f32: widening is a shift, and narrowing
+/// rounds to nearest even with integer arithmetic, both of which the compiler
+/// vectorises (the `half` crate's per-element conversions do not).
+#[inline(always)]
+fn bf16_blocks(dst: &mut [u8], src: &[u8], f: impl Fn(f32, f32) -> f32) {
+    const BLOCK: usize = 256;
+    let d = typed_mut::<u16>(dst);
+    let s = typed::<u16>(src);
+    let mut a = [0f32; BLOCK];
+    for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
+        let n = dc.len();
+        for ((x, &p), &q) in a[..n].iter_mut().zip(dc.iter()).zip(sc) {
+            *x = f(f32::from_bits(u32::from(p) << 16), f32::from_bits(u32::from(q) << 16));
+        }
+        for (out, x) in dc.iter_mut().zip(&a[..n]) {
+            *out = bf16_bits(*x);
+        }
+    }
+}
+
+/// `bf16::from_f32(x).to_bits()`, branch-free: round to nearest even, NaN stays (quiet) NaN.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16;
+    let nan = (b & 0x7FFF_FFFF) > 0x7F80_0000;
+    (if nan { (b >> 16) | 0x0040 } else { rounded }) as u16
 }
 
 macro_rules! half_kernel {
@@ -116,13 +146,39 @@ macro_rules! int_kernel {
 }
 
 /// `dst = op(dst, src)` element-wise. `op` must have passed `ReduceOp::check`.
+///
+/// The kernels are compiled twice: for the baseline CPU the crate targets,
+/// and with AVX2/F16C, chosen at run time. Results are identical (element-wise
+/// IEEE operations, no fused multiply-add), so ranks on different CPUs agree.
 pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "reduce_into: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        return unsafe { reduce_into_avx2(dtype, op, dst, src) };
+    }
+    reduce_into_any_cpu(dtype, op, dst, src)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn reduce_into_avx2(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    reduce_into_any_cpu(dtype, op, dst, src)
+}
+
+#[inline(always)]
+fn reduce_into_any_cpu(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     match dtype {
         DType::F32 => float_kernel!(f32, op, dst, src),
         DType::F64 => float_kernel!(f64, op, dst, src),
         DType::F16 => half_kernel!(f16, op, dst, src),
-        DType::BF16 => half_kernel!(bf16, op, dst, src),
+        DType::BF16 => match op {
+            ReduceOp::Sum | ReduceOp::Avg => bf16_blocks(dst, src, |x, y| x + y),
+            ReduceOp::Product => bf16_blocks(dst, src, |x, y| x * y),
+            ReduceOp::Min => bf16_blocks(dst, src, fmin),
+            ReduceOp::Max => bf16_blocks(dst, src, fmax),
+            _ => unreachable!("checked by ReduceOp::check"),
+        },
         DType::I8 => int_kernel!(i8, op, dst, src),
         DType::U8 => int_kernel!(u8, op, dst, src),
         DType::I16 => int_kernel!(i16, op, dst, src),
@@ -200,6 +256,17 @@ mod tests {
         assert_eq!(m, vec![0.5, 2.0, -3.0]);
         let p: Vec<f32> = run(DType::BF16, ReduceOp::Product, &a, &b).iter().map(|x| x.to_f32()).collect();
         assert_eq!(p, vec![0.5, 8.0, -3.0]);
+    }
+
+    #[test]
+    fn bf16_narrowing_matches_the_half_crate_everywhere() {
+        // Every rounding case lives in the low 16 bits and the exponent: sweep them all.
+        for hi in (0..=0xFFFFu32).step_by(7).chain([0x7F7F, 0x7F80, 0x7FC0, 0xFF80, 0xFFFF, 0x0000, 0x8000]) {
+            for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000] {
+                let x = f32::from_bits(hi << 16 | lo);
+                assert_eq!(bf16_bits(x), bf16::from_f32(x).to_bits(), "{:#x}", hi << 16 | lo);
+            }
+        }
     }
 
     #[test]

@@ -36,8 +36,12 @@ def test_quick_bench(tmp_path):
             entries = [e for e in report["results"] if (e["op"], e["dtype"]) == (name, dtype)]
             assert entries, f"no results for {name} {dtype}"
             for e in entries:
-                rust, gloo = e["backends"]["rustc10d"], e["backends"]["gloo"]
+                assert set(e["backends"]) == {"rustc10d-shm", "rustc10d-tcp", "gloo"}, e["backends"].keys()
                 where = f"{name} {dtype} {e['bytes']} B"
-                assert rust["status"] == "ok" and rust["times_s"], f"{where}: rustc10d {rust}"
+                for series in ("rustc10d-shm", "rustc10d-tcp"):
+                    rust = e["backends"][series]
+                    assert rust["status"] == "ok" and rust["times_s"], f"{where}: {series} {rust}"
+                gloo = e["backends"]["gloo"]
                 assert gloo["status"] in ("ok", "unsupported"), f"{where}: gloo {gloo}"
+    assert set(report["idle_cpu_fraction"]) == {"2"} and 0 <= report["idle_cpu_fraction"]["2"] < 1, report
     assert plot_path.exists() or "matplotlib is not installed" in output

@@ -1,13 +1,15 @@
 """Side-by-side benchmark of rustc10d and Gloo on CPU tensors.
 
     python -m rustc10d.bench                 # W = 2 and 4, 8 B .. 256 MiB (minutes)
-    python -m rustc10d.bench --quick         # W = 2, 8 B .. 4 MiB (well under 2 minutes)
+    python -m rustc10d.bench --quick         # W = 2, 8 B .. 4 MiB (about 2 minutes)
 
 For each world size W this process hosts a TCPStore on a port the OS picks (no free-port race)
-and starts W ranks (`python -m rustc10d.bench --worker ...`) that each hold three groups: the
-default Gloo group (barriers and agreeing on timings, never timed) plus one rustc10d and one Gloo
-group under test. For every (op, dtype, size) the two backends are timed in alternating rounds
-(rustc10d, gloo, rustc10d, gloo, ...) so that machine drift hits both alike.
+and starts W ranks (`python -m rustc10d.bench --worker ...`) that each hold the default Gloo group
+(barriers and agreeing on timings, never timed) plus the groups under test: rustc10d once per
+transport (--transports; all ranks share this host, so "shm" is shared memory and "tcp" loopback
+TCP) and Gloo. For every (op, dtype, size) they are timed in alternating rounds (rustc10d-shm,
+rustc10d-tcp, gloo, rustc10d-shm, ...) so that machine drift hits all alike. At the end the ranks
+sit idle for a while and report the CPU they used meanwhile (an idle rank should use none).
 
 Conventions of nccl-tests: warm-up iterations, then an adaptive number of timed iterations so a
 measurement takes about --budget seconds; the time of an op is the slowest rank's (MAX over ranks);
@@ -43,7 +45,9 @@ import torch.distributed as dist
 
 import rustc10d  # registers the "rustc10d" backend
 
-BACKENDS = ("rustc10d", "gloo")  # timing order within a round
+BASELINE = "gloo"  # what every rustc10d series is compared with
+TRANSPORTS = ("shm", "tcp")
+IDLE_SECONDS = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LATENCY_MAX_BYTES = 64 * 1024  # the latency plot shows sizes up to this
 MODULE = __spec__.name if __spec__ else "rustc10d.bench"  # what the ranks run: this very module
@@ -209,7 +213,7 @@ class Rank:
     world: int
     cfg: dict
     sync: object  # the default Gloo group: barriers and agreement, never timed
-    groups: dict  # backend -> group under test
+    groups: dict  # series ("rustc10d-shm", ..., "gloo") -> group under test, in timing order
 
     def agree(self, value: float, error: str) -> float:
         """MAX of value over ranks; raises BackendFailed on every rank if any rank had an error,
@@ -252,7 +256,7 @@ class Rank:
         op, dtype = OPS[name], DTYPES[dtype_name]
         n = _elements(op, dtype, size, self.world)
         bufs = op.make(n, dtype, self.rank, self.world)
-        out = {b: {"status": "ok", "iters": 0, "times_s": []} for b in BACKENDS}
+        out = {b: {"status": "ok", "iters": 0, "times_s": []} for b in self.groups}
         for _ in range(self.cfg["rounds"]):
             for b, res in out.items():
                 if res["status"] != "ok":
@@ -264,7 +268,7 @@ class Rank:
                     res["times_s"].append(t / res["iters"] / (2 if op.round_trip else 1))
                 except BackendFailed as e:
                     # Gloo lacks some ops/dtypes: that is Gloo's limit, not a failure of the run
-                    res.update(status="unsupported" if b == "gloo" else "error", error=str(e))
+                    res.update(status="unsupported" if b == BASELINE else "error", error=str(e))
         del bufs
         for b, res in out.items():
             if res["status"] == "ok":  # once more on fresh buffers, checked against arithmetic
@@ -301,15 +305,31 @@ def worker_main(rank: int, world: int, port: int) -> int:
     pg_timeout = timedelta(seconds=cfg["pg_timeout"])
     # the sync group waits out a backend's failing op (up to pg_timeout) before it can agree
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=3 * pg_timeout)
-    groups = {b: dist.new_group(backend=b, timeout=pg_timeout) for b in BACKENDS}
+    groups = {}
+    for t in cfg["transports"]:
+        os.environ["RUSTC10D_TRANSPORT"] = t  # read when the group is created
+        groups[f"rustc10d-{t}"] = dist.new_group(backend="rustc10d", timeout=pg_timeout)
+    groups[BASELINE] = dist.new_group(backend=BASELINE, timeout=pg_timeout)
     me = Rank(rank, world, cfg, dist.group.WORLD, groups)
     with open(cfg["results"], "a") if rank == 0 else open(os.devnull, "w") as results:
         for name, dtype_name, size in cfg["plan"]:
             results.write(json.dumps(me.bench(name, dtype_name, size)) + "\n")
             results.flush()  # the launcher shows progress from this file
+        # Every group is connected by now; see what the rank costs while nothing happens.
+        dist.barrier(group=me.sync)
+        used = _cpu_seconds()
+        time.sleep(IDLE_SECONDS)
+        idle = torch.tensor([(_cpu_seconds() - used) / IDLE_SECONDS])
+        dist.all_reduce(idle, op=dist.ReduceOp.MAX, group=me.sync)
+        results.write(json.dumps({"world": world, "idle_cpu_fraction": idle.item()}) + "\n")
     dist.barrier(group=me.sync)
     dist.destroy_process_group()
     return 0
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process so far: all its threads, user and system, to the nanosecond."""
+    return time.process_time()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,7 +365,8 @@ def run_world(world: int, cfg: dict, workdir: Path, on_result) -> tuple[list[dic
                         break
                     offset += len(line)
                     got.append(json.loads(line))
-                    on_result(got[-1])
+                    if "op" in got[-1]:
+                        on_result(got[-1])
             if done:
                 break
             if time.monotonic() > deadline:
@@ -434,8 +455,8 @@ def _stats(values: list[float]) -> dict:
 
 
 def summarize(entry: dict) -> dict:
-    """Add time, algbw and busbw statistics over rounds, and the per-round ratio gloo/rustc10d
-    time (= rustc10d/gloo busbw: > 1 means rustc10d is faster)."""
+    """Add time, algbw and busbw statistics over rounds, and for each rustc10d series the
+    per-round ratio gloo time / its time (= its busbw / gloo's: > 1 means rustc10d is faster)."""
     for res in entry["backends"].values():
         if res["times_s"]:
             res["time_s"] = t = _stats(res["times_s"])
@@ -443,9 +464,10 @@ def summarize(entry: dict) -> dict:
             for key, factor in (("algbw_GBps", 1), ("busbw_GBps", entry["busbw_factor"])):
                 res[key] = {k: entry["bytes"] * factor / 1e9 / t[other]
                             for k, other in (("min", "max"), ("median", "median"), ("max", "min"))}
-    r, g = (entry["backends"][b] for b in BACKENDS)
-    if r["status"] == g["status"] == "ok":
-        entry["ratio"] = _stats([tg / tr for tr, tg in zip(r["times_s"], g["times_s"])])
+    g = entry["backends"][BASELINE]
+    entry["ratio"] = {b: _stats([tg / tr for tr, tg in zip(r["times_s"], g["times_s"])])
+                      for b, r in entry["backends"].items()
+                      if b != BASELINE and r["status"] == g["status"] == "ok" and r["times_s"]}
     return entry
 
 
@@ -468,16 +490,27 @@ def _cells(res: dict) -> str:
     return f"{res['status']:>26}"
 
 
+def _series(entries: list[dict]) -> list[str]:
+    return list(dict.fromkeys(b for e in entries for b in e["backends"]))
+
+
 def print_table(world: int, name: str, dtype: str, entries: list[dict]):
     factor = OPS[name].busbw(world)
+    series = _series(entries)
+    ours = [b for b in series if b != BASELINE]
     print(f"\n{name} {dtype}  W={world}  busbw = algbw x {factor:.2f}"
           f"{'  time = half round trip' if OPS[name].round_trip else ''}")
-    print(f"{'':>10} | {'rustc10d':^26} | {'gloo':^26} | ratio (> 1: rustc10d faster)")
-    print(f"{'size':>10} | " + f"{'time':>10} {'busbw GB/s':>10} {'':4} | " * 2 + "  min / median / max")
+    print(f"{'':>10} | " + " | ".join(f"{b:^26}" for b in series) + " | "
+          + " | ".join(f"{'ratio ' + b.removeprefix('rustc10d-'):^19}" for b in ours))
+    print(f"{'size':>10} | " + f"{'time':>10} {'busbw GB/s':>10} {'':4} | " * len(series)
+          + " | ".join(f"{'min / median / max':^19}" for _ in ours))
     for e in entries:
-        ratio = e.get("ratio")
-        r = f"{ratio['min']:5.2f} / {ratio['median']:5.2f} / {ratio['max']:5.2f}" if ratio else "-"
-        print(f"{_size(e['bytes']):>10} | {_cells(e['backends']['rustc10d'])} | {_cells(e['backends']['gloo'])} | {r}")
+        ratios = []
+        for b in ours:
+            r = e.get("ratio", {}).get(b)
+            ratios.append(f"{r['min']:5.2f} /{r['median']:5.2f} /{r['max']:5.2f}" if r else f"{'-':^19}")
+        print(f"{_size(e['bytes']):>10} | " + " | ".join(_cells(e["backends"][b]) for b in series) + " | "
+              + " | ".join(ratios))
     notes = {(b, res["status"], res["error"][:300]) for e in entries for b, res in e["backends"].items() if "error" in res}
     for b, status, error in sorted(notes):
         print(f"  {b} {status}: {error}")
@@ -495,11 +528,12 @@ def print_summary(results: list[dict], reference: dict):
     tcp = reference.get("tcp_loopback_GBps")
     print("\nSummary: peak busbw (GB/s, median over rounds) and its fraction of loopback TCP; "
           "latency = time at the smallest size")
-    print(f"{'W':>2} {'op':<24} {'dtype':<9} | {'rustc10d peak':>14} {'%tcp':>5} {'latency':>10} "
-          f"| {'gloo peak':>14} {'%tcp':>5} {'latency':>10}")
+    series = _series(results)
+    print(f"{'W':>2} {'op':<24} {'dtype':<9} | "
+          + " | ".join(f"{b + ' peak':>14} {'%tcp':>5} {'latency':>10}" for b in series))
     for (world, name, dtype), entries in _groups(results).items():
         cells = []
-        for b in BACKENDS:
+        for b in series:
             ok = [e for e in entries if e["backends"][b].get("busbw_GBps")]
             if not ok:
                 cells.append(f"{'-':>14} {'':>5} {'':>10}")
@@ -507,7 +541,7 @@ def print_summary(results: list[dict], reference: dict):
             peak = max(e["backends"][b]["busbw_GBps"]["median"] for e in ok)
             pct = f"{100 * peak / tcp:4.0f}%" if tcp else ""
             cells.append(f"{peak:>14.3f} {pct:>5} {_time(ok[0]['backends'][b]['time_s']['median']):>10}")
-        print(f"{world:>2} {name:<24} {dtype:<9} | {cells[0]} | {cells[1]}")
+        print(f"{world:>2} {name:<24} {dtype:<9} | " + " | ".join(cells))
 
 
 def failures(results: list[dict]) -> list[str]:
@@ -534,7 +568,8 @@ def plot(report: dict, path: Path):
         for j, world in enumerate(worlds):
             entries = groups.get((world, name, dtype), [])
             bw_ax, lat_ax = axes[i][j], axes[i][len(worlds) + j]
-            for b, color in zip(BACKENDS, ("tab:red", "tab:blue")):
+            for b, color in zip(_series(entries), ("tab:red", "tab:orange", "tab:blue")
+                                if len(_series(entries)) == 3 else ("tab:red", "tab:blue")):
                 ok = [e for e in entries if e["backends"][b].get("busbw_GBps")]
                 xs = [e["bytes"] for e in ok]
                 for ax, key, scale, limit in ((bw_ax, "busbw_GBps", 1, math.inf),
@@ -594,6 +629,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="W=2, 8 B..4 MiB, 3 rounds, short budget: a smoke run (under 2 minutes)")
     p.add_argument("--worlds", help="world sizes, e.g. 2,4 (default 2,4; quick: 2)")
     p.add_argument("--ops", default=",".join(OPS), help="ops to run (default: all): " + ", ".join(OPS))
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help="rustc10d transports to time, each as a series of its own (default shm,tcp)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="dtypes to run, where an op has them (all_reduce and reduce_scatter: float32 and "
                         "bfloat16; the others float32)")
@@ -617,6 +654,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.budget = args.budget or (0.02 if quick else 0.1)
     args.timeout = args.timeout or (150 if quick else 3600)
     args.ops = args.ops.split(",")
+    args.transports = args.transports.split(",")
+    for t in args.transports:
+        if t not in ("auto",) + TRANSPORTS:
+            p.error(f"unknown transport {t!r}; known: auto, {', '.join(TRANSPORTS)}")
     args.dtypes = args.dtypes.split(",")
     for name in args.ops:
         if name not in OPS:
@@ -638,7 +679,7 @@ def main(argv=None) -> int:
     if not plan:
         print("nothing to run: no op has one of the dtypes asked for", file=sys.stderr)
         return 2
-    cfg = {"plan": plan, "rounds": args.rounds, "budget": args.budget, "warmup": args.warmup,
+    cfg = {"plan": plan, "transports": args.transports, "rounds": args.rounds, "budget": args.budget, "warmup": args.warmup,
            "max_iters": args.max_iters, "pg_timeout": args.pg_timeout, "timeout": args.timeout}
 
     print(f"rustc10d {rustc10d.__version__} vs Gloo, torch {torch.__version__}, {os.cpu_count()} CPUs; "
@@ -655,11 +696,13 @@ def main(argv=None) -> int:
                           for b, res in summarize(e)["backends"].items())
         print(f"  W={e['world']} {e['op']} {e['dtype']} {_size(e['bytes'])}: {cells}", file=sys.stderr, flush=True)
 
-    results, job_failures = [], []
+    results, job_failures, idle = [], [], {}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rustc10d-bench-") as workdir:
         for world in args.worlds:
             got, failure = run_world(world, cfg, Path(workdir), progress)
+            idle.update({world: e["idle_cpu_fraction"] for e in got if "idle_cpu_fraction" in e})
+            got = [e for e in got if "op" in e]
             results += got
             if failure:
                 job_failures.append(failure)
@@ -670,13 +713,16 @@ def main(argv=None) -> int:
             for (w, name, dtype), entries in _groups(got).items():
                 print_table(w, name, dtype, entries)
     print_summary(results, reference)
+    for world, fraction in idle.items():
+        print(f"idle: W={world}, every group connected, no op for {IDLE_SECONDS:g} s: the busiest rank "
+              f"used {100 * fraction:.2f} % of a core")
 
     bad = failures(results)
     report = {"meta": {"rustc10d": rustc10d.__version__, "torch": torch.__version__, "cpus": os.cpu_count(),
                        "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "seconds": round(time.monotonic() - t0, 1), "argv": sys.argv[1:],
                        "config": {k: v for k, v in cfg.items() if k != "plan"}, "worlds": args.worlds},
-              "reference": reference, "ok": not bad and not job_failures,
+              "reference": reference, "idle_cpu_fraction": idle, "ok": not bad and not job_failures,
               "failures": bad + job_failures, "results": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))

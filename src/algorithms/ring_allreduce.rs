@@ -1,12 +1,15 @@
 //! Ring allreduce: a reduce-scatter then an all-gather around the ring, each
 //! chunk cut into segments so that sending, receiving and reducing overlap.
 //! Every chunk is reduced by exactly one rank, so all ranks end bit-identical.
+//! Reduce-scatter steps fold what arrives straight into the tensor as it is
+//! read, so the peer's bytes never pass through scratch memory.
 
 use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Key, TransferId, Transfers};
+use crate::transport::{Fold, Key, TransferId, Transfers};
+use std::sync::Arc;
 
 pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
@@ -36,22 +39,18 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
     let reduce_steps = world - 1;
     let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * nseg + j) as u64);
 
-    // Reduce-scatter steps receive into alternating scratch halves; all-gather
-    // steps receive straight into the output.
-    let mut scratch = [ctx.scratch(max_chunk * es), ctx.scratch(max_chunk * es)];
-    let halves = [scratch[0].raw(), scratch[1].raw()];
-    // Declared after the scratch, so dropped (and drained) before it.
+    // Step t's chunk is neither sent nor folded into by any other step in flight.
+    let fold = Fold { unit: es, f: Arc::new(move |mine: &mut [u8], theirs: &[u8]| reduce_into(dtype, op, mine, theirs)) };
     let tr = &mut ctx.transfers();
     let mut posted: [Vec<TransferId>; 2] = [Vec::new(), Vec::new()];
     let post = |tr: &mut Transfers, t: usize, posted: &mut [Vec<TransferId>; 2]| -> Result<()> {
         let c = incoming(t);
         let ids = &mut posted[t % 2];
         ids.clear();
-        let base = halves[t % 2];
         for j in 0..nseg {
             let (off, len) = segment(c, j);
-            let dst = if t < reduce_steps { unsafe { base.ptr.add(off - start(c) * es) } } else { unsafe { buf.ptr.add(off) } };
-            ids.push(unsafe { tr.recv(left, key(t, j), dst, len)? });
+            let folding = (t < reduce_steps).then(|| fold.clone());
+            ids.push(unsafe { tr.recv_folded(left, key(t, j), buf.ptr.add(off), len, folding)? });
         }
         Ok(())
     };
@@ -65,7 +64,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
         unsafe { tr.send(right, key(0, j), buf.slice(off, len))? };
     }
     for t in 0..steps {
-        // Scratch half (t + 1) % 2 was fully consumed by step t - 1.
+        // Step t + 1's receives reuse the list of step t - 1's, all waited for.
         if t >= 1 && t + 1 < steps {
             post(tr, t + 1, &mut posted)?;
         }
@@ -73,13 +72,8 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
         for j in 0..nseg {
             tr.wait(posted[t % 2][j])?;
             let (off, len) = segment(c, j);
-            if t < reduce_steps {
-                let theirs = unsafe { halves[t % 2].slice(off - start(c) * es, len) };
-                let mine = unsafe { buf.slice_mut(off, len) };
-                reduce_into(dtype, op, mine, theirs);
-                if t == reduce_steps - 1 && op == ReduceOp::Avg {
-                    divide_by(dtype, mine, world);
-                }
+            if t == reduce_steps - 1 && op == ReduceOp::Avg {
+                divide_by(dtype, unsafe { buf.slice_mut(off, len) }, world);
             }
             if t + 1 < steps {
                 unsafe { tr.send(right, key(t + 1, j), buf.slice(off, len))? };

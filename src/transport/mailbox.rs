@@ -9,10 +9,20 @@ use crate::status::Status;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
+/// Folds arriving bytes into a receive buffer (`dst = f(dst, src)`) instead of
+/// overwriting it: a reduction then reads the peer's bytes as they arrive,
+/// without a copy to scratch memory first. Pieces are multiples of `unit`.
+#[derive(Clone)]
+pub struct Fold {
+    pub unit: usize,
+    pub f: Arc<dyn Fn(&mut [u8], &[u8]) + Send + Sync>,
+}
+
 /// A destination buffer owned by someone who keeps it alive until `status` finishes.
 pub struct RecvBuf {
     pub ptr: *mut u8,
     pub len: usize,
+    pub fold: Option<Fold>,
 }
 // The poster guarantees the memory outlives the transfer (see Transport::recv).
 unsafe impl Send for RecvBuf {}
@@ -31,7 +41,10 @@ impl PostedRecv {
     }
 
     fn fill(self, data: &[u8], peer: usize) {
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr, data.len()) };
+        match &self.buf.fold {
+            Some(fold) => (fold.f)(unsafe { std::slice::from_raw_parts_mut(self.buf.ptr, data.len()) }, data),
+            None => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr, data.len()) },
+        }
         self.complete(data.len(), peer);
     }
 }
@@ -201,7 +214,7 @@ mod tests {
 
     fn post(mb: &mut Mailbox, key: Key, buf: &mut [u8]) -> Arc<Status> {
         let status = Status::new();
-        mb.post(key, PostedRecv { buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len() }, status: status.clone(), any_source: false });
+        mb.post(key, PostedRecv { buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len(), fold: None }, status: status.clone(), any_source: false });
         status
     }
 
@@ -269,7 +282,7 @@ mod tests {
         // Posted first, then a message from peer 2 arrives.
         let mut a = [0u8; 2];
         let sa = Status::new();
-        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: a.as_mut_ptr(), len: 2 }, status: sa.clone(), any_source: true });
+        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: a.as_mut_ptr(), len: 2, fold: None }, status: sa.clone(), any_source: true });
         deliver(&mut m2, Key::p2p(0), &[4, 5], &any);
         assert_eq!(sa.result().unwrap().unwrap(), 2, "the source rank, not the length");
         assert_eq!(a, [4, 5]);
@@ -277,7 +290,7 @@ mod tests {
         deliver(&mut m1, Key::p2p(0), &[6, 7], &any);
         let mut b = [0u8; 2];
         let sb = Status::new();
-        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 2 }, status: sb.clone(), any_source: true });
+        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 2, fold: None }, status: sb.clone(), any_source: true });
         assert!(!m2.offer_early(Key::p2p(0), &sb, &any), "nothing early from peer 2");
         assert!(m1.offer_early(Key::p2p(0), &sb, &any));
         assert_eq!(sb.result().unwrap().unwrap(), 1);
@@ -286,7 +299,7 @@ mod tests {
         let mut c = [0u8; 1];
         let mut d = [0u8; 1];
         let sd = Status::new();
-        any.lock().unwrap().push(Key::p2p(3), PostedRecv { buf: RecvBuf { ptr: d.as_mut_ptr(), len: 1 }, status: sd.clone(), any_source: true });
+        any.lock().unwrap().push(Key::p2p(3), PostedRecv { buf: RecvBuf { ptr: d.as_mut_ptr(), len: 1, fold: None }, status: sd.clone(), any_source: true });
         let sc = post(&mut m1, Key::p2p(3), &mut c);
         deliver(&mut m1, Key::p2p(3), &[9], &any);
         assert!(sc.is_done() && !sd.is_done());
@@ -309,7 +322,7 @@ mod tests {
                 if is_post {
                     let mut b = Box::new([0xFFu8; 1]);
                     let status = Status::new();
-                    mb.post(k, PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 1 }, status: status.clone(), any_source: false });
+                    mb.post(k, PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 1, fold: None }, status: status.clone(), any_source: false });
                     bufs.push((key, posted[key as usize], b, status));
                     posted[key as usize] += 1;
                 } else {

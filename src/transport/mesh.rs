@@ -6,7 +6,7 @@
 
 use super::conn::Conn;
 use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT, KIND_P2P};
-use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Mailbox, PostedRecv, RecvBuf};
+use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Fold, Mailbox, PostedRecv, RecvBuf};
 use super::shm::{self, Segment, ShmConn};
 use super::Transport;
 use crate::error::{Error, Result};
@@ -236,8 +236,8 @@ impl Transport for Mesh {
         Ok(())
     }
 
-    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
-        let recv = PostedRecv { buf: RecvBuf { ptr: data, len }, status, any_source: false };
+    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>) -> Result<()> {
+        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: false };
         self.inner.peers[peer].mailbox.lock().unwrap().post(key, recv);
         Ok(())
     }
@@ -246,7 +246,7 @@ impl Transport for Mesh {
         let inner = &self.inner;
         // Post first, then look for a message that came early: a reader that
         // gets one meanwhile finds the posted receive.
-        inner.any.lock().unwrap().push(key, PostedRecv { buf: RecvBuf { ptr: data, len }, status: status.clone(), any_source: true });
+        inner.any.lock().unwrap().push(key, PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true });
         for peer in (0..inner.peers.len()).filter(|&p| p != inner.rank()) {
             if inner.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &inner.any) {
                 break;
@@ -576,8 +576,9 @@ impl Inner {
     }
 
     fn read_loop(&self, peer: usize, mut stream: Conn) {
+        let mut bounce = Vec::new();
         let failure = loop {
-            match self.read_frame(peer, &mut stream) {
+            match self.read_frame(peer, &mut stream, &mut bounce) {
                 Ok(true) => continue,
                 Ok(false) => break None,
                 Err(e) => break Some(e),
@@ -602,7 +603,7 @@ impl Inner {
     }
 
     /// Read one frame; Ok(false) when the peer closed the connection between frames.
-    fn read_frame(&self, peer: usize, stream: &mut Conn) -> io::Result<bool> {
+    fn read_frame(&self, peer: usize, stream: &mut Conn, bounce: &mut Vec<u8>) -> io::Result<bool> {
         let mut hb = [0u8; HEADER_LEN];
         let first = loop {
             match stream.read(&mut hb) {
@@ -629,7 +630,11 @@ impl Inner {
         match delivery {
             Delivery::Direct(p) => {
                 let buf = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr, p.buf.len) };
-                match stream.read_exact(buf) {
+                let read = match &p.buf.fold {
+                    Some(fold) => read_folded(stream, buf, fold, bounce),
+                    None => stream.read_exact(buf),
+                };
+                match read {
                     Ok(()) => p.complete(buf.len(), peer),
                     Err(e) => {
                         p.status.finish(Err(Error::peer_lost(e.to_string())));
@@ -735,6 +740,22 @@ impl Inner {
             }
         }
     }
+}
+
+/// Pieces a folded receive reads at a time: small enough to stay in cache
+/// between the read and the fold.
+const FOLD_PIECE: usize = 64 * 1024;
+
+/// Read `dst.len()` bytes and fold them into `dst`, a cache-sized piece at a time.
+fn read_folded(stream: &mut Conn, dst: &mut [u8], fold: &Fold, bounce: &mut Vec<u8>) -> io::Result<()> {
+    let piece = (FOLD_PIECE / fold.unit).max(1) * fold.unit;
+    bounce.resize(piece.min(dst.len()), 0);
+    for chunk in dst.chunks_mut(piece) {
+        let src = &mut bounce[..chunk.len()];
+        stream.read_exact(src)?;
+        (fold.f)(chunk, src);
+    }
+    Ok(())
 }
 
 /// Socket timeouts for the handshake (None: blocking).

@@ -10,6 +10,7 @@ pub mod mesh;
 pub mod shm;
 
 pub use frame::Key;
+pub use mailbox::Fold;
 
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -31,10 +32,12 @@ pub trait Transport: Send + Sync {
 
     /// Post a buffer for the next message from `peer` with `key`; `status`
     /// finishes when it is filled (or the peer is lost, or sizes differ).
+    /// With `fold`, the message is folded into the buffer's contents instead.
     ///
     /// # Safety
     /// The buffer must stay valid, and not be read, until `status` finishes.
-    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()>;
+    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>)
+        -> Result<()>;
 
     /// Like `recv`, from whichever peer sends a message with `key` first;
     /// `status` finishes with that peer's rank.
@@ -112,8 +115,18 @@ impl<'t> Transfers<'t> {
     /// `data` must stay valid, and not be read, until the transfer is waited
     /// for or this `Transfers` is dropped.
     pub unsafe fn recv(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
+        self.recv_folded(peer, key, data, len, None)
+    }
+
+    /// Like `recv`, folding the message into what `data` holds (see `Fold`).
+    ///
+    /// # Safety
+    /// As for `recv`; nobody else may touch `data` until then either.
+    pub unsafe fn recv_folded(&mut self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>) -> Result<TransferId> {
         let status = Status::new();
-        self.transport.recv(peer, key, data, len, status.clone()).map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
+        self.transport
+            .recv(peer, key, data, len, fold, status.clone())
+            .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
         self.pending.push(Pending { peer, recv_key: Some(key), status });
         Ok(TransferId(self.pending.len() - 1))
     }

@@ -497,7 +497,7 @@ mod tests {
         assert!(got == data);
         let a = writer.join().unwrap();
         a.shutdown();
-        assert_eq!((&b).read(&mut [0u8; 4]).unwrap(), 0, "EOF after close and drain");
+        assert_eq!(b.read(&mut [0u8; 4]).unwrap(), 0, "EOF after close and drain");
         assert!((&b).write(&[1]).is_err(), "no writes after close");
     }
 
@@ -507,7 +507,7 @@ mod tests {
         let b = Arc::new(b);
         let reader = {
             let b = b.clone();
-            std::thread::spawn(move || (&*b).read(&mut [0u8; 8]).unwrap())
+            std::thread::spawn(move || b.read(&mut [0u8; 8]).unwrap())
         };
         std::thread::sleep(Duration::from_millis(30));
         a.shutdown();
