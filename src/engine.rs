@@ -445,7 +445,14 @@ impl Shared {
                     Collective::MonitoredBarrier { .. } => Ok(()),
                     _ => agree(&ctx, &fingerprint),
                 };
-                checked.and_then(|()| execute(&ctx, part))
+                // A bug must not leave the op's Work waiting forever: it fails
+                // the op (and breaks the group) like any other failure.
+                checked.and_then(|()| {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(&ctx, part))).unwrap_or_else(|panic| {
+                        let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                        Err(Error::io(format!("rustc10d: {} hit an internal error: {}", ctx.what, why.unwrap_or_default())))
+                    })
+                })
             }
         };
         self.stats.record(part.name(), fingerprint.bytes, start.elapsed(), r.is_ok());

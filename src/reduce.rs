@@ -8,12 +8,18 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 /// Reinterpret a byte slice as `T`. Buffers are tensor storage or scratch
 /// allocated with 8-byte alignment, and lengths are whole elements.
 fn typed<T>(bytes: &[u8]) -> &[T] {
+    if bytes.is_empty() {
+        return &[]; // an empty buffer's pointer may be anything
+    }
     assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
     assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) }
 }
 
 fn typed_mut<T>(bytes: &mut [u8]) -> &mut [T] {
+    if bytes.is_empty() {
+        return &mut [];
+    }
     assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
     assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
     unsafe {

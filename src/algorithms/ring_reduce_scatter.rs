@@ -1,12 +1,15 @@
 //! Ring reduce-scatter, out of place: the partial sum of block c travels the
 //! ring and each rank adds its own contribution, so each rank sends (W-1)/W of
 //! the data, and rank r ends with block r fully reduced. Inputs stay untouched.
+//! The last step folds the arriving partials straight into the output, which
+//! already holds this rank's own block.
 
 use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Key, TransferId};
+use crate::transport::{Fold, Key, TransferId};
+use std::sync::Arc;
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
@@ -27,16 +30,24 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
 
     // Three rotating partial buffers: a buffer is refilled two steps after its
     // partials were queued for sending, and only once those sends are done.
-    let mut scratch = [ctx.scratch(len), ctx.scratch(len), ctx.scratch(len)];
+    let partials = if steps > 1 { len } else { 0 };
+    let mut scratch = [ctx.scratch(partials), ctx.scratch(partials), ctx.scratch(partials)];
     let bufs = [scratch[0].raw(), scratch[1].raw(), scratch[2].raw()];
     let tr = &mut ctx.transfers();
     let mut recvs: Vec<Vec<TransferId>> = vec![Vec::new(); steps];
     let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
+    // The last step's block is this rank's own: start the output from it.
+    unsafe { copy_buf(output, inputs[rank]) };
+    let fold = Fold { unit: dtype.size(), f: Arc::new(move |out: &mut [u8], partial: &[u8]| reduce_into(dtype, op, out, partial)) };
     let post = |tr: &mut super::Transfers, t: usize| -> Result<Vec<TransferId>> {
         (0..nseg)
             .map(|j| {
                 let (off, n) = segment(len, seg, j);
-                unsafe { tr.recv(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
+                if t + 1 == steps {
+                    unsafe { tr.recv_folded(left, key(t, j), output.ptr.add(off), n, Some(fold.clone())) }
+                } else {
+                    unsafe { tr.recv(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
+                }
             })
             .collect()
     };
@@ -61,16 +72,13 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
         for j in 0..nseg {
             tr.wait(recvs[t][j])?;
             let (off, n) = segment(len, seg, j);
-            let partial = unsafe { bufs[t % 3].slice_mut(off, n) };
-            let mine = unsafe { inputs[c].slice(off, n) };
             if last {
-                let out = unsafe { output.slice_mut(off, n) };
-                out.copy_from_slice(mine);
-                reduce_into(dtype, op, out, partial);
                 if op == ReduceOp::Avg {
-                    divide_by(dtype, out, world);
+                    divide_by(dtype, unsafe { output.slice_mut(off, n) }, world);
                 }
             } else {
+                let partial = unsafe { bufs[t % 3].slice_mut(off, n) };
+                let mine = unsafe { inputs[c].slice(off, n) };
                 reduce_into(dtype, op, partial, mine);
                 sends[t + 1].push(unsafe { tr.send(right, key(t + 1, j), partial)? });
             }

@@ -576,7 +576,8 @@ impl Inner {
     }
 
     fn read_loop(&self, peer: usize, mut stream: Conn) {
-        let mut bounce = Vec::new();
+        // u64s: folds view the bytes as any dtype, so they must be 8-byte aligned.
+        let mut bounce: Vec<u64> = Vec::new();
         let failure = loop {
             match self.read_frame(peer, &mut stream, &mut bounce) {
                 Ok(true) => continue,
@@ -603,7 +604,7 @@ impl Inner {
     }
 
     /// Read one frame; Ok(false) when the peer closed the connection between frames.
-    fn read_frame(&self, peer: usize, stream: &mut Conn, bounce: &mut Vec<u8>) -> io::Result<bool> {
+    fn read_frame(&self, peer: usize, stream: &mut Conn, bounce: &mut Vec<u64>) -> io::Result<bool> {
         let mut hb = [0u8; HEADER_LEN];
         let first = loop {
             match stream.read(&mut hb) {
@@ -747,13 +748,14 @@ impl Inner {
 const FOLD_PIECE: usize = 64 * 1024;
 
 /// Read `dst.len()` bytes and fold them into `dst`, a cache-sized piece at a time.
-fn read_folded(stream: &mut Conn, dst: &mut [u8], fold: &Fold, bounce: &mut Vec<u8>) -> io::Result<()> {
+fn read_folded(stream: &mut Conn, dst: &mut [u8], fold: &Fold, bounce: &mut Vec<u64>) -> io::Result<()> {
     let piece = (FOLD_PIECE / fold.unit).max(1) * fold.unit;
-    bounce.resize(piece.min(dst.len()), 0);
+    bounce.resize(piece.min(dst.len()).div_ceil(8), 0);
+    let bytes = unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast::<u8>(), bounce.len() * 8) };
     for chunk in dst.chunks_mut(piece) {
-        let src = &mut bounce[..chunk.len()];
+        let src = &mut bytes[..chunk.len()];
         stream.read_exact(src)?;
-        (fold.f)(chunk, src);
+        fold.apply(chunk, src);
     }
     Ok(())
 }
