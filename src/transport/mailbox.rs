@@ -15,8 +15,11 @@ use std::sync::{Arc, Mutex};
 #[derive(Clone)]
 pub struct Fold {
     pub unit: usize,
-    pub f: Arc<dyn Fn(&mut [u8], &[u8]) + Send + Sync>,
+    pub f: FoldFn,
 }
+
+/// `f(dst, src)`: fold `src` into `dst` (same length).
+pub type FoldFn = Arc<dyn Fn(&mut [u8], &[u8]) + Send + Sync>;
 
 impl Fold {
     /// Fold `src` into `dst`. Kernels view both as typed slices, so a source
