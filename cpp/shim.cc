@@ -5,6 +5,12 @@
 #include "rustc10d/src/ffi.rs.h"
 
 #include <ATen/core/ivalue.h>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -53,7 +59,53 @@ struct OpTiming {
   std::atomic<float> duration_ms{-1.0f};
 };
 
+// CUDA tensors are accepted only with RUSTC10D_CUDA=1 until the staging path
+// has passed scripts/gpu_check.sh on real hardware.
+constexpr const char* kEnvCuda = "RUSTC10D_CUDA";
+
+bool cuda_enabled() {
+  const char* v = std::getenv(kEnvCuda);
+  return v != nullptr && std::string(v) == "1";
+}
+
+// How a CUDA op is ordered against the caller's streams, through c10's
+// device-generic interface only (no CUDA headers, no CUDA link dependency).
+// Tensors are staged through pinned host memory on rustc10d's own stream:
+// device -> host after the work the caller had queued (the `ready` event),
+// host -> device after the network part; `done` marks the copies back.
+struct DeviceSync {
+  explicit DeviceSync(c10::Device d) : device(d), stream(stream_for(d)) {}
+
+  // One stream per device for the process: a later op's copies to the host
+  // then queue behind an earlier op's copies back.
+  static c10::Stream stream_for(c10::Device d) {
+    static std::mutex mu;
+    static std::map<c10::DeviceIndex, c10::Stream> streams;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = streams.find(d.index());
+    if (it == streams.end()) {
+      auto s = c10::impl::getDeviceGuardImpl(d.type())->getStreamFromGlobalPool(d, /*isHighPriority=*/false);
+      it = streams.emplace(d.index(), s).first;
+    }
+    return it->second;
+  }
+
+  // Keep the caching allocator from reusing `t`'s memory while our stream uses it.
+  void record_use(const at::Tensor& t) const {
+    if (t.defined() && t.storage().data_ptr().get()) {
+      c10::impl::getDeviceGuardImpl(device.type())->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+    }
+  }
+
+  c10::Device device;
+  c10::Stream stream;
+  c10::Event ready{c10::DeviceType::CUDA};  // the caller's stream at issue time
+  c10::Event done{c10::DeviceType::CUDA};   // the copies back, once the op succeeded
+};
+
 struct Completion::Impl {
+  std::shared_ptr<DeviceSync> cuda;                             // set for CUDA ops
+  std::vector<std::pair<at::Tensor, at::Tensor>> stage_in;       // (device tensor, host copy) to fill first
   std::shared_ptr<HookRegistry> hooks;
   uint64_t key = 0;
   std::shared_ptr<OpTiming> timing;
@@ -100,11 +152,35 @@ std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
   return ref;
 }
 
+// Copy a CUDA op's inputs to the host on rustc10d's stream, after the
+// caller's queued work, and wait for them (the engine thread calls this just
+// before the op runs). Nothing to do for CPU ops.
+void stage_inputs(const Completion& done) {
+  auto& d = *done.impl;
+  if (!d.cuda) return;
+  auto& sync = *d.cuda;
+  c10::StreamGuard guard(sync.stream);
+  sync.ready.block(sync.stream);
+  for (auto& [device, host] : d.stage_in) {
+    host.copy_(device, /*non_blocking=*/true);
+    sync.record_use(device);
+  }
+  c10::Event staged(c10::DeviceType::CUDA);
+  staged.record(sync.stream);
+  staged.synchronize();
+}
+
 void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
   auto& d = *done->impl;
   try {
     if (error.empty()) {
-      for (auto& [user, staged] : d.copy_back) user.copy_(staged);
+      std::optional<c10::StreamGuard> on_our_stream;
+      if (d.cuda) on_our_stream.emplace(d.cuda->stream);  // copies back and the future's events go there
+      for (auto& [user, staged] : d.copy_back) {
+        user.copy_(staged, /*non_blocking=*/d.cuda != nullptr);
+        if (d.cuda) d.cuda->record_use(user);
+      }
+      if (d.cuda) d.cuda->done.record(d.cuda->stream);
       if (d.on_success) d.on_success();
       std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - d.timing->start;
       d.timing->duration_ms = took.count();
@@ -123,13 +199,15 @@ namespace {
 class RustWork final : public c10d::Work {
  public:
   RustWork(int rank, OpType type, rust::Box<Op> op, c10::intrusive_ptr<c10::ivalue::Future> future,
-           std::vector<at::Tensor> outputs, uint64_t key, std::shared_ptr<OpTiming> timing)
+           std::vector<at::Tensor> outputs, uint64_t key, std::shared_ptr<OpTiming> timing,
+           std::shared_ptr<DeviceSync> cuda)
       : Work(rank, type),
         op_(std::move(op)),
         future_(std::move(future)),
         outputs_(std::move(outputs)),
         key_(key),
-        timing_(std::move(timing)) {}
+        timing_(std::move(timing)),
+        cuda_(std::move(cuda)) {}
 
   uint64_t getCompletionKey() const override { return key_; }
 
@@ -139,7 +217,8 @@ class RustWork final : public c10d::Work {
     return ms;
   }
 
-  bool isCompleted() override { return op_->is_done(); }
+  // A CUDA op is complete once its results are back on the device.
+  bool isCompleted() override { return op_->is_done() && (!cuda_ || !isSuccess() || cuda_->done.query()); }
 
   bool isSuccess() const override { return op_->is_done() && op_->error_message().empty(); }
 
@@ -158,10 +237,14 @@ class RustWork final : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
 
   // torch's kNoTimeout (0 ms) means: until the op finishes or its own timeout.
+  // A CUDA op's wait returns once the network part is done and its copies
+  // back are queued: the caller's current stream waits for them, the host
+  // does not (synchronize() does).
   bool wait(milliseconds timeout = kNoTimeout) override {
     int64_t ms = timeout == kNoTimeout ? -1 : to_ms(timeout);
     switch (op_->wait(ms)) {
       case 0:
+        if (cuda_) cuda_->done.block(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
         return true;
       case 1:
         throw c10::DistBackendError(here(__func__), std::string(op_->error_message()));
@@ -172,7 +255,10 @@ class RustWork final : public c10d::Work {
     }
   }
 
-  void synchronize() override { wait(); }
+  void synchronize() override {
+    wait();
+    if (cuda_) cuda_->done.synchronize();
+  }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
@@ -184,6 +270,7 @@ class RustWork final : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   uint64_t key_;
   std::shared_ptr<OpTiming> timing_;
+  std::shared_ptr<DeviceSync> cuda_;
 };
 
 // The engine's dtype codes; reductions need one, data movement does not.
@@ -263,6 +350,14 @@ class Staging {
   void on_success(std::function<void()> f) { done_->impl->on_success = std::move(f); }
 
   std::unique_ptr<Completion> completion(std::shared_ptr<HookRegistry> hooks, uint64_t key) {
+    if (cuda_) {
+      // A future that knows the device: its value becomes usable on a stream
+      // only after the copies back (events recorded on our stream).
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                         std::vector<c10::Device>{cuda_->device});
+      done_->impl->future = future_;
+      done_->impl->cuda = cuda_;
+    }
     key_ = key;
     done_->impl->hooks = std::move(hooks);
     done_->impl->key = key;
@@ -270,21 +365,53 @@ class Staging {
   }
 
   c10::intrusive_ptr<c10d::Work> work(int rank, OpType type, rust::Box<Op> op) {
-    return c10::make_intrusive<RustWork>(rank, type, std::move(op), future_, results_, key_, timing_);
+    return c10::make_intrusive<RustWork>(rank, type, std::move(op), future_, results_, key_, timing_, cuda_);
   }
 
   const char* name() const { return op_; }
+
+  // Point-to-point ops do not pass the engine's gate: stage CUDA inputs now.
+  void stage_now() {
+    if (!cuda_) return;
+    Completion c;
+    c.impl = std::make_unique<Completion::Impl>();
+    c.impl->cuda = cuda_;
+    c.impl->stage_in = std::move(done_->impl->stage_in);
+    stage_inputs(c);
+  }
 
  private:
   TensorDesc stage(const at::Tensor& t, bool written) {
     TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", t.layout(),
                 " tensors; pass a dense (strided) tensor");
-    TORCH_CHECK(t.device().is_cpu(), "rustc10d: ", op_, " does not support tensors on ", t.device(),
-                " yet; only CPU tensors are supported");
+    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "rustc10d: ", op_, " does not support tensors on ",
+                t.device(), "; pass CPU or CUDA tensors");
+    if (!device_) device_ = t.device();
+    TORCH_CHECK(t.device() == *device_, "rustc10d: ", op_, " got tensors on ", *device_, " and on ", t.device(),
+                "; all tensors of one op must be on the same device");
+    if (t.device().is_cuda()) return stage_cuda(t, written);
     at::Tensor staged = t.is_contiguous() ? t : t.contiguous();
     done_->impl->keep_alive.push_back(staged);
     if (written && !staged.is_same(t)) done_->impl->copy_back.emplace_back(t, staged);
     return desc_of(staged);
+  }
+
+  // A pinned host copy the engine works on: filled from the device by the
+  // gate (stage_inputs), copied back by complete().
+  TensorDesc stage_cuda(const at::Tensor& t, bool written) {
+    TORCH_CHECK(cuda_enabled(), "rustc10d: ", op_, " got a tensor on ", t.device(),
+                ": CUDA tensors are staged through host memory by code that has not yet passed "
+                "scripts/gpu_check.sh on a GPU, so they are off unless ", kEnvCuda, "=1 is set");
+    if (!cuda_) {
+      cuda_ = std::make_shared<DeviceSync>(t.device());
+      cuda_->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
+    }
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    done_->impl->keep_alive.push_back(t);
+    done_->impl->keep_alive.push_back(host);
+    done_->impl->stage_in.emplace_back(t, host);  // written tensors too: ops read them in place
+    if (written) done_->impl->copy_back.emplace_back(t, host);
+    return desc_of(host);
   }
 
   template <typename Ts>
@@ -295,6 +422,8 @@ class Staging {
   }
 
   const char* op_;
+  std::optional<c10::Device> device_;
+  std::shared_ptr<DeviceSync> cuda_;
   std::shared_ptr<OpTiming> timing_ = std::make_shared<OpTiming>();
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::unique_ptr<Completion> done_;
@@ -686,6 +815,7 @@ class RustBackend final : public c10d::Backend {
     auto& t = single(tensors, "send");
     Staging s("send", {t});
     auto d = s.input(t);
+    s.stage_now();
     return run(s, OpType::SEND, [&](auto done) { return group_->send(d, dst, tag, -1, std::move(done)); });
   }
 
@@ -693,6 +823,7 @@ class RustBackend final : public c10d::Backend {
     auto& t = single(tensors, "recv");
     Staging s("recv", {t});
     auto d = s.output(t);
+    s.stage_now();
     return run(s, OpType::RECV, [&](auto done) { return group_->recv(d, src, tag, -1, std::move(done)); });
   }
 
@@ -700,6 +831,7 @@ class RustBackend final : public c10d::Backend {
     auto& t = single(tensors, "recv");
     Staging s("recv", {t});
     auto d = s.output(t);
+    s.stage_now();
     return run(s, OpType::RECVANYSOURCE, [&](auto done) { return group_->recv(d, -1, tag, -1, std::move(done)); });
   }
 

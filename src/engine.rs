@@ -199,8 +199,13 @@ struct Job {
     first_seq: u64,
     parts: Vec<Collective>,
     timeout: Duration,
+    gate: Option<Gate>,
     status: Arc<Status>,
 }
+
+/// Runs on the engine thread just before a job's parts: makes the job's
+/// buffers ready (copies device tensors to the host, in stream order).
+pub type Gate = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// What a Work sees of its op.
 pub struct OpHandle {
@@ -292,6 +297,15 @@ impl Engine {
     /// Every buffer must stay valid until `done` has run; the caller must not
     /// touch output buffers, nor change input buffers, before that.
     pub unsafe fn submit(&self, parts: Vec<Collective>, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
+        self.submit_gated(parts, timeout, None, done)
+    }
+
+    /// `submit`, with `gate` run on the engine thread before the parts; if it
+    /// fails, the job fails and the group breaks (the peers are in the op).
+    ///
+    /// # Safety
+    /// As for `submit`; the buffers need to be valid only once `gate` returns.
+    pub unsafe fn submit_gated(&self, parts: Vec<Collective>, timeout: Option<Duration>, gate: Option<Gate>, done: Callback) -> Result<OpHandle> {
         let (rank, world) = (self.rank(), self.size());
         parts.iter().try_for_each(|p| p.check(rank, world))?;
         let queue = self.queue.lock().unwrap();
@@ -301,7 +315,7 @@ impl Engine {
         let first_seq = self.shared.next_seq.fetch_add(parts.len().max(1) as u64, Ordering::SeqCst);
         let status = Status::with_callback(done);
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
-        let job = Job { first_seq, parts, timeout, status: status.clone() };
+        let job = Job { first_seq, parts, timeout, gate, status: status.clone() };
         if let Err(e) = tx.send(job) {
             e.0.status.finish(Err(Error::aborted("rustc10d: the engine has stopped")));
         }
@@ -403,7 +417,16 @@ impl Shared {
         Duration::from_millis(self.timeout_ms.load(Ordering::SeqCst))
     }
 
-    fn run(&self, job: Job) {
+    fn run(&self, mut job: Job) {
+        if let Some(gate) = job.gate.take() {
+            if let Err(e) = gate() {
+                let name = job.parts.first().map_or("op", |p| p.name());
+                let e = Error::new(e.kind, format!("rustc10d: {name} #{} on rank {} could not stage its tensors: {}", job.first_seq, self.transport.rank(), e.message));
+                self.break_group(&e);
+                job.status.finish(Err(e));
+                return;
+            }
+        }
         let result = job.parts.iter().enumerate().try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout));
         job.status.finish(result.map(|()| 0));
     }

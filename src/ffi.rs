@@ -3,7 +3,7 @@
 
 use crate::algorithms::RawBuf;
 use crate::dtype::{DType, ReduceOp};
-use crate::engine::{Collective, Engine, OpHandle, Reduction, Waited};
+use crate::engine::{Collective, Engine, Gate, OpHandle, Reduction, Waited};
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use crate::status::Callback;
@@ -84,6 +84,9 @@ pub mod bridge {
         fn store_host(store: &StoreRef) -> String;
         fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
         fn complete(done: UniquePtr<Completion>, error: &str);
+        /// Bring a CUDA op's inputs to the host (in stream order) and wait for
+        /// them; nothing to do for CPU ops.
+        fn stage_inputs(done: &Completion) -> Result<()>;
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32, timeout_ms: i64) -> Result<usize>;
     }
 }
@@ -131,6 +134,23 @@ fn finish_with(done: cxx::UniquePtr<bridge::Completion>) -> Callback {
     })
 }
 
+/// The gate of a collective: the shim stages CUDA inputs to the host there,
+/// on the engine thread, so a device copy is ordered after the previous op's
+/// copy back (both on the group's stream) and the caller never blocks on it.
+fn staging_gate(done: &cxx::UniquePtr<bridge::Completion>) -> Gate {
+    struct Ptr(*const bridge::Completion);
+    // The Completion lives in the op's callback, which runs only after the gate.
+    unsafe impl Send for Ptr {}
+    let ptr = Ptr(done.as_ref().map_or(std::ptr::null(), |c| c as *const _));
+    Box::new(move || {
+        let ptr = ptr;
+        match unsafe { ptr.0.as_ref() } {
+            Some(c) => bridge::stage_inputs(c).map_err(|e| Error::io(e.what().to_string())),
+            None => Ok(()),
+        }
+    })
+}
+
 fn reduction(t: &bridge::TensorDesc, spec: &bridge::ReduceSpec) -> Result<Reduction> {
     let dtype = DType::from_code(t.dtype)?;
     if spec.op == PREMUL_SUM {
@@ -158,7 +178,8 @@ fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>>
 // dropped only when the engine finishes the op.
 impl Group {
     fn run(&self, parts: Vec<Collective>, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        Ok(Box::new(Op(unsafe { self.0.submit(parts, timeout(timeout_ms), finish_with(done))? })))
+        let gate = staging_gate(&done);
+        Ok(Box::new(Op(unsafe { self.0.submit_gated(parts, timeout(timeout_ms), Some(gate), finish_with(done))? })))
     }
 
     fn all_reduce(&self, ts: &[bridge::TensorDesc], spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {

@@ -625,6 +625,20 @@ for _layout in ("gapped", "transposed"):
                  skip_on={"gloo": "Gloo mishandles gapped views"} if _layout == "gapped" else {})
 
 
+@check("collectives", skip_on={"gloo": "rustc10d's messages"})
+def tensors_on_other_devices_are_refused(ctx: Ctx):
+    """A tensor on a device rustc10d does not serve (meta here: CI has no GPU), or tensors of one
+    op on different devices, raise a clear error; the group stays usable."""
+    outputs = [torch.empty(3) for _ in range(ctx.world - 1)] + [torch.empty(3, device="meta")]
+    expect_unsupported(ctx, lambda: dist.all_gather(outputs, torch.ones(3)), "an all_gather into a meta tensor",
+                       phrase="meta")
+    if torch.cuda.is_available():
+        outputs = [torch.empty(3) for _ in range(ctx.world - 1)] + [torch.empty(3, device="cuda")]
+        expect_unsupported(ctx, lambda: dist.all_gather(outputs, torch.ones(3)), "CPU and CUDA tensors in one op",
+                           phrase="same device")
+    check_group_usable(ctx, "after the refused devices")
+
+
 @check("collectives", skip_on={"gloo": "rustc10d's transports"})
 def transport_is_the_one_asked_for(ctx: Ctx):
     """After an all_to_all every peer is connected, through RUSTC10D_TRANSPORT's path: all ranks

@@ -82,9 +82,19 @@ struct Inner {
 
 struct Peer {
     mailbox: Mutex<Mailbox>,
+    /// Notified when a receive is posted (for this peer or any peer).
+    posted: Condvar,
     link: Mutex<Link>,
     linked: Condvar,
 }
+
+/// A large message that arrives before its receive waits this long for it
+/// before it is read into memory: the copy out of memory later costs as much
+/// as the transfer, and the receive is usually posted within microseconds
+/// (a ping-pong's echo). Frames behind it on the connection wait too, so the
+/// grace is short: programs that post receives out of order still progress.
+const EARLY_GRACE: Duration = Duration::from_millis(20);
+const EARLY_GRACE_MIN_BYTES: u64 = 256 * 1024;
 
 /// Connections a rank opens to each peer it sends to.
 pub const ENV_NSOCKS: &str = "RUSTC10D_NSOCKS";
@@ -149,7 +159,12 @@ impl Mesh {
         deadline: Instant,
     ) -> Result<Mesh> {
         let peers = (0..addrs.len())
-            .map(|p| Peer { mailbox: Mutex::new(Mailbox::new(p)), link: Mutex::default(), linked: Condvar::new() })
+            .map(|p| Peer {
+                mailbox: Mutex::new(Mailbox::new(p)),
+                posted: Condvar::new(),
+                link: Mutex::default(),
+                linked: Condvar::new(),
+            })
             .collect();
         let inner = Arc::new(Inner {
             me,
@@ -238,7 +253,9 @@ impl Transport for Mesh {
 
     unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>) -> Result<()> {
         let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: false };
-        self.inner.peers[peer].mailbox.lock().unwrap().post(key, recv);
+        let p = &self.inner.peers[peer];
+        p.mailbox.lock().unwrap().post(key, recv);
+        p.posted.notify_all();
         Ok(())
     }
 
@@ -251,6 +268,9 @@ impl Transport for Mesh {
             if inner.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &inner.any) {
                 break;
             }
+        }
+        for p in &inner.peers {
+            p.posted.notify_all();
         }
         Ok(())
     }
@@ -627,7 +647,7 @@ impl Inner {
             self.lose_peer(peer, Error::peer_lost(format!("{} gave up on the group: {why}", self.describe(peer))));
             return Ok(false);
         }
-        let delivery = self.peers[peer].mailbox.lock().unwrap().on_header(header.key, header.len, &self.any);
+        let delivery = self.deliver_to(peer, header.key, header.len);
         match delivery {
             Delivery::Direct(p) => {
                 let buf = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr, p.buf.len) };
@@ -660,6 +680,25 @@ impl Inner {
             }
         }
         Ok(true)
+    }
+
+    /// Where an arriving message goes; a large one waits briefly for its receive.
+    fn deliver_to(&self, peer: usize, key: Key, len: u64) -> Delivery {
+        let p = &self.peers[peer];
+        let mut mailbox = p.mailbox.lock().unwrap();
+        let deadline = Instant::now() + EARLY_GRACE;
+        loop {
+            match mailbox.on_header(key, len, &self.any) {
+                Delivery::Stash if len >= EARLY_GRACE_MIN_BYTES && !self.stopping.load(Ordering::SeqCst) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Delivery::Stash;
+                    }
+                    mailbox = p.posted.wait_timeout(mailbox, deadline - now).unwrap().0;
+                }
+                d => return d,
+            }
+        }
     }
 
     fn write_loop(&self, peer: usize, half: Arc<WriteHalf>, rx: Receiver<SendReq>) {

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CUDA checks of rustc10d, in one go, on a machine with an NVIDIA GPU and a
+# CUDA build of torch (CI has no GPU: this is run by hand, see README "CUDA").
+#
+#   bash scripts/gpu_check.sh            # W=2 ranks; on one GPU, and on two where present
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#
+# Builds and installs rustc10d into that Python if it is not importable, then
+# runs tests/gpu_job.py under torchrun: all_reduce of every dtype against
+# arithmetic, Gloo and NCCL (NCCL only with a GPU per rank), broadcast,
+# all_gather_into_tensor, reduce_scatter_tensor, isend/irecv, a stream-ordering
+# test, a DDP step, the mixed-device error, and busbw against Gloo's CUDA path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+export RUSTC10D_CUDA=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+
+"$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible to torch")'
+"$PYTHON" -c 'import rustc10d' 2>/dev/null || "$PYTHON" -m pip install -q --no-build-isolation .
+nvidia-smi -L || true
+ngpu=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+
+status=0
+run() {  # run <label> <CUDA_VISIBLE_DEVICES>
+    echo "=== W=2, $1"
+    CUDA_VISIBLE_DEVICES=$2 timeout 600 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        tests/gpu_job.py || status=1
+}
+run "both ranks on GPU 0" 0
+if [ "$ngpu" -ge 2 ]; then run "one GPU per rank" 0,1; fi
+echo "=== gpu_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status

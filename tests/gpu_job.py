@@ -1,0 +1,193 @@
+"""One rank of the CUDA checks (scripts/gpu_check.sh launches it with torchrun on a GPU machine).
+
+Every rank drives rustc10d and Gloo groups over CUDA tensors (NCCL too where each rank has a GPU
+of its own) and compares results with plain arithmetic; then a DDP step, a stream-ordering test
+and a quick timing against Gloo. Prints `CHECK <name> ok|FAIL <why>` lines and exits 1 on any
+failure. Not part of pytest: CI has no GPU.
+"""
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import rustc10d  # noqa: F401  (registers the backend)
+
+FAILURES = []
+
+
+def check(name):
+    def deco(fn):
+        try:
+            fn()
+            print(f"CHECK rank {RANK} {name} ok", flush=True)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then the next check runs
+            FAILURES.append(name)
+            print(f"CHECK rank {RANK} {name} FAIL {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+        dist.barrier(group=CPU)
+        return fn
+    return deco
+
+
+def same(got, want, what):
+    if not torch.equal(got.cpu(), want.cpu()):
+        raise AssertionError(f"{what}: got {got.flatten()[:8].tolist()}..., want {want.flatten()[:8].tolist()}...")
+
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # the CPU group: barriers only
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+CPU = dist.group.WORLD
+ngpu = torch.cuda.device_count()
+DEV = torch.device("cuda", RANK % ngpu)
+torch.cuda.set_device(DEV)
+RUST = dist.new_group(backend="rustc10d", timeout=timedelta(seconds=60))
+GLOO = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+# NCCL refuses two ranks on one GPU.
+NCCL = dist.new_group(backend="nccl") if ngpu >= WORLD and dist.is_nccl_available() else None
+print(f"rank {RANK}/{WORLD} on {DEV} ({torch.cuda.get_device_name(DEV)}), NCCL {'on' if NCCL else 'off'}", flush=True)
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool]
+
+
+def ramp(n, dtype, rank):
+    if dtype == torch.bool:
+        return (torch.arange(n, device=DEV) + rank) % 3 == 0
+    return ((torch.arange(n, device=DEV) + 7 * rank) % 5).to(dtype)
+
+
+@check("all_reduce every dtype, against arithmetic, Gloo and NCCL")
+def _():
+    for dtype in DTYPES:
+        for n in (1, 1000, 1 << 20):
+            want = ramp(n, dtype, 0)
+            for r in range(1, WORLD):
+                want = (want | ramp(n, dtype, r)) if dtype == torch.bool else want + ramp(n, dtype, r)
+            t = ramp(n, dtype, RANK)
+            dist.all_reduce(t, group=RUST)
+            same(t, want, f"rustc10d all_reduce {dtype} n={n}")
+            if dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+                g = ramp(n, dtype, RANK)
+                dist.all_reduce(g, group=GLOO)
+                same(t, g, f"against Gloo {dtype} n={n}")
+            if NCCL is not None and dtype != torch.bool:
+                c = ramp(n, dtype, RANK)
+                dist.all_reduce(c, group=NCCL)
+                same(t, c, f"against NCCL {dtype} n={n}")
+
+
+@check("broadcast, all_gather_into_tensor, reduce_scatter_tensor")
+def _():
+    n = 1 << 18
+    b = ramp(n, torch.float32, RANK)
+    dist.broadcast(b, src=WORLD - 1, group=RUST)
+    same(b, ramp(n, torch.float32, WORLD - 1), "broadcast")
+    out = torch.empty(WORLD * n, device=DEV)
+    dist.all_gather_into_tensor(out, ramp(n, torch.float32, RANK), group=RUST)
+    same(out, torch.cat([ramp(n, torch.float32, r) for r in range(WORLD)]), "all_gather_into_tensor")
+    for dtype in (torch.float32, torch.bfloat16):
+        inp = torch.cat([ramp(n, dtype, RANK) + b for b in range(WORLD)])
+        mine = torch.empty(n, device=DEV, dtype=dtype)
+        dist.reduce_scatter_tensor(mine, inp, group=RUST)
+        want = sum(ramp(n, torch.float32, r) + RANK for r in range(WORLD)).to(dtype)
+        same(mine, want, f"reduce_scatter_tensor {dtype}")
+
+
+@check("isend/irecv, both directions at once")
+def _():
+    peer = (RANK + 1) % WORLD
+    src = (RANK - 1) % WORLD
+    out = torch.full((4097,), float(RANK), device=DEV)
+    got = torch.empty(4097, device=DEV)
+    works = [dist.isend(out, peer, group=RUST), dist.irecv(got, src, group=RUST)]
+    for w in works:
+        w.wait()
+    same(got, torch.full((4097,), float(src)), "irecv")
+
+
+@check("stream order: producer on a side stream, collective, consumer, no host sync")
+def _():
+    side = torch.cuda.Stream(device=DEV)
+    n = 1 << 22
+    with torch.cuda.stream(side):
+        a = torch.randn(2048, 2048, device=DEV)
+        for _ in range(20):  # keep the stream busy, so a collective that ran early would read zeros
+            a = (a @ a).clamp_(-1, 1)
+        t = torch.zeros(n, device=DEV)
+        t.add_(RANK + 1)  # the producer: only valid once the matmuls are done
+        work = dist.all_reduce(t, group=RUST, async_op=True)
+        work.wait()  # orders `side` after the result; must not block the host on the GPU
+        t.mul_(2)  # the consumer, queued on the same stream
+        result = t.sum()
+    side.synchronize()
+    want = 2.0 * n * WORLD * (WORLD + 1) / 2
+    if result.item() != want:
+        raise AssertionError(f"sum {result.item()}, want {want}")
+    fut_t = torch.ones(10, device=DEV)
+    fut = dist.all_reduce(fut_t, group=RUST, async_op=True).get_future()
+    same(fut.wait()[0], torch.full((10,), float(WORLD)), "future value")
+
+
+@check("DDP step on CUDA: replicas stay equal")
+def _():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(DEV)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEV.index], process_group=RUST)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.manual_seed(RANK)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(32, 64, device=DEV)).square().mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(everyone, flat, group=RUST)
+    for r, x in enumerate(everyone):
+        same(x, everyone[0], f"rank {r}'s parameters")
+
+
+@check("mixed CPU and CUDA tensors are refused clearly")
+def _():
+    out = [torch.empty(3, device=DEV)] + [torch.empty(3) for _ in range(WORLD - 1)]
+    try:
+        dist.all_gather(out, torch.ones(3, device=DEV), group=RUST)
+    except Exception as e:  # noqa: BLE001
+        if "same device" not in str(e):
+            raise AssertionError(f"unclear error: {e}") from e
+    else:
+        raise AssertionError("mixed devices were accepted")
+    t = torch.ones(3, device=DEV)
+    dist.all_reduce(t, group=RUST)  # still usable
+    same(t, torch.full((3,), float(WORLD)), "after the refusal")
+
+
+def timed(group, n, iters=10):
+    t = torch.ones(n, device=DEV)
+    dist.all_reduce(t, group=group)
+    torch.cuda.synchronize(DEV)
+    dist.barrier(group=CPU)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t, group=group)
+    torch.cuda.synchronize(DEV)
+    return (time.perf_counter() - t0) / iters
+
+
+@check("busbw against Gloo's CUDA path (all_reduce float32)")
+def _():
+    for n in (1 << 18, 1 << 22, 1 << 24):
+        r, g = timed(RUST, n), timed(GLOO, n)
+        bus = 2 * (WORLD - 1) / WORLD * 4 * n / 1e9
+        if RANK == 0:
+            print(f"BUSBW {4 * n >> 20} MiB: rustc10d {bus / r:.2f} GB/s, gloo {bus / g:.2f} GB/s, "
+                  f"ratio {g / r:.2f}", flush=True)
+
+
+dist.destroy_process_group()
+print(f"rank {RANK}: {'FAILED: ' + ', '.join(FAILURES) if FAILURES else 'all CUDA checks passed'}", flush=True)
+sys.exit(1 if FAILURES else 0)
