@@ -68,6 +68,19 @@ bool cuda_enabled() {
   return v != nullptr && std::string(v) == "1";
 }
 
+// Tests only: stage CPU tensors exactly as CUDA tensors are staged (copied in
+// by the engine's gate, copied back on completion), host memory standing in
+// for device memory, so CI exercises that path without a GPU.
+constexpr const char* kEnvTestStaging = "RUSTC10D_TEST_STAGING";
+
+bool test_staging() {
+  static const bool on = [] {
+    const char* v = std::getenv(kEnvTestStaging);
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
 // How a CUDA op is ordered against the caller's streams, through c10's
 // device-generic interface only (no CUDA headers, no CUDA link dependency).
 // Tensors are staged through pinned host memory on rustc10d's own stream:
@@ -157,7 +170,11 @@ std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
 // before the op runs). Nothing to do for CPU ops.
 void stage_inputs(const Completion& done) {
   auto& d = *done.impl;
-  if (!d.cuda) return;
+  if (d.stage_in.empty()) return;
+  if (!d.cuda) {  // RUSTC10D_TEST_STAGING: host memory standing in for the device
+    for (auto& [device, host] : d.stage_in) host.copy_(device);
+    return;
+  }
   auto& sync = *d.cuda;
   c10::StreamGuard guard(sync.stream);
   sync.ready.block(sync.stream);
@@ -370,9 +387,9 @@ class Staging {
 
   const char* name() const { return op_; }
 
-  // Point-to-point ops do not pass the engine's gate: stage CUDA inputs now.
+  // Point-to-point ops do not pass the engine's gate: stage their inputs now.
   void stage_now() {
-    if (!cuda_) return;
+    if (done_->impl->stage_in.empty()) return;
     Completion c;
     c.impl = std::make_unique<Completion::Impl>();
     c.impl->cuda = cuda_;
@@ -389,7 +406,7 @@ class Staging {
     if (!device_) device_ = t.device();
     TORCH_CHECK(t.device() == *device_, "rustc10d: ", op_, " got tensors on ", *device_, " and on ", t.device(),
                 "; all tensors of one op must be on the same device");
-    if (t.device().is_cuda()) return stage_cuda(t, written);
+    if (t.device().is_cuda() || test_staging()) return stage_device(t, written);
     at::Tensor staged = t.is_contiguous() ? t : t.contiguous();
     done_->impl->keep_alive.push_back(staged);
     if (written && !staged.is_same(t)) done_->impl->copy_back.emplace_back(t, staged);
@@ -398,15 +415,17 @@ class Staging {
 
   // A pinned host copy the engine works on: filled from the device by the
   // gate (stage_inputs), copied back by complete().
-  TensorDesc stage_cuda(const at::Tensor& t, bool written) {
-    TORCH_CHECK(cuda_enabled(), "rustc10d: ", op_, " got a tensor on ", t.device(),
-                ": CUDA tensors are staged through host memory by code that has not yet passed "
-                "scripts/gpu_check.sh on a GPU, so they are off unless ", kEnvCuda, "=1 is set");
-    if (!cuda_) {
-      cuda_ = std::make_shared<DeviceSync>(t.device());
-      cuda_->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
+  TensorDesc stage_device(const at::Tensor& t, bool written) {
+    if (t.device().is_cuda()) {
+      TORCH_CHECK(cuda_enabled(), "rustc10d: ", op_, " got a tensor on ", t.device(),
+                  ": CUDA tensors are staged through host memory by code that has not yet passed "
+                  "scripts/gpu_check.sh on a GPU, so they are off unless ", kEnvCuda, "=1 is set");
+      if (!cuda_) {
+        cuda_ = std::make_shared<DeviceSync>(t.device());
+        cuda_->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
+      }
     }
-    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
     done_->impl->keep_alive.push_back(t);
     done_->impl->keep_alive.push_back(host);
     done_->impl->stage_in.emplace_back(t, host);  // written tensors too: ops read them in place

@@ -117,7 +117,7 @@ class Job:
 
     def __init__(self, world: int, log_dir: Path, job: str = "main", transport: str = "auto"):
         self.world, self.log_dir = world, log_dir
-        env = worker_env({"RUSTC10D_TRANSPORT": transport})
+        env = worker_env(VARIANTS.get(transport, {"RUSTC10D_TRANSPORT": transport}))
         self.procs = launch_ranks(world, ["job", "--job", job, "--out", str(log_dir)],
                                   timeout=JOB_TIMEOUT, log_dir=log_dir, env=env)
         self.results = [self._load(r) for r in range(world)]
@@ -176,12 +176,17 @@ class JobCache:
 # RUSTC10D_TRANSPORT values the collective and p2p suites run under: every rank of a test job is
 # on this host, so "auto" means shared memory; "tcp" forces loopback TCP. Gloo has one path.
 TRANSPORTS = ("shm", "tcp") if checks.BACKEND == "rustc10d" else ("auto",)
+# Variants of a job besides the transports: "staged" stages every CPU tensor the way CUDA
+# tensors are staged (copied in by the engine just before the op, copied back when it is done),
+# host memory standing in for device memory, so the CUDA path's plumbing runs without a GPU.
+VARIANTS = {"staged": {"RUSTC10D_TEST_STAGING": "1"}}
+JOB_VARIANTS = TRANSPORTS + (tuple(VARIANTS) if checks.BACKEND == "rustc10d" else ())
 
 
 def transport_check_params(suite: str) -> list:
-    """check_params, once per transport: (world, check name, transport)."""
+    """check_params, once per transport and variant: (world, check name, transport or variant)."""
     return [pytest.param(*p.values, t, id=f"{t}-{p.id}" if t != "auto" else p.id, marks=p.marks)
-            for t in TRANSPORTS for p in check_params(suite)]
+            for t in JOB_VARIANTS for p in check_params(suite)]
 
 
 def check_params(suite: str) -> list:
