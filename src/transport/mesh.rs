@@ -476,40 +476,36 @@ impl Inner {
     }
 
     fn accept_loop(self: Arc<Self>) {
-        loop {
-            let stream = match self.listener.accept() {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    if self.stopping.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    tracing::warn!("rustc10d: accept failed: {e}");
-                    std::thread::sleep(Duration::from_millis(50));
-                    continue;
-                }
-            };
-            if self.stopping.load(Ordering::SeqCst) {
-                return;
-            }
+        self.accept_until_stopped("", || self.listener.accept().map(|(s, _)| s), |stream| {
             let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
             self.handshake_off_thread(from, move |me| {
                 stream.set_nodelay(true).map_err(|e| Error::io(e.to_string()))?;
                 let peer = me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT)?;
                 Ok((peer, Conn::Tcp(stream)))
             });
-        }
+        });
     }
 
     fn accept_shm_loop(self: Arc<Self>) {
         let Some(local) = &self.local else { return };
+        self.accept_until_stopped(" on the shared-memory socket", || local.listener.accept().map(|(s, _)| s), |sock| {
+            self.handshake_off_thread("a local process".into(), move |me| {
+                let (peer, seg) = me.accept_shm(&sock)?;
+                Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, crate::status::spin_budget())))))
+            });
+        });
+    }
+
+    /// Hand each accepted connection to `on` until shutdown (which makes `accept` fail).
+    fn accept_until_stopped<S>(&self, what: &str, accept: impl Fn() -> io::Result<S>, on: impl Fn(S)) {
         loop {
-            let sock = match local.listener.accept() {
-                Ok((s, _)) => s,
+            let conn = match accept() {
+                Ok(c) => c,
                 Err(e) => {
                     if self.stopping.load(Ordering::SeqCst) {
                         return;
                     }
-                    tracing::warn!("rustc10d: accept on the shared-memory socket failed: {e}");
+                    tracing::warn!("rustc10d: accept{what} failed: {e}");
                     std::thread::sleep(Duration::from_millis(50));
                     continue;
                 }
@@ -517,10 +513,7 @@ impl Inner {
             if self.stopping.load(Ordering::SeqCst) {
                 return;
             }
-            self.handshake_off_thread("a local process".into(), move |me| {
-                let (peer, seg) = me.accept_shm(&sock)?;
-                Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, crate::status::spin_budget())))))
-            });
+            on(conn);
         }
     }
 

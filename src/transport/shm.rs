@@ -287,18 +287,11 @@ impl Ring<'_> {
                     n => break n,
                 }
             }
-            let since = *waited.get_or_insert_with(Instant::now);
-            if since.elapsed() < spin {
+            if waited.get_or_insert_with(Instant::now).elapsed() < spin {
                 std::thread::yield_now();
                 continue;
             }
-            let seq = c.data_seq.load(Ordering::SeqCst);
-            c.reader_sleeps.store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            if self.filled(tail)? == 0 && !self.is_closed() {
-                futex_wait(&c.data_seq, seq, NAP);
-            }
-            c.reader_sleeps.store(0, Ordering::Relaxed);
+            sleep_unless(&c.data_seq, &c.reader_sleeps, || self.filled(tail).is_ok_and(|n| n > 0) || self.is_closed());
         };
         let n = filled.min(buf.len());
         let at = (tail as usize) & (cap - 1);
@@ -308,11 +301,7 @@ impl Ring<'_> {
             std::ptr::copy_nonoverlapping(self.seg.data(self.side), buf.as_mut_ptr().add(first), n - first);
         }
         c.tail.store(tail + n as u64, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        if c.writer_sleeps.load(Ordering::SeqCst) != 0 {
-            c.space_seq.fetch_add(1, Ordering::SeqCst);
-            futex_wake(&c.space_seq);
-        }
+        wake_if_asleep(&c.space_seq, &c.writer_sleeps);
         Ok(n)
     }
 
@@ -335,21 +324,14 @@ impl Ring<'_> {
             if room > 0 {
                 break room;
             }
-            let since = *waited.get_or_insert_with(Instant::now);
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(io::ErrorKind::TimedOut.into());
             }
-            if since.elapsed() < spin {
+            if waited.get_or_insert_with(Instant::now).elapsed() < spin {
                 std::thread::yield_now();
                 continue;
             }
-            let seq = c.space_seq.load(Ordering::SeqCst);
-            c.writer_sleeps.store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            if free(c) == 0 && !self.is_closed() {
-                futex_wait(&c.space_seq, seq, NAP);
-            }
-            c.writer_sleeps.store(0, Ordering::Relaxed);
+            sleep_unless(&c.space_seq, &c.writer_sleeps, || free(c) > 0 || self.is_closed());
         };
         let mut pos = head;
         let mut left = room.min(total);
@@ -365,12 +347,31 @@ impl Ring<'_> {
             }
         }
         c.head.store(pos, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        if c.reader_sleeps.load(Ordering::SeqCst) != 0 {
-            c.data_seq.fetch_add(1, Ordering::SeqCst);
-            futex_wake(&c.data_seq);
-        }
+        wake_if_asleep(&c.data_seq, &c.reader_sleeps);
         Ok((pos - head) as usize)
+    }
+}
+
+/// Sleep on `seq` (until woken, or NAP) unless `ready()`, announcing it in
+/// `sleeps` first. With `wake_if_asleep` this is a Dekker handshake: the waker
+/// publishes its progress then reads `sleeps`, the sleeper sets `sleeps` then
+/// re-checks progress, so one of them always sees the other.
+fn sleep_unless(seq: &AtomicU32, sleeps: &AtomicU32, ready: impl Fn() -> bool) {
+    let expected = seq.load(Ordering::SeqCst);
+    sleeps.store(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    if !ready() {
+        futex_wait(seq, expected, NAP);
+    }
+    sleeps.store(0, Ordering::Relaxed);
+}
+
+/// After publishing progress: wake the other side if it sleeps.
+fn wake_if_asleep(seq: &AtomicU32, sleeps: &AtomicU32) {
+    fence(Ordering::SeqCst);
+    if sleeps.load(Ordering::SeqCst) != 0 {
+        seq.fetch_add(1, Ordering::SeqCst);
+        futex_wake(seq);
     }
 }
 
@@ -388,9 +389,9 @@ fn os_error(what: &str) -> Error {
     Error::io(format!("rustc10d: {what} failed: {}", io::Error::last_os_error()))
 }
 
-/// Send `fd` with one byte of payload over `sock`.
-pub fn send_fd(sock: &UnixStream, fd: RawFd) -> io::Result<()> {
-    let mut byte = [1u8];
+/// A one-byte message with room for one fd in its control data, for `f`.
+fn with_fd_msg<R>(byte: u8, f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
+    let mut byte = [byte];
     let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut cbuf = vec![0u64; space.div_ceil(8)];
@@ -399,57 +400,61 @@ pub fn send_fd(sock: &UnixStream, fd: RawFd) -> io::Result<()> {
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut RawFd, fd);
-    }
-    loop {
-        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n == 1 {
-            return Ok(());
+    f(&mut msg)
+}
+
+fn cmsg_len_one_fd() -> usize {
+    unsafe { libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize }
+}
+
+/// Send `fd` with one byte of payload over `sock`.
+pub fn send_fd(sock: &UnixStream, fd: RawFd) -> io::Result<()> {
+    with_fd_msg(1, |msg| {
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = cmsg_len_one_fd() as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut RawFd, fd);
         }
-        let e = io::Error::last_os_error();
-        if n < 0 && e.kind() == io::ErrorKind::Interrupted {
-            continue;
+        loop {
+            let n = unsafe { libc::sendmsg(sock.as_raw_fd(), msg, libc::MSG_NOSIGNAL) };
+            if n == 1 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if n < 0 && e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(if n < 0 { e } else { io::ErrorKind::WriteZero.into() });
         }
-        return Err(if n < 0 { e } else { io::ErrorKind::WriteZero.into() });
-    }
+    })
 }
 
 /// Receive one fd sent by `send_fd` (honours the socket's read timeout).
 pub fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-            continue;
+    with_fd_msg(0, |msg| {
+        let n = loop {
+            let n = unsafe { libc::recvmsg(sock.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) };
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            break n;
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
         }
-        break n;
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    let ok = n == 1
-        && !cmsg.is_null()
-        && unsafe { (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS }
-        && unsafe { (*cmsg).cmsg_len } as usize == unsafe { libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) } as usize;
-    if !ok {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "expected one file descriptor"));
-    }
-    let fd = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const RawFd) };
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let cmsg = unsafe { libc::CMSG_FIRSTHDR(msg) };
+        let ok = n == 1
+            && !cmsg.is_null()
+            && unsafe { (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS }
+            && unsafe { (*cmsg).cmsg_len } as usize == cmsg_len_one_fd();
+        if !ok {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "expected one file descriptor"));
+        }
+        let fd = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const RawFd) };
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    })
 }
 
 /// Which ranks share this host: the boot (so two containers of one machine
