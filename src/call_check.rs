@@ -3,11 +3,12 @@
 //! dtype, reduce op, root, size) and compares the one from its left
 //! neighbour. Around the ring, all ranks that pass agree with their left
 //! neighbour; a rank that fails breaks the group, so nobody completes a
-//! collective from a mismatched call set.
+//! collective from a mismatched call set. The smallest all-reduces check all
+//! peers' fingerprints alongside their data exchange instead (`Agreement`).
 
 use crate::algorithms::OpCtx;
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::Key;
+use crate::transport::{Key, TransferId, Transfers};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint {
@@ -79,31 +80,71 @@ impl Fingerprint {
 
 /// Exchange fingerprints with the ring neighbours; fail if the left one differs.
 pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    if world == 1 {
-        return Ok(());
-    }
-    let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
-    let key = Key::collective(ctx.seq, u64::MAX);
-    let out = mine.encode();
-    let mut theirs = [0u8; Fingerprint::LEN];
+    let mut agreement = Agreement::new(mine, false);
     let tr = &mut ctx.transfers();
-    let id = unsafe { tr.recv(left, key, theirs.as_mut_ptr(), theirs.len())? };
-    unsafe { tr.send(right, key, &out)? };
-    tr.wait(id)?;
-    let theirs = Fingerprint::decode(&theirs)?;
-    if theirs != *mine {
-        return Err(Error::new(
-            ErrorKind::Mismatch,
-            format!(
-                "rustc10d: {} does not match the call on rank {left}: rank {rank} called {}, rank {left} called {}",
-                ctx.what,
-                mine.describe(),
-                theirs.describe()
-            ),
-        ));
-    }
+    agreement.post(ctx, tr)?;
+    agreement.check(ctx, tr)?;
     tr.wait_all()
+}
+
+/// `agree` in two halves, for an algorithm that overlaps the exchange with
+/// its own first messages: `post` queues it, `check` waits for the
+/// fingerprints and compares. No received data may be used, and nothing of
+/// the caller's written, before `check` passes. The Agreement must outlive
+/// the Transfers it was posted on.
+///
+/// With `with_all`, every rank sends its fingerprint to every other rank and
+/// checks them all: an algorithm whose data arrives from every peer before
+/// its check must not trust a peer that only its own neighbour could vouch
+/// for. The left neighbour's is checked first: it is sent in both modes, so
+/// a mismatch with a rank that checks only its neighbours is still caught.
+pub struct Agreement {
+    mine: Fingerprint,
+    out: [u8; Fingerprint::LEN],
+    /// (peer, its fingerprint, the receive), the left neighbour first.
+    theirs: Vec<(usize, [u8; Fingerprint::LEN], Option<TransferId>)>,
+    with_all: bool,
+}
+
+impl Agreement {
+    pub fn new(mine: &Fingerprint, with_all: bool) -> Agreement {
+        Agreement { mine: *mine, out: mine.encode(), theirs: Vec::new(), with_all }
+    }
+
+    pub fn post(&mut self, ctx: &OpCtx, tr: &mut Transfers) -> Result<()> {
+        let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+        let key = Key::collective(ctx.seq, u64::MAX);
+        let count = if self.with_all { world - 1 } else { world.min(2) - 1 };
+        // Peers counting down from the left neighbour; we send to those counting up from the right.
+        self.theirs = (1..=count).map(|k| ((rank + world - k) % world, [0u8; Fingerprint::LEN], None)).collect();
+        for (peer, buf, id) in &mut self.theirs {
+            *id = Some(unsafe { tr.recv(*peer, key, buf.as_mut_ptr(), buf.len())? });
+        }
+        for k in 1..=count {
+            unsafe { tr.send((rank + k) % world, key, &self.out)? };
+        }
+        Ok(())
+    }
+
+    pub fn check(&self, ctx: &OpCtx, tr: &Transfers) -> Result<()> {
+        let rank = ctx.transport.rank();
+        for (peer, buf, id) in &self.theirs {
+            tr.wait(id.expect("posted"))?;
+            let theirs = Fingerprint::decode(buf)?;
+            if theirs != self.mine {
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    format!(
+                        "rustc10d: {} does not match the call on rank {peer}: rank {rank} called {}, rank {peer} called {}",
+                        ctx.what,
+                        self.mine.describe(),
+                        theirs.describe()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -454,6 +454,14 @@ impl Shared {
             small_allreduce_bytes: self.small_allreduce_bytes,
             pool: &self.pool,
         };
+        // The smallest all-reduces (and barriers) check the call alongside
+        // their one exchange; PREMUL_SUM scales the caller's buffer first, so
+        // it checks before.
+        let check_inline = match part {
+            Collective::AllReduce { buf, red } => red.premul.is_none() && prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes),
+            Collective::Barrier => prefers_direct(1, ctx.transport.size(), ctx.small_allreduce_bytes),
+            _ => false,
+        };
         let r = match self.faults.hit(self.transport.rank(), part.name(), seq) {
             // An injected failure behaves like a real one: the group breaks.
             Some(Action::Fail) => Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what))),
@@ -466,12 +474,14 @@ impl Shared {
                 // A monitored barrier exists to name missing ranks: no neighbour check first.
                 let checked = match part {
                     Collective::MonitoredBarrier { .. } => Ok(()),
+                    _ if check_inline => Ok(()),
                     _ => agree(&ctx, &fingerprint),
                 };
+                let inline = check_inline.then_some(&fingerprint);
                 // A bug must not leave the op's Work waiting forever: it fails
                 // the op (and breaks the group) like any other failure.
                 checked.and_then(|()| {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(&ctx, part))).unwrap_or_else(|panic| {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(&ctx, part, inline))).unwrap_or_else(|panic| {
                         let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
                         Err(Error::io(format!("rustc10d: {} hit an internal error: {}", ctx.what, why.unwrap_or_default())))
                     })
@@ -531,11 +541,13 @@ impl Shared {
     }
 }
 
-fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
+/// `check`: the call's fingerprint, when the op checks it alongside its
+/// exchange rather than before (see run_part).
+fn execute(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Result<()> {
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
-            all_reduce(ctx, *buf, red.dtype, op)
+            all_reduce(ctx, *buf, red.dtype, op, check)
         }
         Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
             let op = premultiply(buf, red);
@@ -561,17 +573,18 @@ fn execute(ctx: &OpCtx, part: &Collective) -> Result<()> {
         Collective::Barrier => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr)
+            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, check)
         }
         Collective::MonitoredBarrier { wait_all } => monitored_barrier(ctx, *wait_all),
     }
 }
 
 /// Small messages: one direct exchange; large ones: the bandwidth-optimal ring.
-fn all_reduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+fn all_reduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, check: Option<&Fingerprint>) -> Result<()> {
     if prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) {
-        direct_allreduce(ctx, buf, dtype, op)
+        direct_allreduce(ctx, buf, dtype, op, check)
     } else {
+        debug_assert!(check.is_none(), "the ring checks the call before it starts");
         ring_allreduce(ctx, buf, dtype, op)
     }
 }

@@ -455,6 +455,39 @@ fn mismatched_calls_fail_on_every_rank_without_touching_data() {
     BOTH.into_iter().for_each(mismatched_calls_fail_on_every_rank_without_touching_data_on);
 }
 
+/// Small all-reduces check the call alongside their exchange with every peer,
+/// so even calls that only differ between non-neighbours (A, A, B, B) fail on
+/// every rank, each naming the mismatch, with no buffer touched. A split in
+/// size (one rank large enough for the ring, which checks its neighbour only)
+/// fails everywhere too.
+#[test]
+fn small_allreduce_checks_every_peer() {
+    fn aabb(r: usize) -> (DType, usize) {
+        (if r < 2 { DType::F32 } else { DType::I32 }, 16)
+    }
+    fn one_large(r: usize) -> (DType, usize) {
+        (DType::F32, if r == 2 { 1 << 20 } else { 16 })
+    }
+    for (case, call) in [aabb as fn(usize) -> (DType, usize), one_large].into_iter().enumerate() {
+        let engines = group(4, Duration::from_secs(10));
+        let t0 = Instant::now();
+        let out = on_all(&engines, |rank, e| {
+            let (dtype, len) = call(rank);
+            let mut v = vec![1.0f32; len];
+            let h = all_reduce(e, raw(&mut v), dtype, ReduceOp::Sum);
+            (h.wait(None), v.iter().all(|&x| x == 1.0))
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5), "case {case}: no waiting for the timeout");
+        for (rank, (waited, untouched)) in out.into_iter().enumerate() {
+            assert!(untouched, "case {case}: rank {rank}'s buffer was touched");
+            match waited {
+                Waited::Failed(msg) => assert!(case == 1 || msg.contains("does not match"), "case {case}: rank {rank}: {msg}"),
+                other => panic!("case {case}: rank {rank} completed: {other:?}"),
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "timing probe, run by hand: cargo test --release -- --ignored latency"]
 fn latency_probe() {

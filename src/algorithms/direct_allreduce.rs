@@ -3,6 +3,7 @@
 //! bit-identical. One exchange instead of 2(W-1) ring steps.
 
 use super::{copy_buf, OpCtx, RawBuf};
+use crate::call_check::{Agreement, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
@@ -22,17 +23,25 @@ pub fn prefers_direct(bytes: usize, world: usize, threshold: usize) -> bool {
     bytes <= threshold && world <= SMALL_MAX_WORLD
 }
 
-pub fn direct_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+/// With `check`, the call check (see call_check) runs alongside the exchange,
+/// against every peer, instead of before it: one round trip less.
+pub fn direct_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, check: Option<&Fingerprint>) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    if world == 1 || buf.len == 0 {
-        return Ok(());
-    }
     let len = buf.len;
     let mut scratch = ctx.scratch(len * world);
     let slots = scratch.raw();
     let slot = |p: usize| RawBuf::new(unsafe { slots.ptr.add(p * len) }, len);
     let key = Key::collective(ctx.seq, 0);
+    // Data arrives from every peer before the check: check every peer's call.
+    let mut agreement = check.map(|mine| Agreement::new(mine, true));
     let tr = &mut ctx.transfers();
+    if let Some(a) = &mut agreement {
+        a.post(ctx, tr)?;
+    }
+    let agreed = |tr: &crate::transport::Transfers| agreement.as_ref().map_or(Ok(()), |a| a.check(ctx, tr));
+    if world == 1 || len == 0 {
+        return agreed(tr).and_then(|()| tr.wait_all());
+    }
     let peers = || (1..world).map(|k| (rank + k) % world);
     for p in peers() {
         unsafe { tr.recv(p, key, slot(p).ptr, len)? };
@@ -40,7 +49,8 @@ pub fn direct_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) ->
     for p in peers() {
         unsafe { tr.send(p, key, buf.slice(0, len))? };
     }
-    // Everything received, and our buffer sent, before it is overwritten.
+    // The calls agree, everything is received, and our buffer sent, before it is overwritten.
+    agreed(tr)?;
     tr.wait_all()?;
     unsafe { copy_buf(slot(rank), buf) };
     let acc = unsafe { buf.slice_mut(0, len) };
