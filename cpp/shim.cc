@@ -165,27 +165,33 @@ std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
   return ref;
 }
 
-// Copy a CUDA op's inputs to the host on rustc10d's stream, after the
-// caller's queued work, and wait for them (the engine thread calls this just
-// before the op runs). Nothing to do for CPU ops.
-void stage_inputs(const Completion& done) {
-  auto& d = *done.impl;
-  if (d.stage_in.empty()) return;
-  if (!d.cuda) {  // RUSTC10D_TEST_STAGING: host memory standing in for the device
-    for (auto& [device, host] : d.stage_in) host.copy_(device);
+namespace {
+
+// Copy (device tensor, host copy) pairs to the host on rustc10d's stream,
+// after the caller's queued work, and wait for them. Without `sync`
+// (RUSTC10D_TEST_STAGING) host memory stands in for the device.
+void copy_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
+  if (pairs.empty()) return;
+  if (!sync) {
+    for (auto& [device, host] : pairs) host.copy_(device);
     return;
   }
-  auto& sync = *d.cuda;
-  c10::StreamGuard guard(sync.stream);
-  sync.ready.block(sync.stream);
-  for (auto& [device, host] : d.stage_in) {
+  c10::StreamGuard guard(sync->stream);
+  sync->ready.block(sync->stream);
+  for (auto& [device, host] : pairs) {
     host.copy_(device, /*non_blocking=*/true);
-    sync.record_use(device);
+    sync->record_use(device);
   }
   c10::Event staged(c10::DeviceType::CUDA);
-  staged.record(sync.stream);
+  staged.record(sync->stream);
   staged.synchronize();
 }
+
+}  // namespace
+
+// The engine thread calls this just before the op runs. Nothing to do for
+// ops on CPU tensors.
+void stage_inputs(const Completion& done) { copy_to_host(done.impl->cuda.get(), done.impl->stage_in); }
 
 void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
   auto& d = *done->impl;
@@ -355,12 +361,17 @@ class Staging {
     results_ = std::move(results);
   }
 
-  TensorDesc input(const at::Tensor& t) { return stage(t, false); }
-  TensorDesc output(const at::Tensor& t) { return stage(t, true); }
+  // input: read by the op; output: read and written in place; result: only
+  // written, every byte of it (its old contents are never copied in).
+  TensorDesc input(const at::Tensor& t) { return stage(t, Access::kRead); }
+  TensorDesc output(const at::Tensor& t) { return stage(t, Access::kReadWrite); }
+  TensorDesc result(const at::Tensor& t) { return stage(t, Access::kWrite); }
   template <typename Ts>
-  std::vector<TensorDesc> inputs(const Ts& ts) { return stage_all(ts, false); }
+  std::vector<TensorDesc> inputs(const Ts& ts) { return stage_all(ts, Access::kRead); }
   template <typename Ts>
-  std::vector<TensorDesc> outputs(const Ts& ts) { return stage_all(ts, true); }
+  std::vector<TensorDesc> outputs(const Ts& ts) { return stage_all(ts, Access::kReadWrite); }
+  template <typename Ts>
+  std::vector<TensorDesc> results(const Ts& ts) { return stage_all(ts, Access::kWrite); }
 
   // The engine's half; `key` identifies the op to completion hooks.
   // Runs when the engine finished successfully, before the future completes.
@@ -389,16 +400,14 @@ class Staging {
 
   // Point-to-point ops do not pass the engine's gate: stage their inputs now.
   void stage_now() {
-    if (done_->impl->stage_in.empty()) return;
-    Completion c;
-    c.impl = std::make_unique<Completion::Impl>();
-    c.impl->cuda = cuda_;
-    c.impl->stage_in = std::move(done_->impl->stage_in);
-    stage_inputs(c);
+    copy_to_host(cuda_.get(), done_->impl->stage_in);
+    done_->impl->stage_in.clear();
   }
 
  private:
-  TensorDesc stage(const at::Tensor& t, bool written) {
+  enum class Access { kRead, kReadWrite, kWrite };
+
+  TensorDesc stage(const at::Tensor& t, Access access) {
     TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", t.layout(),
                 " tensors; pass a dense (strided) tensor");
     TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "rustc10d: ", op_, " does not support tensors on ",
@@ -406,16 +415,18 @@ class Staging {
     if (!device_) device_ = t.device();
     TORCH_CHECK(t.device() == *device_, "rustc10d: ", op_, " got tensors on ", *device_, " and on ", t.device(),
                 "; all tensors of one op must be on the same device");
-    if (t.device().is_cuda() || test_staging()) return stage_device(t, written);
-    at::Tensor staged = t.is_contiguous() ? t : t.contiguous();
+    if (t.device().is_cuda() || test_staging()) return stage_device(t, access);
+    at::Tensor staged = t.is_contiguous()           ? t
+                        : access == Access::kWrite ? at::empty(t.sizes(), t.options())
+                                                    : t.contiguous();
     done_->impl->keep_alive.push_back(staged);
-    if (written && !staged.is_same(t)) done_->impl->copy_back.emplace_back(t, staged);
+    if (access != Access::kRead && !staged.is_same(t)) done_->impl->copy_back.emplace_back(t, staged);
     return desc_of(staged);
   }
 
   // A pinned host copy the engine works on: filled from the device by the
   // gate (stage_inputs), copied back by complete().
-  TensorDesc stage_device(const at::Tensor& t, bool written) {
+  TensorDesc stage_device(const at::Tensor& t, Access access) {
     if (t.device().is_cuda()) {
       TORCH_CHECK(cuda_enabled(), "rustc10d: ", op_, " got a tensor on ", t.device(),
                   ": CUDA tensors are staged through host memory by code that has not yet passed "
@@ -428,15 +439,15 @@ class Staging {
     at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
     done_->impl->keep_alive.push_back(t);
     done_->impl->keep_alive.push_back(host);
-    done_->impl->stage_in.emplace_back(t, host);  // written tensors too: ops read them in place
-    if (written) done_->impl->copy_back.emplace_back(t, host);
+    if (access != Access::kWrite) done_->impl->stage_in.emplace_back(t, host);
+    if (access != Access::kRead) done_->impl->copy_back.emplace_back(t, host);
     return desc_of(host);
   }
 
   template <typename Ts>
-  std::vector<TensorDesc> stage_all(const Ts& ts, bool written) {
+  std::vector<TensorDesc> stage_all(const Ts& ts, Access access) {
     std::vector<TensorDesc> out;
-    for (const auto& t : ts) out.push_back(stage(t, written));
+    for (const auto& t : ts) out.push_back(stage(t, access));
     return out;
   }
 
@@ -605,7 +616,7 @@ class RustBackend final : public c10d::Backend {
       auto nnz = at::full({1}, input._nnz(), at::kLong);
       Staging s("allreduce_sparse", {});
       auto i = s.input(nnz);
-      auto os = split_desc(s.output(counts), w, s.name());
+      auto os = split_desc(s.result(counts), w, s.name());
       run(s, OpType::_ALLREDUCE_SPARSE, [&](auto done) {
         return group_->all_gather(slice1(i), slice(os), to_ms(opts.timeout), std::move(done));
       })->wait();
@@ -620,8 +631,8 @@ class RustBackend final : public c10d::Backend {
     Staging s("allreduce_sparse", {t});
     std::vector<TensorDesc> is{s.input(indices), s.input(values)};
     std::vector<int64_t> per_rank(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + w);
-    std::vector<TensorDesc> os = split_rows(all_idx, s.output(all_idx), per_rank, w, s.name());
-    auto vs = split_rows(all_val, s.output(all_val), per_rank, w, s.name());
+    std::vector<TensorDesc> os = split_rows(all_idx, s.result(all_idx), per_rank, w, s.name());
+    auto vs = split_rows(all_val, s.result(all_val), per_rank, w, s.name());
     os.insert(os.end(), vs.begin(), vs.end());
     auto sizes = t.sizes().vec();
     s.on_success([t, all_idx, all_val, sizes]() mutable {
@@ -659,7 +670,7 @@ class RustBackend final : public c10d::Backend {
     TORCH_CHECK(outputs.size() == 1, "rustc10d: allgather takes one output list, got ", outputs.size());
     Staging s("allgather", outputs[0]);
     auto i = s.input(in);
-    auto os = s.outputs(outputs[0]);
+    auto os = s.results(outputs[0]);
     return run(s, OpType::ALLGATHER, [&](auto done) {
       return group_->all_gather(slice1(i), slice(os), to_ms(opts.timeout), std::move(done));
     });
@@ -669,7 +680,7 @@ class RustBackend final : public c10d::Backend {
                                                  const c10d::AllgatherOptions& opts) override {
     Staging s("all_gather_into_tensor", {output});
     auto i = s.input(input);
-    auto os = split_desc(s.output(output), getSize(), s.name());
+    auto os = split_desc(s.result(output), getSize(), s.name());
     return run(s, OpType::_ALLGATHER_BASE, [&](auto done) {
       return group_->all_gather(slice1(i), slice(os), to_ms(opts.timeout), std::move(done));
     });
@@ -691,7 +702,7 @@ class RustBackend final : public c10d::Backend {
     }
     Staging s("allgather_coalesced", flatten(outputs));
     auto is = s.inputs(inputs);
-    auto os = s.outputs(by_input);
+    auto os = s.results(by_input);
     return run(s, OpType::ALLGATHER_COALESCED, [&](auto done) {
       return group_->all_gather(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
     });
@@ -704,7 +715,7 @@ class RustBackend final : public c10d::Backend {
     auto is = s.inputs(inputs);
     std::vector<TensorDesc> os;
     for (auto& o : outputs) {
-      auto blocks = split_desc(s.output(o), getSize(), s.name());
+      auto blocks = split_desc(s.result(o), getSize(), s.name());
       os.insert(os.end(), blocks.begin(), blocks.end());
     }
     return run(s, OpType::ALLGATHER_INTO_TENSOR_COALESCED, [&](auto done) {
@@ -720,7 +731,7 @@ class RustBackend final : public c10d::Backend {
     auto results = root && !outputs.empty() ? outputs[0] : std::vector<at::Tensor>{};
     Staging s("gather", results);
     auto i = s.input(in);
-    auto os = s.outputs(results);
+    auto os = s.results(results);
     return run(s, OpType::GATHER, [&](auto done) {
       return group_->gather(i, slice(os), opts.rootRank, to_ms(opts.timeout), std::move(done));
     });
@@ -731,7 +742,7 @@ class RustBackend final : public c10d::Backend {
     bool root = opts.rootRank == getRank();
     Staging s("gather_into_tensor", root ? std::vector<at::Tensor>{output} : std::vector<at::Tensor>{});
     auto i = s.input(input);
-    auto os = root ? split_desc(s.output(output), getSize(), s.name()) : std::vector<TensorDesc>{};
+    auto os = root ? split_desc(s.result(output), getSize(), s.name()) : std::vector<TensorDesc>{};
     return run(s, OpType::GATHER, [&](auto done) {
       return group_->gather(i, slice(os), opts.rootRank, to_ms(opts.timeout), std::move(done));
     });
@@ -744,7 +755,7 @@ class RustBackend final : public c10d::Backend {
     bool root = opts.rootRank == getRank();
     Staging s("scatter", {out});
     auto is = root && !inputs.empty() ? s.inputs(inputs[0]) : std::vector<TensorDesc>{};
-    auto o = s.output(out);
+    auto o = s.result(out);
     return run(s, OpType::SCATTER, [&](auto done) {
       return group_->scatter(slice(is), o, opts.rootRank, to_ms(opts.timeout), std::move(done));
     });
@@ -757,7 +768,7 @@ class RustBackend final : public c10d::Backend {
     TORCH_CHECK(inputs.size() == 1, "rustc10d: reduce_scatter takes one input list, got ", inputs.size());
     Staging s("reduce_scatter", {out});
     auto is = s.inputs(inputs[0]);
-    auto o = s.output(out);
+    auto o = s.result(out);
     check_same_dtype(is, o, s.name());
     auto spec = spec_of(opts.reduceOp, {o}, s.name());
     return run(s, OpType::REDUCE_SCATTER, [&](auto done) {
@@ -769,7 +780,7 @@ class RustBackend final : public c10d::Backend {
                                                       const c10d::ReduceScatterOptions& opts) override {
     Staging s("reduce_scatter_tensor", {output});
     auto is = split_desc(s.input(input), getSize(), s.name());
-    auto o = s.output(output);
+    auto o = s.result(output);
     check_same_dtype(is, o, s.name());
     auto spec = spec_of(opts.reduceOp, {o}, s.name());
     return run(s, OpType::_REDUCE_SCATTER_BASE, [&](auto done) {
@@ -786,7 +797,7 @@ class RustBackend final : public c10d::Backend {
       auto blocks = split_desc(s.input(i), getSize(), s.name());
       is.insert(is.end(), blocks.begin(), blocks.end());
     }
-    auto os = s.outputs(outputs);
+    auto os = s.results(outputs);
     check_same_dtype(is, os.empty() ? TensorDesc{} : os[0], s.name());
     auto spec = spec_of(opts.reduceOp, os, s.name());
     return run(s, OpType::REDUCE_SCATTER_TENSOR_COALESCED, [&](auto done) {
@@ -801,7 +812,7 @@ class RustBackend final : public c10d::Backend {
     Staging s("all_to_all_single", {output});
     size_t w = getSize();
     auto is = split_rows(input, s.input(input), inputSplits, w, s.name());
-    auto os = split_rows(output, s.output(output), outputSplits, w, s.name());
+    auto os = split_rows(output, s.result(output), outputSplits, w, s.name());
     return run(s, OpType::ALLTOALL_BASE, [&](auto done) {
       return group_->all_to_all(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
     });
@@ -811,7 +822,7 @@ class RustBackend final : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts) override {
     Staging s("all_to_all", outputs);
     auto is = s.inputs(inputs);
-    auto os = s.outputs(outputs);
+    auto os = s.results(outputs);
     return run(s, OpType::ALLTOALL, [&](auto done) {
       return group_->all_to_all(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
     });
@@ -841,16 +852,14 @@ class RustBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     auto& t = single(tensors, "recv");
     Staging s("recv", {t});
-    auto d = s.output(t);
-    s.stage_now();
+    auto d = s.result(t);
     return run(s, OpType::RECV, [&](auto done) { return group_->recv(d, src, tag, -1, std::move(done)); });
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     auto& t = single(tensors, "recv");
     Staging s("recv", {t});
-    auto d = s.output(t);
-    s.stage_now();
+    auto d = s.result(t);
     return run(s, OpType::RECVANYSOURCE, [&](auto done) { return group_->recv(d, -1, tag, -1, std::move(done)); });
   }
 

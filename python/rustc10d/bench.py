@@ -46,6 +46,7 @@ import torch.distributed as dist
 import rustc10d  # registers the "rustc10d" backend
 
 BASELINE = "gloo"  # what every rustc10d series is compared with
+COLORS = {"rustc10d-shm": "tab:red", "rustc10d-auto": "tab:red", "rustc10d-tcp": "tab:orange", BASELINE: "tab:blue"}
 TRANSPORTS = ("shm", "tcp")
 IDLE_SECONDS = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -568,8 +569,8 @@ def plot(report: dict, path: Path):
         for j, world in enumerate(worlds):
             entries = groups.get((world, name, dtype), [])
             bw_ax, lat_ax = axes[i][j], axes[i][len(worlds) + j]
-            for b, color in zip(_series(entries), ("tab:red", "tab:orange", "tab:blue")
-                                if len(_series(entries)) == 3 else ("tab:red", "tab:blue")):
+            for b in _series(entries):
+                color = COLORS.get(b, "tab:gray")
                 ok = [e for e in entries if e["backends"][b].get("busbw_GBps")]
                 xs = [e["bytes"] for e in ok]
                 for ax, key, scale, limit in ((bw_ax, "busbw_GBps", 1, math.inf),

@@ -35,7 +35,8 @@ impl Fold {
     }
 }
 
-fn u64_bytes(words: &mut [u64]) -> &mut [u8] {
+/// 8-byte aligned words viewed as bytes.
+pub fn u64_bytes(words: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len() * 8) }
 }
 

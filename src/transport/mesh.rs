@@ -6,7 +6,7 @@
 
 use super::conn::Conn;
 use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT, KIND_P2P};
-use super::mailbox::{fail_mismatch, AnyPosted, Delivery, Fold, Mailbox, PostedRecv, RecvBuf};
+use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Fold, Mailbox, PostedRecv, RecvBuf};
 use super::shm::{self, Segment, ShmConn};
 use super::Transport;
 use crate::error::{Error, Result};
@@ -783,7 +783,7 @@ const FOLD_PIECE: usize = 64 * 1024;
 fn read_folded(stream: &mut Conn, dst: &mut [u8], fold: &Fold, bounce: &mut Vec<u64>) -> io::Result<()> {
     let piece = (FOLD_PIECE / fold.unit).max(1) * fold.unit;
     bounce.resize(piece.min(dst.len()).div_ceil(8), 0);
-    let bytes = unsafe { std::slice::from_raw_parts_mut(bounce.as_mut_ptr().cast::<u8>(), bounce.len() * 8) };
+    let bytes = u64_bytes(bounce);
     for chunk in dst.chunks_mut(piece) {
         let src = &mut bytes[..chunk.len()];
         stream.read_exact(src)?;
