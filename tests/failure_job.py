@@ -108,6 +108,9 @@ def stall_times_out(store, rank, world):
 def mismatch(store, rank, world):
     """Rank 1 reduces int32 where the others reduce float32 (the same bytes)."""
     init(store, rank, world)
+    # Every rank is past init first: the mismatch breaks the group at once, and a rank still
+    # connecting would raise in init_process_group instead (correctly, but not what is measured).
+    dist.barrier()
     t = torch.ones(64, dtype=torch.int32 if rank == 1 else torch.float32)
     before = t.clone()
     res = timed_failure(lambda: dist.all_reduce(t))
