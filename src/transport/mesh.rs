@@ -95,6 +95,8 @@ struct Peer {
 /// grace is short: programs that post receives out of order still progress.
 const EARLY_GRACE: Duration = Duration::from_millis(20);
 const EARLY_GRACE_MIN_BYTES: u64 = 256 * 1024;
+/// How long a failed write waits for the reader to learn why the peer left.
+const WHY_GRACE: Duration = Duration::from_millis(50);
 
 /// Connections a rank opens to each peer it sends to.
 pub const ENV_NSOCKS: &str = "RUSTC10D_NSOCKS";
@@ -132,6 +134,9 @@ struct Link {
     lanes: Vec<Outbox>,
     /// Every connection with the peer, kept to shut them down.
     streams: Vec<Conn>,
+    /// Those we do not send on (both ranks dialled at once). A reason to give
+    /// up goes on them too: the peer may read only these so far.
+    unused: Vec<Conn>,
     /// Connections whose reader is still running.
     readers: usize,
     lost: Option<Error>,
@@ -297,7 +302,14 @@ impl Transport for Mesh {
         // behind the very transfer that failed.
         let grace = Instant::now() + Duration::from_millis(200);
         for peer in peers() {
-            let out = inner.peers[peer].link.lock().unwrap().lanes.first().cloned();
+            let (out, unused) = {
+                let link = inner.peers[peer].link.lock().unwrap();
+                (link.lanes.first().cloned(), link.unused.iter().filter_map(|c| c.try_clone().ok()).collect::<Vec<_>>())
+            };
+            for mut stream in unused {
+                stream.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = write_frame(&mut stream, &header, why);
+            }
             let Some(out) = out else { continue };
             loop {
                 if let Ok(mut stream) = out.half.stream.try_lock() {
@@ -558,7 +570,11 @@ impl Inner {
         link.readers += 1;
         let me = self.clone();
         self.spawn("rustc10d-recv", move || me.read_loop(peer, reader));
-        if link.lanes.len() < lanes {
+        if link.lanes.len() >= lanes {
+            if let Ok(unused) = stream.try_clone() {
+                link.unused.push(unused);
+            }
+        } else {
             let (queue, rx) = channel();
             let half = Arc::new(WriteHalf { stream: Mutex::new(stream), queued: AtomicUsize::new(0) });
             link.lanes.push(Outbox { queue, half: half.clone() });
@@ -710,11 +726,31 @@ impl Inner {
                 status.finish(Ok(len as i64));
             }
             Err(e) => {
-                let err = Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer)));
-                status.finish(Err(err.clone()));
-                self.lose_peer(peer, err);
+                let err = self.lost_within(peer, WHY_GRACE).unwrap_or_else(|| {
+                    let err = Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer)));
+                    self.lose_peer(peer, err.clone());
+                    err
+                });
+                status.finish(Err(err));
             }
         }
+    }
+
+    /// Why `peer` is lost, if its reader finds out within `grace`: a peer that
+    /// gives up writes its reason before it closes, so a write that fails on
+    /// the closed connection should report that reason, not "broken pipe".
+    fn lost_within(&self, peer: usize, grace: Duration) -> Option<Error> {
+        let p = &self.peers[peer];
+        let deadline = Instant::now() + grace;
+        let mut link = p.link.lock().unwrap();
+        while link.lost.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            link = p.linked.wait_timeout(link, deadline - now).unwrap().0;
+        }
+        link.lost.clone()
     }
 
     /// Mark `peer` gone: close its connections, fail its receives now and its
@@ -728,6 +764,7 @@ impl Inner {
             }
             link.lanes.clear();
             // Dropped too: shared-memory segments are unmapped with their last handle.
+            link.unused.clear();
             for s in link.streams.drain(..) {
                 s.shutdown();
             }
