@@ -6,6 +6,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <optional>
 #include <c10/core/Event.h>
@@ -127,6 +128,8 @@ struct Completion::Impl {
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;    // (user tensor, staged copy)
   std::vector<at::Tensor> keep_alive;                          // staged inputs
   std::function<void()> on_success;                             // result assembly, if any
+  size_t piece_bytes = 0;                                        // staged in pieces of this size (0: whole)
+  std::deque<c10::Event> piece_staged;                           // CUDA: piece i is on the host
 };
 Completion::~Completion() = default;
 
@@ -193,12 +196,74 @@ void copy_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::
 // ops on CPU tensors.
 void stage_inputs(const Completion& done) { copy_to_host(done.impl->cuda.get(), done.impl->stage_in); }
 
+namespace {
+
+// Bytes [i * piece, (i + 1) * piece) of a contiguous tensor.
+at::Tensor piece_of(const at::Tensor& t, size_t piece, size_t i) {
+  at::Tensor bytes = t.reshape({-1}).view(at::kByte);
+  auto start = static_cast<int64_t>(i * piece);
+  TORCH_CHECK(start < bytes.numel(), "rustc10d: piece ", i, " is past the end of the tensor");
+  return bytes.narrow(0, start, std::min<int64_t>(static_cast<int64_t>(piece), bytes.numel() - start));
+}
+
+}  // namespace
+
+// Pieces need one staged buffer that is both the op's input and its result
+// (all_reduce, broadcast). On CUDA every piece's copy to the host is queued
+// now, each with an event; without a device (RUSTC10D_TEST_STAGING) piece_in
+// copies the piece itself.
+bool stage_pieces(const Completion& done, size_t bytes) {
+  auto& d = *done.impl;
+  if (bytes == 0 || d.on_success || d.stage_in.size() != 1 || d.copy_back.size() != 1) return false;
+  auto& [device, host] = d.stage_in[0];
+  if (!device.is_same(d.copy_back[0].first) || !host.is_same(d.copy_back[0].second)) return false;
+  if (!device.is_contiguous() || !host.is_contiguous()) return false;
+  d.piece_bytes = bytes;
+  if (!d.cuda) return true;
+  auto* sync = d.cuda.get();
+  c10::StreamGuard guard(sync->stream);
+  sync->ready.block(sync->stream);
+  auto total = static_cast<size_t>(host.nbytes());
+  for (size_t i = 0; i * bytes < total; ++i) {
+    piece_of(host, bytes, i).copy_(piece_of(device, bytes, i), /*non_blocking=*/true);
+    d.piece_staged.emplace_back(c10::DeviceType::CUDA);
+    d.piece_staged.back().record(sync->stream);
+  }
+  sync->record_use(device);
+  return true;
+}
+
+void piece_in(const Completion& done, size_t i) {
+  auto& d = *done.impl;
+  if (d.cuda) {
+    TORCH_CHECK(i < d.piece_staged.size(), "rustc10d: piece ", i, " was never staged");
+    d.piece_staged[i].synchronize();
+    return;
+  }
+  auto& [device, host] = d.stage_in[0];
+  piece_of(host, d.piece_bytes, i).copy_(piece_of(device, d.piece_bytes, i));
+}
+
+void piece_out(const Completion& done, size_t i) {
+  auto& d = *done.impl;
+  auto& [user, host] = d.copy_back[0];
+  if (!d.cuda) {
+    piece_of(user, d.piece_bytes, i).copy_(piece_of(host, d.piece_bytes, i));
+    return;
+  }
+  c10::StreamGuard guard(d.cuda->stream);
+  piece_of(user, d.piece_bytes, i).copy_(piece_of(host, d.piece_bytes, i), /*non_blocking=*/true);
+  d.cuda->record_use(user);
+}
+
 void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
   auto& d = *done->impl;
   try {
     if (error.empty()) {
       std::optional<c10::StreamGuard> on_our_stream;
       if (d.cuda) on_our_stream.emplace(d.cuda->stream);  // copies back and the future's events go there
+      // An op run in pieces has copied each back already (piece_out).
+      if (d.piece_bytes) d.copy_back.clear();
       for (auto& [user, staged] : d.copy_back) {
         user.copy_(staged, /*non_blocking=*/d.cuda != nullptr);
         if (d.cuda) d.cuda->record_use(user);

@@ -20,6 +20,9 @@ pub struct Fingerprint {
     pub root: u32,
     /// The byte count every rank must agree on (0 where sizes may differ).
     pub bytes: u64,
+    /// The piece size of an op staged in pieces (0: whole). Pieces have
+    /// keys of their own, so every rank must cut the same way.
+    pub piece: u64,
 }
 
 impl Fingerprint {
@@ -46,6 +49,7 @@ impl Fingerprint {
         b[2] = self.reduce;
         b[4..8].copy_from_slice(&self.root.to_le_bytes());
         b[8..16].copy_from_slice(&self.bytes.to_le_bytes());
+        b[16..24].copy_from_slice(&self.piece.to_le_bytes());
         b
     }
 
@@ -57,6 +61,7 @@ impl Fingerprint {
             reduce: b[2],
             root: u32::from_le_bytes(b[4..8].try_into().unwrap()),
             bytes: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            piece: u64::from_le_bytes(b[16..24].try_into().unwrap()),
         })
     }
 
@@ -73,6 +78,9 @@ impl Fingerprint {
         }
         if self.root != u32::MAX {
             parts.push(format!("root {}", self.root));
+        }
+        if self.piece != 0 {
+            parts.push(format!("staged in pieces of {} bytes", self.piece));
         }
         format!("{}({})", self.op, parts.join(", "))
     }
@@ -153,10 +161,10 @@ mod tests {
 
     #[test]
     fn roundtrip_and_description() {
-        let f = Fingerprint { op: "reduce", dtype: 0, reduce: 4, root: 2, bytes: 4096 };
+        let f = Fingerprint { op: "reduce", dtype: 0, reduce: 4, root: 2, bytes: 4096, piece: 1 << 20 };
         assert_eq!(Fingerprint::decode(&f.encode()).unwrap(), f);
-        assert_eq!(f.describe(), "reduce(4096 bytes, dtype torch.float32, op MAX, root 2)");
-        let b = Fingerprint { op: "barrier", dtype: Fingerprint::NONE, reduce: Fingerprint::NONE, root: u32::MAX, bytes: 0 };
+        assert_eq!(f.describe(), "reduce(4096 bytes, dtype torch.float32, op MAX, root 2, staged in pieces of 1048576 bytes)");
+        let b = Fingerprint { op: "barrier", dtype: Fingerprint::NONE, reduce: Fingerprint::NONE, root: u32::MAX, bytes: 0, piece: 0 };
         assert_eq!(b.describe(), "barrier(0 bytes)");
     }
 }

@@ -106,6 +106,40 @@ impl Collective {
         }
     }
 
+    /// The one buffer of an op that can run piece by piece, each piece a
+    /// smaller op of the same kind: elementwise all-reduces and broadcasts.
+    fn piece_buffer(&self) -> Option<RawBuf> {
+        match self {
+            Collective::AllReduce { buf, .. } | Collective::Broadcast { buf, .. } => Some(*buf),
+            _ => None,
+        }
+    }
+
+    /// `want` rounded down to whole elements, if this op is worth cutting
+    /// into pieces of that size (0: never).
+    fn piece_bytes(&self, want: usize) -> Option<usize> {
+        let unit = match self {
+            Collective::AllReduce { red, .. } => red.dtype.size(),
+            _ => 1,
+        };
+        let bytes = want / unit * unit;
+        let buf = self.piece_buffer()?;
+        (bytes > 0 && buf.len > bytes).then_some(bytes)
+    }
+
+    /// Bytes [start, start + len) of `piece_buffer`, as an op of its own.
+    fn piece(&self, start: usize, len: usize) -> Collective {
+        let sub = |b: &RawBuf| {
+            assert!(start + len <= b.len);
+            RawBuf::new(unsafe { b.ptr.add(start) }, len)
+        };
+        match self {
+            Collective::AllReduce { buf, red } => Collective::AllReduce { buf: sub(buf), red: *red },
+            Collective::Broadcast { buf, root } => Collective::Broadcast { buf: sub(buf), root: *root },
+            _ => unreachable!("only ops with a piece_buffer run in pieces"),
+        }
+    }
+
     /// Refuse what cannot work before anything goes on the wire.
     fn check(&self, rank: usize, world: usize) -> Result<()> {
         let name = self.name();
@@ -184,7 +218,7 @@ impl Collective {
             Collective::AllToAll { .. } => (NONE, NONE, None, 0),
             Collective::Barrier | Collective::MonitoredBarrier { .. } => (NONE, NONE, None, 0),
         };
-        Fingerprint { op: self.name(), dtype, reduce: op, root: root.map_or(u32::MAX, |r| r as u32), bytes }
+        Fingerprint { op: self.name(), dtype, reduce: op, root: root.map_or(u32::MAX, |r| r as u32), bytes, piece: 0 }
     }
 
     /// A failed monitored barrier only reports who is missing; anything else
@@ -199,13 +233,29 @@ struct Job {
     first_seq: u64,
     parts: Vec<Collective>,
     timeout: Duration,
-    gate: Option<Gate>,
+    staging: Option<Box<dyn Staging>>,
     status: Arc<Status>,
 }
 
-/// Runs on the engine thread just before a job's parts: makes the job's
-/// buffers ready (copies device tensors to the host, in stream order).
-pub type Gate = Box<dyn FnOnce() -> Result<()> + Send>;
+/// Moves a job's tensors between the device and the host buffers the engine
+/// works on (the shim's CUDA staging, in stream order). Called on the engine
+/// thread: either `all_in` before the parts, or, for one large all_reduce or
+/// broadcast, `start_pieces` and then `piece_in`/`piece_out` around each
+/// piece, so that the device copies of one piece overlap the network
+/// transfer of another.
+pub trait Staging: Send {
+    /// Bring every input to the host before the op runs.
+    fn all_in(&mut self) -> Result<()>;
+    /// The piece size this staging would like (0: no pieces).
+    fn piece_bytes(&self) -> usize;
+    /// Start bringing the op's one buffer to the host in pieces of `bytes`;
+    /// false if the op cannot be staged that way (then `all_in` follows).
+    fn start_pieces(&mut self, bytes: usize) -> Result<bool>;
+    /// Piece `i` is on the host once this returns.
+    fn piece_in(&mut self, i: usize) -> Result<()>;
+    /// Piece `i` holds its result: start copying it back.
+    fn piece_out(&mut self, i: usize) -> Result<()>;
+}
 
 /// What a Work sees of its op.
 pub struct OpHandle {
@@ -297,15 +347,23 @@ impl Engine {
     /// Every buffer must stay valid until `done` has run; the caller must not
     /// touch output buffers, nor change input buffers, before that.
     pub unsafe fn submit(&self, parts: Vec<Collective>, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
-        self.submit_gated(parts, timeout, None, done)
+        self.submit_staged(parts, timeout, None, done)
     }
 
-    /// `submit`, with `gate` run on the engine thread before the parts; if it
-    /// fails, the job fails and the group breaks (the peers are in the op).
+    /// `submit`, with `staging` moving the buffers' contents in and out on
+    /// the engine thread; if it fails, the job fails and the group breaks
+    /// (the peers are in the op).
     ///
     /// # Safety
-    /// As for `submit`; the buffers need to be valid only once `gate` returns.
-    pub unsafe fn submit_gated(&self, parts: Vec<Collective>, timeout: Option<Duration>, gate: Option<Gate>, done: Callback) -> Result<OpHandle> {
+    /// As for `submit`; the contents need to be valid only once `staging` has
+    /// brought them in.
+    pub unsafe fn submit_staged(
+        &self,
+        parts: Vec<Collective>,
+        timeout: Option<Duration>,
+        staging: Option<Box<dyn Staging>>,
+        done: Callback,
+    ) -> Result<OpHandle> {
         let (rank, world) = (self.rank(), self.size());
         parts.iter().try_for_each(|p| p.check(rank, world))?;
         let queue = self.queue.lock().unwrap();
@@ -315,7 +373,7 @@ impl Engine {
         let first_seq = self.shared.next_seq.fetch_add(parts.len().max(1) as u64, Ordering::SeqCst);
         let status = Status::with_callback(done);
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
-        let job = Job { first_seq, parts, timeout, gate, status: status.clone() };
+        let job = Job { first_seq, parts, timeout, staging, status: status.clone() };
         if let Err(e) = tx.send(job) {
             e.0.status.finish(Err(Error::aborted("rustc10d: the engine has stopped")));
         }
@@ -418,20 +476,36 @@ impl Shared {
     }
 
     fn run(&self, mut job: Job) {
-        if let Some(gate) = job.gate.take() {
-            if let Err(e) = gate() {
-                let name = job.parts.first().map_or("op", |p| p.name());
-                let e = Error::new(e.kind, format!("rustc10d: {name} #{} on rank {} could not stage its tensors: {}", job.first_seq, self.transport.rank(), e.message));
-                self.break_group(&e);
-                job.status.finish(Err(e));
-                return;
+        let mut pieces = None;
+        if let Some(staging) = job.staging.as_mut() {
+            let bytes = match job.parts.as_slice() {
+                [part] => part.piece_bytes(staging.piece_bytes()),
+                _ => None,
+            };
+            let staged = match bytes {
+                Some(bytes) => staging.start_pieces(bytes).and_then(|ok| if ok { Ok(Some(bytes)) } else { staging.all_in().map(|()| None) }),
+                None => staging.all_in().map(|()| None),
+            };
+            match staged {
+                Ok(Some(bytes)) => pieces = Some(bytes),
+                Ok(None) => {}
+                Err(e) => {
+                    let name = job.parts.first().map_or("op", |p| p.name());
+                    let e = Error::new(e.kind, format!("rustc10d: {name} #{} on rank {} could not stage its tensors: {}", job.first_seq, self.transport.rank(), e.message));
+                    self.break_group(&e);
+                    job.status.finish(Err(e));
+                    return;
+                }
             }
         }
-        let result = job.parts.iter().enumerate().try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout));
+        let result = match (pieces, job.staging.as_deref_mut()) {
+            (Some(bytes), Some(staging)) => self.run_part(job.first_seq, &job.parts[0], job.timeout, Some(Pieces { bytes, staging })),
+            _ => job.parts.iter().enumerate().try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout, None)),
+        };
         job.status.finish(result.map(|()| 0));
     }
 
-    fn run_part(&self, seq: u64, part: &Collective, timeout: Duration) -> Result<()> {
+    fn run_part(&self, seq: u64, part: &Collective, timeout: Duration, pieces: Option<Pieces>) -> Result<()> {
         let what = format!("{} #{seq} on rank {}", part.name(), self.transport.rank());
         if self.stopping.load(Ordering::SeqCst) {
             return Err(Error::aborted(format!("rustc10d: {what} was cancelled: the process group was shut down")));
@@ -444,7 +518,7 @@ impl Shared {
             ));
         }
         let start = Instant::now();
-        let fingerprint = part.fingerprint();
+        let fingerprint = Fingerprint { piece: pieces.as_ref().map_or(0, |p| p.bytes as u64), ..part.fingerprint() };
         let ctx = OpCtx {
             transport: &*self.transport,
             seq,
@@ -453,11 +527,12 @@ impl Shared {
             segment_bytes: self.segment_bytes,
             small_allreduce_bytes: self.small_allreduce_bytes,
             pool: &self.pool,
+            piece: 0,
         };
         // The smallest all-reduces (and barriers) check the call alongside
         // their one exchange; PREMUL_SUM scales the caller's buffer first, so
-        // it checks before.
-        let check_inline = match part {
+        // it checks before, as does an op run in pieces.
+        let check_inline = pieces.is_none() && match part {
             Collective::AllReduce { buf, red } => red.premul.is_none() && prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes),
             Collective::Barrier => prefers_direct(1, ctx.transport.size(), ctx.small_allreduce_bytes),
             _ => false,
@@ -481,7 +556,11 @@ impl Shared {
                 // A bug must not leave the op's Work waiting forever: it fails
                 // the op (and breaks the group) like any other failure.
                 checked.and_then(|()| {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(&ctx, part, inline))).unwrap_or_else(|panic| {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match pieces {
+                        Some(pieces) => execute_in_pieces(&ctx, part, pieces),
+                        None => execute(&ctx, part, inline),
+                    }))
+                    .unwrap_or_else(|panic| {
                         let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
                         Err(Error::io(format!("rustc10d: {} hit an internal error: {}", ctx.what, why.unwrap_or_default())))
                     })
@@ -577,6 +656,37 @@ fn execute(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         }
         Collective::MonitoredBarrier { wait_all } => monitored_barrier(ctx, *wait_all),
     }
+}
+
+/// A staged op run piece by piece (see `Staging`).
+struct Pieces<'a> {
+    bytes: usize,
+    staging: &'a mut dyn Staging,
+}
+
+/// Each piece is a whole collective of its own (keys of its own, same
+/// sequence number), run after its bytes are on the host; its result is
+/// copied back while the next piece runs. The call was checked once for all.
+fn execute_in_pieces(ctx: &OpCtx, part: &Collective, pieces: Pieces) -> Result<()> {
+    let Pieces { bytes, staging } = pieces;
+    let deadline = Instant::now() + ctx.timeout;
+    let len = part.piece_buffer().map_or(0, |b| b.len);
+    for (i, start) in (0..len).step_by(bytes).enumerate() {
+        staging.piece_in(i).map_err(|e| e.context(&ctx.what))?;
+        let piece_ctx = OpCtx {
+            transport: ctx.transport,
+            seq: ctx.seq,
+            timeout: deadline.saturating_duration_since(Instant::now()),
+            what: format!("{} (piece {i})", ctx.what),
+            segment_bytes: ctx.segment_bytes,
+            small_allreduce_bytes: ctx.small_allreduce_bytes,
+            pool: ctx.pool,
+            piece: i as u64,
+        };
+        execute(&piece_ctx, &part.piece(start, bytes.min(len - start)), None)?;
+        staging.piece_out(i).map_err(|e| e.context(&ctx.what))?;
+    }
+    Ok(())
 }
 
 /// Small messages: one direct exchange; large ones: the bandwidth-optimal ring.

@@ -3,7 +3,7 @@
 
 use crate::algorithms::RawBuf;
 use crate::dtype::{DType, ReduceOp};
-use crate::engine::{Collective, Engine, Gate, OpHandle, Reduction, Waited};
+use crate::engine::{Collective, Engine, OpHandle, Reduction, Staging, Waited};
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use crate::status::Callback;
@@ -87,6 +87,13 @@ pub mod bridge {
         /// Bring a CUDA op's inputs to the host (in stream order) and wait for
         /// them; nothing to do for CPU ops.
         fn stage_inputs(done: &Completion) -> Result<()>;
+        /// Start bringing the op's one staged buffer to the host in pieces of
+        /// `bytes`; false if the op has no such buffer.
+        fn stage_pieces(done: &Completion, bytes: usize) -> Result<bool>;
+        /// Wait until piece `i` is on the host.
+        fn piece_in(done: &Completion, i: usize) -> Result<()>;
+        /// Queue the copy of piece `i` back to the device.
+        fn piece_out(done: &Completion, i: usize) -> Result<()>;
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32, timeout_ms: i64) -> Result<usize>;
     }
 }
@@ -134,21 +141,54 @@ fn finish_with(done: cxx::UniquePtr<bridge::Completion>) -> Callback {
     })
 }
 
-/// The gate of a collective: the shim stages CUDA inputs to the host there,
-/// on the engine thread, so a device copy is ordered after the previous op's
+/// Staged ops run in pieces of this many bytes where they can (one large
+/// all_reduce or broadcast of a CUDA tensor): the device copies of one piece
+/// overlap the network transfer of the others. 0: whole tensors.
+pub const ENV_STAGE_PIECE_BYTES: &str = "RUSTC10D_STAGE_PIECE_BYTES";
+const DEFAULT_STAGE_PIECE_BYTES: usize = 8 << 20;
+
+fn stage_piece_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| std::env::var(ENV_STAGE_PIECE_BYTES).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_STAGE_PIECE_BYTES))
+}
+
+/// The shim's staging of an op's tensors (nothing to do for CPU tensors), on
+/// the engine thread: a device copy is then ordered after the previous op's
 /// copy back (both on the group's stream) and the caller never blocks on it.
-fn staging_gate(done: &cxx::UniquePtr<bridge::Completion>) -> Gate {
-    struct Ptr(*const bridge::Completion);
-    // The Completion lives in the op's callback, which runs only after the gate.
-    unsafe impl Send for Ptr {}
-    let ptr = Ptr(done.as_ref().map_or(std::ptr::null(), |c| c as *const _));
-    Box::new(move || {
-        let ptr = ptr;
-        match unsafe { ptr.0.as_ref() } {
-            Some(c) => bridge::stage_inputs(c).map_err(|e| Error::io(e.what().to_string())),
-            None => Ok(()),
+struct ShimStaging(*const bridge::Completion);
+
+// The Completion lives in the op's callback, which runs only after the staging is done with.
+unsafe impl Send for ShimStaging {}
+
+impl ShimStaging {
+    fn boxed(done: &cxx::UniquePtr<bridge::Completion>) -> Box<dyn Staging> {
+        Box::new(ShimStaging(done.as_ref().map_or(std::ptr::null(), |c| c as *const _)))
+    }
+
+    fn with<T: Default>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
+        match unsafe { self.0.as_ref() } {
+            Some(c) => f(c).map_err(|e| Error::io(e.what().to_string())),
+            None => Ok(T::default()),
         }
-    })
+    }
+}
+
+impl Staging for ShimStaging {
+    fn all_in(&mut self) -> Result<()> {
+        self.with(bridge::stage_inputs)
+    }
+    fn piece_bytes(&self) -> usize {
+        stage_piece_bytes()
+    }
+    fn start_pieces(&mut self, bytes: usize) -> Result<bool> {
+        self.with(|c| bridge::stage_pieces(c, bytes))
+    }
+    fn piece_in(&mut self, i: usize) -> Result<()> {
+        self.with(|c| bridge::piece_in(c, i))
+    }
+    fn piece_out(&mut self, i: usize) -> Result<()> {
+        self.with(|c| bridge::piece_out(c, i))
+    }
 }
 
 fn reduction(t: &bridge::TensorDesc, spec: &bridge::ReduceSpec) -> Result<Reduction> {
@@ -178,8 +218,8 @@ fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>>
 // dropped only when the engine finishes the op.
 impl Group {
     fn run(&self, parts: Vec<Collective>, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let gate = staging_gate(&done);
-        Ok(Box::new(Op(unsafe { self.0.submit_gated(parts, timeout(timeout_ms), Some(gate), finish_with(done))? })))
+        let staging = ShimStaging::boxed(&done);
+        Ok(Box::new(Op(unsafe { self.0.submit_staged(parts, timeout(timeout_ms), Some(staging), finish_with(done))? })))
     }
 
     fn all_reduce(&self, ts: &[bridge::TensorDesc], spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {

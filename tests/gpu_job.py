@@ -98,6 +98,19 @@ def _():
         same(mine, want, f"reduce_scatter_tensor {dtype}")
 
 
+@check("large all_reduce and broadcast, staged in pieces (RUSTC10D_STAGE_PIECE_BYTES)")
+def _():
+    # a little over 2 and 3 pieces of the default 8 MiB, so the last piece is short
+    for n, dtype in (((1 << 21) + 3, torch.float32), ((3 << 22) + 5, torch.bfloat16)):
+        t = ramp(n, dtype, RANK)
+        dist.all_reduce(t, group=RUST)
+        want = sum(ramp(n, torch.float32, r) for r in range(WORLD)).to(dtype)
+        same(t, want, f"all_reduce in pieces {dtype} n={n}")
+        b = ramp(n, dtype, RANK)
+        dist.broadcast(b, src=0, group=RUST)
+        same(b, ramp(n, dtype, 0), f"broadcast in pieces {dtype} n={n}")
+
+
 @check("isend/irecv, both directions at once")
 def _():
     peer = (RANK + 1) % WORLD

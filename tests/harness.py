@@ -179,7 +179,9 @@ TRANSPORTS = ("shm", "tcp") if checks.BACKEND == "rustc10d" else ("auto",)
 # Variants of a job besides the transports: "staged" stages every CPU tensor the way CUDA
 # tensors are staged (copied in by the engine just before the op, copied back when it is done),
 # host memory standing in for device memory, so the CUDA path's plumbing runs without a GPU.
-VARIANTS = {"staged": {"RUSTC10D_TEST_STAGING": "1"}}
+# Its small piece size cuts every all_reduce and broadcast of more than a few elements into
+# pieces (of 3000 bytes: not a whole number of complex128 elements, so the cut is rounded).
+VARIANTS = {"staged": {"RUSTC10D_TEST_STAGING": "1", "RUSTC10D_STAGE_PIECE_BYTES": "3000"}}
 JOB_VARIANTS = TRANSPORTS + (tuple(VARIANTS) if checks.BACKEND == "rustc10d" else ())
 
 

@@ -4,7 +4,7 @@
 
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
-use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Waited};
+use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Staging, Waited};
 use rustc10d::fault::Faults;
 use rustc10d::rendezvous::{connect, GroupConfig, TransportMode, MemStore, Store};
 use std::sync::Arc;
@@ -581,4 +581,115 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
         v
     });
     assert!(out.iter().all(|v| v == &vec![3u8; 3]));
+}
+
+/// Host memory standing in for a device: `all_in`/`piece_in` copy the
+/// "device" vector into the buffer the engine works on, `piece_out` copies it
+/// back; every call is logged.
+struct FakeDevice {
+    device: RawBuf,
+    host: RawBuf,
+    want: usize,
+    bytes: usize,
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+}
+unsafe impl Send for FakeDevice {}
+
+impl FakeDevice {
+    fn range(&self, i: usize) -> (usize, usize) {
+        let start = i * self.bytes;
+        (start, self.bytes.min(self.host.len - start))
+    }
+}
+
+impl Staging for FakeDevice {
+    fn all_in(&mut self) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push("all".into());
+        unsafe { std::ptr::copy_nonoverlapping(self.device.ptr, self.host.ptr, self.host.len) };
+        Ok(())
+    }
+    fn piece_bytes(&self) -> usize {
+        self.want
+    }
+    fn start_pieces(&mut self, bytes: usize) -> rustc10d::error::Result<bool> {
+        self.log.lock().unwrap().push(format!("pieces of {bytes}"));
+        self.bytes = bytes;
+        Ok(true)
+    }
+    fn piece_in(&mut self, i: usize) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(format!("in {i}"));
+        let (start, len) = self.range(i);
+        unsafe { std::ptr::copy_nonoverlapping(self.device.ptr.add(start), self.host.ptr.add(start), len) };
+        Ok(())
+    }
+    fn piece_out(&mut self, i: usize) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(format!("out {i}"));
+        let (start, len) = self.range(i);
+        unsafe { std::ptr::copy_nonoverlapping(self.host.ptr.add(start), self.device.ptr.add(start), len) };
+        Ok(())
+    }
+}
+
+/// A staged all_reduce or broadcast runs piece by piece: each piece is
+/// brought in just before it runs and copied out right after, the cut is
+/// rounded to whole elements, and the "device" ends with the right values
+/// although the host buffer started as garbage.
+#[test]
+fn staged_ops_run_in_pieces() {
+    let engines = group(3, Duration::from_secs(10));
+    let out = on_all(&engines, |rank, e| {
+        let n = 1001; // f64: 8008 bytes, in pieces of 2999 / 8 * 8 = 2992 bytes
+        let mut device: Vec<f64> = (0..n).map(|i| (i * 3 + rank) as f64).collect();
+        let mut host = vec![f64::NAN; n];
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let staging = FakeDevice { device: raw(&mut device), host: raw(&mut host), want: 2999, bytes: 0, log: log.clone() };
+        let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
+        wait_ok(unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() });
+        let reduce_log = log.lock().unwrap().clone();
+
+        let mut bdevice: Vec<u8> = if rank == 1 { (0..=255).cycle().take(7000).collect() } else { vec![0; 7000] };
+        let mut bhost = vec![0xEEu8; 7000];
+        let blog = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let staging = FakeDevice { device: raw(&mut bdevice), host: raw(&mut bhost), want: 2999, bytes: 0, log: blog.clone() };
+        let part = Collective::Broadcast { buf: raw(&mut bhost), root: 1 };
+        wait_ok(unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() });
+        let bcast_log = blog.lock().unwrap().clone();
+        (device, reduce_log, bdevice, bcast_log)
+    });
+    for (device, reduce_log, bdevice, bcast_log) in out {
+        let want: Vec<f64> = (0..1001).map(|i| (i * 9 + 3) as f64).collect();
+        assert_eq!(device, want);
+        assert_eq!(reduce_log, ["pieces of 2992", "in 0", "out 0", "in 1", "out 1", "in 2", "out 2"]);
+        assert_eq!(bdevice, (0..=255).cycle().take(7000).collect::<Vec<u8>>());
+        assert_eq!(bcast_log, ["pieces of 2999", "in 0", "out 0", "in 1", "out 1", "in 2", "out 2"]);
+    }
+}
+
+/// Ranks that cut the same all_reduce differently (one stages in pieces, the
+/// others do not) would match messages of different pieces: the call check
+/// names the difference instead, and no buffer is touched.
+#[test]
+fn ranks_that_cut_an_op_differently_are_refused() {
+    let engines = group(3, Duration::from_secs(10));
+    let t0 = Instant::now();
+    let out = on_all(&engines, |rank, e| {
+        let mut device = vec![1.0f32; 1 << 14];
+        let mut host = vec![1.0f32; 1 << 14];
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let want = if rank == 2 { 1 << 12 } else { 0 };
+        let staging = FakeDevice { device: raw(&mut device), host: raw(&mut host), want, bytes: 0, log };
+        let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
+        let h = unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() };
+        (h.wait(None), device)
+    });
+    assert!(t0.elapsed() < Duration::from_secs(5), "no waiting for the timeout");
+    let mut named = 0;
+    for (waited, device) in out {
+        assert_eq!(device, vec![1.0f32; 1 << 14], "nothing was copied back");
+        match waited {
+            Waited::Failed(msg) => named += msg.contains("staged in pieces of 4096 bytes") as usize,
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+    assert!(named >= 2, "the neighbours of the odd rank name the piece size");
 }

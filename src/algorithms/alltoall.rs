@@ -4,12 +4,11 @@
 
 use super::{copy_buf, OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::Key;
 
 /// `inputs[p]` goes to rank p, `outputs[p]` comes from rank p (sizes may differ per pair).
 pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let key = Key::collective(ctx.seq, 0);
+    let key = ctx.key(0);
     let tr = &mut ctx.transfers();
     let peers = || (1..world).map(|k| (rank + k) % world);
     for p in peers() {

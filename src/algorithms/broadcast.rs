@@ -3,7 +3,6 @@
 
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::Key;
 
 pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
@@ -22,7 +21,7 @@ pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
     if pos != 0 {
         for j in 0..nseg {
             let (off, len) = segment(j);
-            ids.push(unsafe { tr.recv(left, Key::collective(ctx.seq, j as u64), buf.ptr.add(off), len)? });
+            ids.push(unsafe { tr.recv(left, ctx.key(j as u64), buf.ptr.add(off), len)? });
         }
     }
     for j in 0..nseg {
@@ -31,7 +30,7 @@ pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
         }
         if pos != world - 1 {
             let (off, len) = segment(j);
-            unsafe { tr.send(right, Key::collective(ctx.seq, j as u64), buf.slice(off, len))? };
+            unsafe { tr.send(right, ctx.key(j as u64), buf.slice(off, len))? };
         }
     }
     tr.wait_all()

@@ -3,12 +3,11 @@
 
 use super::{copy_buf, OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::Key;
 
 /// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
 pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize) -> Result<()> {
     let rank = ctx.transport.rank();
-    let key = Key::collective(ctx.seq, 0);
+    let key = ctx.key(0);
     let tr = &mut ctx.transfers();
     if rank != root {
         unsafe { tr.send(root, key, input.slice(0, input.len))? };
@@ -24,7 +23,7 @@ pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize
 /// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
 pub fn direct_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, root: usize) -> Result<()> {
     let rank = ctx.transport.rank();
-    let key = Key::collective(ctx.seq, 0);
+    let key = ctx.key(0);
     let tr = &mut ctx.transfers();
     if rank != root {
         unsafe { tr.recv(root, key, output.ptr, output.len)? };

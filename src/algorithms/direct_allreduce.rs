@@ -7,7 +7,6 @@ use crate::call_check::{Agreement, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
-use crate::transport::Key;
 
 /// Messages up to this size (and groups up to SMALL_MAX_WORLD ranks) take the direct path.
 pub const ENV_SMALL_BYTES: &str = "RUSTC10D_SMALL_ALLREDUCE_BYTES";
@@ -31,7 +30,7 @@ pub fn direct_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, ch
     let mut scratch = ctx.scratch(len * world);
     let slots = scratch.raw();
     let slot = |p: usize| RawBuf::new(unsafe { slots.ptr.add(p * len) }, len);
-    let key = Key::collective(ctx.seq, 0);
+    let key = ctx.key(0);
     // Data arrives from every peer before the check: check every peer's call.
     let mut agreement = check.map(|mine| Agreement::new(mine, true));
     let tr = &mut ctx.transfers();

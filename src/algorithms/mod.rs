@@ -5,7 +5,7 @@
 // the segment number; iterator chains would hide that.
 #![allow(clippy::needless_range_loop)]
 
-use crate::transport::{Transfers, Transport};
+use crate::transport::{Key, Transfers, Transport};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -51,12 +51,21 @@ pub struct OpCtx<'a> {
     /// All-reduces up to this size use the direct exchange.
     pub small_allreduce_bytes: usize,
     pub pool: &'a ScratchPool,
+    /// Which piece of a buffer run in pieces this is (0 otherwise): its
+    /// messages get keys of their own.
+    pub piece: u64,
 }
 
 impl<'a> OpCtx<'a> {
     /// Scratch for this op, from the group's pool.
     pub fn scratch(&self, bytes: usize) -> Scratch<'a> {
         self.pool.take(bytes)
+    }
+
+    /// The key of this op's message `step` (for the current piece).
+    pub fn key(&self, step: u64) -> Key {
+        debug_assert!(step < 1 << 32 && self.piece < 1 << 31);
+        Key::collective(self.seq, self.piece << 32 | step)
     }
 
     /// Transfers for this op. Algorithms create them after any scratch memory,

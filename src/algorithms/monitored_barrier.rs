@@ -3,11 +3,10 @@
 
 use super::OpCtx;
 use crate::error::{Error, Result};
-use crate::transport::Key;
 
 pub fn monitored_barrier(ctx: &OpCtx, wait_all: bool) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let (arrive, release) = (Key::collective(ctx.seq, 0), Key::collective(ctx.seq, 1));
+    let (arrive, release) = (ctx.key(0), ctx.key(1));
     let tr = &mut ctx.transfers();
     if rank != 0 {
         unsafe { tr.send(0, arrive, &[])? };

@@ -5,7 +5,6 @@
 
 use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::Key;
 
 /// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
 pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<()> {
@@ -18,7 +17,7 @@ pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<
     let seg = ctx.segment_bytes;
     let nseg = |b: usize| segment_count(outputs[b].len, seg);
     let stride = (0..world).map(nseg).max().unwrap_or(1);
-    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * stride + j) as u64);
+    let key = |t: usize, j: usize| ctx.key((t * stride + j) as u64);
     // Step t sends block (rank - t) and receives block (rank - t - 1).
     let block = |t: usize| (rank + 2 * world - t) % world;
 

@@ -8,7 +8,7 @@ use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Fold, Key, TransferId, Transfers};
+use crate::transport::{Fold, TransferId, Transfers};
 use std::sync::Arc;
 
 pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
@@ -37,7 +37,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
     let incoming = |t: usize| (rank + 2 * world - t - 1) % world;
     let steps = 2 * (world - 1);
     let reduce_steps = world - 1;
-    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * nseg + j) as u64);
+    let key = |t: usize, j: usize| ctx.key((t * nseg + j) as u64);
 
     // Step t's chunk is neither sent nor folded into by any other step in flight.
     let fold = Fold { unit: es, f: Arc::new(move |mine: &mut [u8], theirs: &[u8]| reduce_into(dtype, op, mine, theirs)) };

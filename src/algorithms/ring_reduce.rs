@@ -6,7 +6,6 @@ use super::{segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
-use crate::transport::Key;
 
 pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
@@ -18,7 +17,7 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
     let pos = (rank + 2 * world - root - 1) % world;
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
     let nseg = segment_count(buf.len, seg);
-    let key = |j: usize| Key::collective(ctx.seq, j as u64);
+    let key = |j: usize| ctx.key(j as u64);
 
     let mut scratch = ctx.scratch(if pos == 0 { 0 } else { buf.len });
     let partial = scratch.raw();

@@ -8,7 +8,7 @@ use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Fold, Key, TransferId};
+use crate::transport::{Fold, TransferId};
 use std::sync::Arc;
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
@@ -24,7 +24,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
     let nseg = segment_count(len, seg);
     let steps = world - 1;
-    let key = |t: usize, j: usize| Key::collective(ctx.seq, (t * nseg + j) as u64);
+    let key = |t: usize, j: usize| ctx.key((t * nseg + j) as u64);
     // Step t sends the partial of block (rank - t - 1) and receives block (rank - t - 2).
     let block = |t: usize| (rank + 3 * world - t - 1) % world;
 
