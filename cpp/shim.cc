@@ -128,6 +128,7 @@ struct Completion::Impl {
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;    // (user tensor, staged copy)
   std::vector<at::Tensor> keep_alive;                          // staged inputs
   std::function<void()> on_success;                             // result assembly, if any
+  std::optional<c10::Event> staged;                              // a CUDA send's copy to the host
   size_t piece_bytes = 0;                                        // staged in pieces of this size (0: whole)
   std::deque<c10::Event> piece_staged;                           // CUDA: piece i is on the host
 };
@@ -173,12 +174,8 @@ namespace {
 // Copy (device tensor, host copy) pairs to the host on rustc10d's stream,
 // after the caller's queued work, and wait for them. Without `sync`
 // (RUSTC10D_TEST_STAGING) host memory stands in for the device.
-void copy_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
-  if (pairs.empty()) return;
-  if (!sync) {
-    for (auto& [device, host] : pairs) host.copy_(device);
-    return;
-  }
+// Queue the copies only; the returned event marks them done.
+c10::Event queue_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
   c10::StreamGuard guard(sync->stream);
   sync->ready.block(sync->stream);
   for (auto& [device, host] : pairs) {
@@ -187,7 +184,16 @@ void copy_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::
   }
   c10::Event staged(c10::DeviceType::CUDA);
   staged.record(sync->stream);
-  staged.synchronize();
+  return staged;
+}
+
+void copy_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
+  if (pairs.empty()) return;
+  if (!sync) {
+    for (auto& [device, host] : pairs) host.copy_(device);
+    return;
+  }
+  queue_to_host(sync, pairs).synchronize();
 }
 
 }  // namespace
@@ -231,6 +237,18 @@ bool stage_pieces(const Completion& done, size_t bytes) {
   }
   sync->record_use(device);
   return true;
+}
+
+// A send's copy was queued at issue (Staging::stage_later); the sending
+// thread waits for it here. Without a device, the copy happens here.
+void await_staged(const Completion& done) {
+  auto& d = *done.impl;
+  if (d.staged) {
+    d.staged->synchronize();
+  } else {
+    copy_to_host(nullptr, d.stage_in);
+  }
+  d.stage_in.clear();
 }
 
 void piece_in(const Completion& done, size_t i) {
@@ -463,10 +481,13 @@ class Staging {
 
   const char* name() const { return op_; }
 
-  // Point-to-point ops do not pass the engine's gate: stage their inputs now.
-  void stage_now() {
-    copy_to_host(cuda_.get(), done_->impl->stage_in);
-    done_->impl->stage_in.clear();
+  // A send does not pass the engine's gate: queue its copy to the host now,
+  // for the sending thread to wait on (await_staged). True if there is one.
+  bool stage_later() {
+    auto& d = *done_->impl;
+    if (d.stage_in.empty()) return false;
+    if (cuda_) d.staged.emplace(queue_to_host(cuda_.get(), d.stage_in));
+    return true;
   }
 
  private:
@@ -910,8 +931,8 @@ class RustBackend final : public c10d::Backend {
     auto& t = single(tensors, "send");
     Staging s("send", {t});
     auto d = s.input(t);
-    s.stage_now();
-    return run(s, OpType::SEND, [&](auto done) { return group_->send(d, dst, tag, -1, std::move(done)); });
+    bool staged = s.stage_later();
+    return run(s, OpType::SEND, [&](auto done) { return group_->send(d, dst, tag, -1, staged, std::move(done)); });
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {

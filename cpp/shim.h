@@ -35,6 +35,7 @@ void stage_inputs(const Completion& done);
 bool stage_pieces(const Completion& done, size_t bytes);
 void piece_in(const Completion& done, size_t i);
 void piece_out(const Completion& done, size_t i);
+void await_staged(const Completion& done);
 
 // Wrap the engine in a c10d::Backend and return a new reference to its Python object.
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size, int64_t timeout_ms);

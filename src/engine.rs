@@ -14,7 +14,7 @@ use crate::stats::Stats;
 use crate::reduce::scale;
 use crate::error::{Error, ErrorKind, Result};
 use crate::status::{Callback, Status};
-use crate::transport::{Key, Transport};
+use crate::transport::{Key, Ready, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
@@ -393,6 +393,19 @@ impl Engine {
     /// # Safety
     /// `buf` must stay valid and unchanged until `done` has run.
     pub unsafe fn send(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
+        self.send_with(buf, dst, tag, timeout, None, done)
+    }
+
+    /// `send` of a buffer that `ready` fills (a device tensor's copy to the
+    /// host): it runs on the sending thread, so the caller does not wait.
+    ///
+    /// # Safety
+    /// As for `send`, from the time `ready` returns.
+    pub unsafe fn send_after(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, ready: Ready, done: Callback) -> Result<OpHandle> {
+        self.send_with(buf, dst, tag, timeout, Some(ready), done)
+    }
+
+    unsafe fn send_with(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, ready: Option<Ready>, done: Callback) -> Result<OpHandle> {
         self.check_peer("send", dst)?;
         let seq = self.shared.sends.fetch_add(1, Ordering::SeqCst);
         self.shared.p2p_fault("send", seq, dst)?;
@@ -402,7 +415,11 @@ impl Engine {
         let deadline = Instant::now() + timeout;
         let what = format!("rustc10d: send #{seq} to {} (tag {tag}) on rank {}", t.describe_peer(dst), self.rank());
         let message = format!("{what} timed out after {} ms", timeout.as_millis());
-        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline).map_err(|e| e.context(&what))?;
+        match ready {
+            Some(ready) => t.send_after(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready),
+            None => t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline),
+        }
+        .map_err(|e| e.context(&what))?;
         let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, message };
         Ok(OpHandle { status, seq, source_rank: -1, expiry: Some(expiry) })
     }

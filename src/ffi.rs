@@ -56,7 +56,9 @@ pub mod bridge {
         fn monitored_barrier(self: &Group, wait_all: bool, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
 
         // Point to point.
-        fn send(self: &Group, t: TensorDesc, dst: i64, tag: i64, timeout_ms: i64, done: UniquePtr<Completion>)
+        /// `staged`: the tensor's bytes are on the host only once
+        /// `await_staged` returns (the sending thread calls it).
+        fn send(self: &Group, t: TensorDesc, dst: i64, tag: i64, timeout_ms: i64, staged: bool, done: UniquePtr<Completion>)
             -> Result<Box<Op>>;
         fn recv(self: &Group, t: TensorDesc, src: i64, tag: i64, timeout_ms: i64, done: UniquePtr<Completion>)
             -> Result<Box<Op>>;
@@ -94,6 +96,8 @@ pub mod bridge {
         fn piece_in(done: &Completion, i: usize) -> Result<()>;
         /// Queue the copy of piece `i` back to the device.
         fn piece_out(done: &Completion, i: usize) -> Result<()>;
+        /// Wait until a send's tensor, whose copy was queued at issue, is on the host.
+        fn await_staged(done: &Completion) -> Result<()>;
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32, timeout_ms: i64) -> Result<usize>;
     }
 }
@@ -157,12 +161,17 @@ fn stage_piece_bytes() -> usize {
 /// copy back (both on the group's stream) and the caller never blocks on it.
 struct ShimStaging(*const bridge::Completion);
 
-// The Completion lives in the op's callback, which runs only after the staging is done with.
+// The Completion lives in the op's callback, which runs only after the staging is done with
+// (for a send: after `ready`).
 unsafe impl Send for ShimStaging {}
 
 impl ShimStaging {
+    fn of(done: &cxx::UniquePtr<bridge::Completion>) -> ShimStaging {
+        ShimStaging(done.as_ref().map_or(std::ptr::null(), |c| c as *const _))
+    }
+
     fn boxed(done: &cxx::UniquePtr<bridge::Completion>) -> Box<dyn Staging> {
-        Box::new(ShimStaging(done.as_ref().map_or(std::ptr::null(), |c| c as *const _)))
+        Box::new(Self::of(done))
     }
 
     fn with<T: Default>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
@@ -274,8 +283,15 @@ impl Group {
         self.run(vec![Collective::MonitoredBarrier { wait_all }], timeout_ms, done)
     }
 
-    fn send(&self, t: bridge::TensorDesc, dst: i64, tag: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let h = unsafe { self.0.send(buf(&t), rank(dst, "destination")?, tag, timeout(timeout_ms), finish_with(done))? };
+    fn send(&self, t: bridge::TensorDesc, dst: i64, tag: i64, timeout_ms: i64, staged: bool, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+        let dst = rank(dst, "destination")?;
+        let h = if staged {
+            let staging = ShimStaging::of(&done);
+            let ready = Box::new(move || staging.with(bridge::await_staged).map_err(|e| e.context("rustc10d: send could not stage its tensor")));
+            unsafe { self.0.send_after(buf(&t), dst, tag, timeout(timeout_ms), ready, finish_with(done))? }
+        } else {
+            unsafe { self.0.send(buf(&t), dst, tag, timeout(timeout_ms), finish_with(done))? }
+        };
         Ok(Box::new(Op(h)))
     }
 

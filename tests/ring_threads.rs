@@ -693,3 +693,47 @@ fn ranks_that_cut_an_op_differently_are_refused() {
     }
     assert!(named >= 2, "the neighbours of the odd rank name the piece size");
 }
+
+/// A send whose bytes are filled by `ready` on the sending thread (a device
+/// tensor's copy to the host) neither blocks its caller nor lets a later send
+/// to the same peer overtake it; a `ready` that fails fails that send alone.
+#[test]
+fn send_after_ready_keeps_order_and_fails_alone() {
+    for mode in BOTH {
+        let engines = group_via(mode, 2, Duration::from_secs(10));
+        on_all(&engines, |rank, e| {
+            if rank == 0 {
+                let mut slow = vec![0u32; 1000];
+                let mut fast = vec![2u32; 1000];
+                let (slow_buf, t0) = (raw(&mut slow), Instant::now());
+                struct Fill(RawBuf);
+                unsafe impl Send for Fill {}
+                let fill = Fill(slow_buf);
+                let ready = Box::new(move || {
+                    let fill = fill;
+                    std::thread::sleep(Duration::from_millis(100));
+                    unsafe { fill.0.slice_mut(0, fill.0.len).copy_from_slice(&[1u8; 4000]) };
+                    Ok(())
+                });
+                let h1 = unsafe { e.send_after(slow_buf, 1, 7, None, ready, noop()).unwrap() };
+                assert!(t0.elapsed() < Duration::from_millis(50), "the caller does not wait for ready");
+                let failing = Box::new(|| Err(rustc10d::error::Error::io("no device copy")));
+                let mut lost = vec![9u32; 1000];
+                let h2 = unsafe { e.send_after(raw(&mut lost), 1, 7, None, failing, noop()).unwrap() };
+                let h3 = unsafe { e.send(raw(&mut fast), 1, 7, None, noop()).unwrap() };
+                wait_ok(h1);
+                match h2.wait(None) {
+                    Waited::Failed(msg) => assert!(msg.contains("no device copy"), "{msg}"),
+                    other => panic!("a failed ready fails its send: {other:?}"),
+                }
+                wait_ok(h3);
+            } else {
+                let (mut a, mut b) = (vec![0u32; 1000], vec![0u32; 1000]);
+                wait_ok(unsafe { e.recv(raw(&mut a), Some(0), 7, None, noop()).unwrap() });
+                wait_ok(unsafe { e.recv(raw(&mut b), Some(0), 7, None, noop()).unwrap() });
+                assert_eq!(a, vec![u32::from_ne_bytes([1; 4]); 1000], "the slow send arrives first, filled");
+                assert_eq!(b, vec![2u32; 1000], "then the fast one; the failed one never");
+            }
+        });
+    }
+}

@@ -8,7 +8,7 @@ use super::conn::Conn;
 use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KIND_ABORT, KIND_P2P};
 use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Fold, Mailbox, PostedRecv, RecvBuf};
 use super::shm::{self, Segment, ShmConn};
-use super::Transport;
+use super::{Ready, Transport};
 use crate::error::{Error, Result};
 use crate::status::Status;
 use std::io::{self, IoSlice, Read, Write};
@@ -147,11 +147,49 @@ struct SendReq {
     data: *const u8,
     len: usize,
     status: Arc<Status>,
+    ready: Option<Ready>,
 }
 // The sender keeps `data` alive until `status` finishes (Transport::send's contract).
 unsafe impl Send for SendReq {}
 
 impl Mesh {
+    /// A small frame is written at once from the calling thread when nothing
+    /// is queued before it; anything else, and any send with `ready`, goes
+    /// through the lane's writer thread.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn queue_send(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        deadline: Instant,
+        ready: Option<Ready>,
+    ) -> Result<()> {
+        let lane = if key.kind == KIND_P2P { 0 } else { key.sub as usize };
+        let out = self.inner.sender(peer, lane, deadline)?;
+        let header = FrameHeader { key, len: len as u64 }.encode();
+        if ready.is_none() && len <= INLINE_SEND_MAX && out.half.queued.load(Ordering::SeqCst) == 0 {
+            if let Ok(mut stream) = out.half.stream.try_lock() {
+                if out.half.queued.load(Ordering::SeqCst) == 0 {
+                    let written = write_frame(&mut stream, &header, std::slice::from_raw_parts(data, len));
+                    drop(stream);
+                    self.inner.sent(peer, written, len, &status);
+                    return Ok(());
+                }
+            }
+        }
+        out.half.queued.fetch_add(1, Ordering::SeqCst);
+        if let Err(e) = out.queue.send(SendReq { header, data, len, status, ready }) {
+            // The writer has exited: the peer was lost after we took its queue.
+            out.half.queued.fetch_sub(1, Ordering::SeqCst);
+            let err = self.inner.lost_error(peer);
+            e.0.status.finish(Err(err));
+        }
+        Ok(())
+    }
+
     /// Start accepting on `listener`, connect to `eager` peers and wait until
     /// each of `expect` has connected to us, all before `deadline`.
     pub fn start(
@@ -233,27 +271,20 @@ impl Transport for Mesh {
         status: Arc<Status>,
         deadline: Instant,
     ) -> Result<()> {
-        let lane = if key.kind == KIND_P2P { 0 } else { key.sub as usize };
-        let out = self.inner.sender(peer, lane, deadline)?;
-        let header = FrameHeader { key, len: len as u64 }.encode();
-        if len <= INLINE_SEND_MAX && out.half.queued.load(Ordering::SeqCst) == 0 {
-            if let Ok(mut stream) = out.half.stream.try_lock() {
-                if out.half.queued.load(Ordering::SeqCst) == 0 {
-                    let written = write_frame(&mut stream, &header, std::slice::from_raw_parts(data, len));
-                    drop(stream);
-                    self.inner.sent(peer, written, len, &status);
-                    return Ok(());
-                }
-            }
-        }
-        out.half.queued.fetch_add(1, Ordering::SeqCst);
-        if let Err(e) = out.queue.send(SendReq { header, data, len, status }) {
-            // The writer has exited: the peer was lost after we took its queue.
-            out.half.queued.fetch_sub(1, Ordering::SeqCst);
-            let err = self.inner.lost_error(peer);
-            e.0.status.finish(Err(err));
-        }
-        Ok(())
+        self.queue_send(peer, key, data, len, status, deadline, None)
+    }
+
+    unsafe fn send_after(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        deadline: Instant,
+        ready: Ready,
+    ) -> Result<()> {
+        self.queue_send(peer, key, data, len, status, deadline, Some(ready))
     }
 
     unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>) -> Result<()> {
@@ -711,7 +742,12 @@ impl Inner {
     }
 
     fn write_loop(&self, peer: usize, half: Arc<WriteHalf>, rx: Receiver<SendReq>) {
-        for req in rx.iter() {
+        for mut req in rx.iter() {
+            if let Some(Err(e)) = req.ready.take().map(|ready| ready()) {
+                half.queued.fetch_sub(1, Ordering::SeqCst);
+                req.status.finish(Err(e));
+                continue;
+            }
             let payload = unsafe { std::slice::from_raw_parts(req.data, req.len) };
             let written = write_frame(&mut half.stream.lock().unwrap(), &req.header, payload);
             half.queued.fetch_sub(1, Ordering::SeqCst);

@@ -17,6 +17,9 @@ use crate::status::Status;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Makes a send's bytes ready to read (see `Transport::send_after`).
+pub type Ready = Box<dyn FnOnce() -> Result<()> + Send>;
+
 pub trait Transport: Send + Sync {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
@@ -29,6 +32,28 @@ pub trait Transport: Send + Sync {
     /// The bytes must stay valid and unchanged until `status` finishes.
     unsafe fn send(&self, peer: usize, key: Key, data: *const u8, len: usize, status: Arc<Status>, deadline: Instant)
         -> Result<()>;
+
+    /// Like `send`, but the bytes are read only after `ready` has returned
+    /// (on a sending thread, in the order of the sends to `peer`), so the
+    /// caller need not wait for them to be filled; an error from `ready`
+    /// fails this send alone.
+    ///
+    /// # Safety
+    /// As for `send`, from the time `ready` returns.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn send_after(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        deadline: Instant,
+        ready: Ready,
+    ) -> Result<()> {
+        ready()?;
+        self.send(peer, key, data, len, status, deadline)
+    }
 
     /// Post a buffer for the next message from `peer` with `key`; `status`
     /// finishes when it is filled (or the peer is lost, or sizes differ).
