@@ -130,6 +130,7 @@ struct Completion::Impl {
   std::function<void()> on_success;                             // result assembly, if any
   std::optional<c10::Event> staged;                              // a CUDA send's copy to the host
   size_t piece_bytes = 0;                                        // staged in pieces of this size (0: whole)
+  bool pieces_whole = false;                                     // ... but copied in and out whole
   std::deque<c10::Event> piece_staged;                           // CUDA: piece i is on the host
 };
 Completion::~Completion() = default;
@@ -217,15 +218,21 @@ at::Tensor piece_of(const at::Tensor& t, size_t piece, size_t i) {
 // Pieces need one staged buffer that is both the op's input and its result
 // (all_reduce, broadcast). On CUDA every piece's copy to the host is queued
 // now, each with an event; without a device (RUSTC10D_TEST_STAGING) piece_in
-// copies the piece itself.
+// copies the piece itself. A non-contiguous tensor has no byte ranges: it is
+// copied whole (in before piece 0, back on completion), but the op still runs
+// in pieces, because every rank must cut an op the same way.
 bool stage_pieces(const Completion& done, size_t bytes) {
   auto& d = *done.impl;
   if (bytes == 0 || d.on_success || d.stage_in.size() != 1 || d.copy_back.size() != 1) return false;
   auto& [device, host] = d.stage_in[0];
   if (!device.is_same(d.copy_back[0].first) || !host.is_same(d.copy_back[0].second)) return false;
-  if (!device.is_contiguous() || !host.is_contiguous()) return false;
   d.piece_bytes = bytes;
+  d.pieces_whole = !device.is_contiguous();
   if (!d.cuda) return true;
+  if (d.pieces_whole) {
+    d.piece_staged.push_back(queue_to_host(d.cuda.get(), d.stage_in));
+    return true;
+  }
   auto* sync = d.cuda.get();
   c10::StreamGuard guard(sync->stream);
   sync->ready.block(sync->stream);
@@ -253,6 +260,15 @@ void await_staged(const Completion& done) {
 
 void piece_in(const Completion& done, size_t i) {
   auto& d = *done.impl;
+  if (d.pieces_whole) {
+    if (i > 0) return;
+    if (d.cuda) {
+      d.piece_staged.front().synchronize();
+    } else {
+      copy_to_host(nullptr, d.stage_in);
+    }
+    return;
+  }
   if (d.cuda) {
     TORCH_CHECK(i < d.piece_staged.size(), "rustc10d: piece ", i, " was never staged");
     d.piece_staged[i].synchronize();
@@ -264,6 +280,7 @@ void piece_in(const Completion& done, size_t i) {
 
 void piece_out(const Completion& done, size_t i) {
   auto& d = *done.impl;
+  if (d.pieces_whole) return;  // copied back whole on completion
   auto& [user, host] = d.copy_back[0];
   if (!d.cuda) {
     piece_of(user, d.piece_bytes, i).copy_(piece_of(host, d.piece_bytes, i));
@@ -281,7 +298,7 @@ void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
       std::optional<c10::StreamGuard> on_our_stream;
       if (d.cuda) on_our_stream.emplace(d.cuda->stream);  // copies back and the future's events go there
       // An op run in pieces has copied each back already (piece_out).
-      if (d.piece_bytes) d.copy_back.clear();
+      if (d.piece_bytes && !d.pieces_whole) d.copy_back.clear();
       for (auto& [user, staged] : d.copy_back) {
         user.copy_(staged, /*non_blocking=*/d.cuda != nullptr);
         if (d.cuda) d.cuda->record_use(user);
