@@ -139,6 +139,8 @@ struct Link {
     unused: Vec<Conn>,
     /// Connections whose reader is still running.
     readers: usize,
+    /// Why the peer gave up, once it said so on one of them.
+    why: Option<Error>,
     lost: Option<Error>,
 }
 
@@ -645,10 +647,10 @@ impl Inner {
                 Err(e) => break Some(e),
             }
         };
-        let open = {
+        let (open, why) = {
             let mut link = self.peers[peer].link.lock().unwrap();
             link.readers -= 1;
-            link.readers
+            (link.readers, link.why.clone())
         };
         if self.stopping.load(Ordering::SeqCst) {
             return;
@@ -657,7 +659,7 @@ impl Inner {
             // A peer that leaves closes all its connections; data still in
             // flight on another one must be read before we call it gone.
             None if open > 0 => return,
-            None => Error::peer_lost(format!("{} closed its connection", self.describe(peer))),
+            None => why.unwrap_or_else(|| Error::peer_lost(format!("{} closed its connection", self.describe(peer)))),
             Some(e) => Error::peer_lost(format!("lost connection to {}: {e}", self.describe(peer))),
         };
         self.lose_peer(peer, err);
@@ -684,7 +686,10 @@ impl Inner {
             let mut why = vec![0u8; header.len as usize];
             stream.read_exact(&mut why)?;
             let why = String::from_utf8_lossy(&why);
-            self.lose_peer(peer, Error::peer_lost(format!("{} gave up on the group: {why}", self.describe(peer))));
+            // The peer is gone once its other connections are drained too:
+            // data it sent on them before giving up still counts.
+            let err = Error::peer_lost(format!("{} gave up on the group: {why}", self.describe(peer)));
+            self.peers[peer].link.lock().unwrap().why.get_or_insert(err);
             return Ok(false);
         }
         let delivery = self.deliver_to(peer, header.key, header.len);
