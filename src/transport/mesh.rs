@@ -76,6 +76,8 @@ struct Inner {
     local: Option<ShmEndpoint>,
     stopping: AtomicBool,
     handshakes: AtomicUsize,
+    /// Why this rank gave up on the group (an abort frame), once it has.
+    gave_up: Mutex<Option<Vec<u8>>>,
     nsocks: usize,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -220,6 +222,7 @@ impl Mesh {
             local,
             stopping: AtomicBool::new(false),
             handshakes: AtomicUsize::new(0),
+            gave_up: Mutex::new(None),
             nsocks: nsocks(),
             threads: Mutex::new(Vec::new()),
         });
@@ -330,6 +333,7 @@ impl Transport for Mesh {
         let why = reason.message.as_bytes();
         let why = &why[..why.len().min(ABORT_MAX as usize)];
         let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
+        inner.gave_up.lock().unwrap().get_or_insert_with(|| why.to_vec());
         let peers = || (0..inner.peers.len()).filter(|&p| p != inner.rank());
         // Write straight to each connection we send on: the queue may be stuck
         // behind the very transfer that failed.
@@ -584,13 +588,20 @@ impl Inner {
 
     /// Adopt a connection that passed the handshake: read from it, and send on
     /// it too while we have fewer than RUSTC10D_NSOCKS to that peer.
-    fn register(self: &Arc<Self>, peer: usize, stream: Conn) {
+    fn register(self: &Arc<Self>, peer: usize, mut stream: Conn) {
         let (Ok(reader), Ok(keep)) = (stream.try_clone(), stream.try_clone()) else {
             return;
         };
         let p = &self.peers[peer];
         let mut link = p.link.lock().unwrap();
         if link.lost.is_some() || self.stopping.load(Ordering::SeqCst) {
+            // A connection the peer dialled while we were giving up may be
+            // the only one it reads yet: tell it why there too.
+            if let Some(why) = self.gave_up.lock().unwrap().clone() {
+                let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
+                stream.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = write_frame(&mut stream, &header, &why);
+            }
             stream.shutdown();
             return;
         }
