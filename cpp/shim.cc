@@ -172,10 +172,9 @@ std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
 
 namespace {
 
-// Copy (device tensor, host copy) pairs to the host on rustc10d's stream,
-// after the caller's queued work, and wait for them. Without `sync`
-// (RUSTC10D_TEST_STAGING) host memory stands in for the device.
-// Queue the copies only; the returned event marks them done.
+// Queue copies of (device tensor, host copy) pairs to the host on
+// rustc10d's stream, after the caller's queued work; the returned event
+// marks them done.
 c10::Event queue_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
   c10::StreamGuard guard(sync->stream);
   sync->ready.block(sync->stream);
@@ -188,6 +187,8 @@ c10::Event queue_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tenso
   return staged;
 }
 
+// The same, waited for. Without `sync` (RUSTC10D_TEST_STAGING) host memory
+// stands in for the device.
 void copy_to_host(DeviceSync* sync, const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs) {
   if (pairs.empty()) return;
   if (!sync) {
@@ -233,16 +234,9 @@ bool stage_pieces(const Completion& done, size_t bytes) {
     d.piece_staged.push_back(queue_to_host(d.cuda.get(), d.stage_in));
     return true;
   }
-  auto* sync = d.cuda.get();
-  c10::StreamGuard guard(sync->stream);
-  sync->ready.block(sync->stream);
-  auto total = static_cast<size_t>(host.nbytes());
-  for (size_t i = 0; i * bytes < total; ++i) {
-    piece_of(host, bytes, i).copy_(piece_of(device, bytes, i), /*non_blocking=*/true);
-    d.piece_staged.emplace_back(c10::DeviceType::CUDA);
-    d.piece_staged.back().record(sync->stream);
+  for (size_t i = 0; i * bytes < static_cast<size_t>(host.nbytes()); ++i) {
+    d.piece_staged.push_back(queue_to_host(d.cuda.get(), {{piece_of(device, bytes, i), piece_of(host, bytes, i)}}));
   }
-  sync->record_use(device);
   return true;
 }
 
@@ -260,35 +254,26 @@ void await_staged(const Completion& done) {
 
 void piece_in(const Completion& done, size_t i) {
   auto& d = *done.impl;
-  if (d.pieces_whole) {
-    if (i > 0) return;
-    if (d.cuda) {
-      d.piece_staged.front().synchronize();
-    } else {
-      copy_to_host(nullptr, d.stage_in);
-    }
-    return;
-  }
+  if (d.pieces_whole && i > 0) return;  // all of it came in with piece 0
   if (d.cuda) {
     TORCH_CHECK(i < d.piece_staged.size(), "rustc10d: piece ", i, " was never staged");
     d.piece_staged[i].synchronize();
-    return;
+  } else if (d.pieces_whole) {
+    copy_to_host(nullptr, d.stage_in);
+  } else {
+    auto& [device, host] = d.stage_in[0];
+    piece_of(host, d.piece_bytes, i).copy_(piece_of(device, d.piece_bytes, i));
   }
-  auto& [device, host] = d.stage_in[0];
-  piece_of(host, d.piece_bytes, i).copy_(piece_of(device, d.piece_bytes, i));
 }
 
 void piece_out(const Completion& done, size_t i) {
   auto& d = *done.impl;
   if (d.pieces_whole) return;  // copied back whole on completion
   auto& [user, host] = d.copy_back[0];
-  if (!d.cuda) {
-    piece_of(user, d.piece_bytes, i).copy_(piece_of(host, d.piece_bytes, i));
-    return;
-  }
-  c10::StreamGuard guard(d.cuda->stream);
-  piece_of(user, d.piece_bytes, i).copy_(piece_of(host, d.piece_bytes, i), /*non_blocking=*/true);
-  d.cuda->record_use(user);
+  std::optional<c10::StreamGuard> on_our_stream;
+  if (d.cuda) on_our_stream.emplace(d.cuda->stream);
+  piece_of(user, d.piece_bytes, i).copy_(piece_of(host, d.piece_bytes, i), /*non_blocking=*/d.cuda != nullptr);
+  if (d.cuda) d.cuda->record_use(user);
 }
 
 void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {

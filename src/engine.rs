@@ -415,11 +415,7 @@ impl Engine {
         let deadline = Instant::now() + timeout;
         let what = format!("rustc10d: send #{seq} to {} (tag {tag}) on rank {}", t.describe_peer(dst), self.rank());
         let message = format!("{what} timed out after {} ms", timeout.as_millis());
-        match ready {
-            Some(ready) => t.send_after(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready),
-            None => t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline),
-        }
-        .map_err(|e| e.context(&what))?;
+        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready).map_err(|e| e.context(&what))?;
         let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, message };
         Ok(OpHandle { status, seq, source_rank: -1, expiry: Some(expiry) })
     }
@@ -493,28 +489,16 @@ impl Shared {
     }
 
     fn run(&self, mut job: Job) {
-        let mut pieces = None;
-        if let Some(staging) = job.staging.as_mut() {
-            let bytes = match job.parts.as_slice() {
-                [part] => part.piece_bytes(staging.piece_bytes()),
-                _ => None,
-            };
-            let staged = match bytes {
-                Some(bytes) => staging.start_pieces(bytes).and_then(|ok| if ok { Ok(Some(bytes)) } else { staging.all_in().map(|()| None) }),
-                None => staging.all_in().map(|()| None),
-            };
-            match staged {
-                Ok(Some(bytes)) => pieces = Some(bytes),
-                Ok(None) => {}
-                Err(e) => {
-                    let name = job.parts.first().map_or("op", |p| p.name());
-                    let e = Error::new(e.kind, format!("rustc10d: {name} #{} on rank {} could not stage its tensors: {}", job.first_seq, self.transport.rank(), e.message));
-                    self.break_group(&e);
-                    job.status.finish(Err(e));
-                    return;
-                }
+        let pieces = match job.staging.as_deref_mut().map(|s| stage(&job.parts, s)).transpose() {
+            Ok(pieces) => pieces.flatten(),
+            Err(e) => {
+                let name = job.parts.first().map_or("op", |p| p.name());
+                let e = Error::new(e.kind, format!("rustc10d: {name} #{} on rank {} could not stage its tensors: {}", job.first_seq, self.transport.rank(), e.message));
+                self.break_group(&e);
+                job.status.finish(Err(e));
+                return;
             }
-        }
+        };
         let result = match (pieces, job.staging.as_deref_mut()) {
             (Some(bytes), Some(staging)) => self.run_part(job.first_seq, &job.parts[0], job.timeout, Some(Pieces { bytes, staging })),
             _ => job.parts.iter().enumerate().try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout, None)),
@@ -675,6 +659,19 @@ fn execute(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
     }
 }
 
+/// Bring a job's inputs to the host: in pieces of the returned size where
+/// its one op can run so, else whole (None).
+fn stage(parts: &[Collective], staging: &mut dyn Staging) -> Result<Option<usize>> {
+    if let [part] = parts {
+        if let Some(bytes) = part.piece_bytes(staging.piece_bytes()) {
+            if staging.start_pieces(bytes)? {
+                return Ok(Some(bytes));
+            }
+        }
+    }
+    staging.all_in().map(|()| None)
+}
+
 /// A staged op run piece by piece (see `Staging`).
 struct Pieces<'a> {
     bytes: usize,
@@ -691,14 +688,10 @@ fn execute_in_pieces(ctx: &OpCtx, part: &Collective, pieces: Pieces) -> Result<(
     for (i, start) in (0..len).step_by(bytes).enumerate() {
         staging.piece_in(i).map_err(|e| e.context(&ctx.what))?;
         let piece_ctx = OpCtx {
-            transport: ctx.transport,
-            seq: ctx.seq,
             timeout: deadline.saturating_duration_since(Instant::now()),
             what: format!("{} (piece {i})", ctx.what),
-            segment_bytes: ctx.segment_bytes,
-            small_allreduce_bytes: ctx.small_allreduce_bytes,
-            pool: ctx.pool,
             piece: i as u64,
+            ..*ctx
         };
         execute(&piece_ctx, &part.piece(start, bytes.min(len - start)), None)?;
         staging.piece_out(i).map_err(|e| e.context(&ctx.what))?;

@@ -170,10 +170,6 @@ impl ShimStaging {
         ShimStaging(done.as_ref().map_or(std::ptr::null(), |c| c as *const _))
     }
 
-    fn boxed(done: &cxx::UniquePtr<bridge::Completion>) -> Box<dyn Staging> {
-        Box::new(Self::of(done))
-    }
-
     fn with<T: Default>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
         match unsafe { self.0.as_ref() } {
             Some(c) => f(c).map_err(|e| Error::io(e.what().to_string())),
@@ -227,7 +223,7 @@ fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>>
 // dropped only when the engine finishes the op.
 impl Group {
     fn run(&self, parts: Vec<Collective>, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let staging = ShimStaging::boxed(&done);
+        let staging = Box::new(ShimStaging::of(&done));
         Ok(Box::new(Op(unsafe { self.0.submit_staged(parts, timeout(timeout_ms), Some(staging), finish_with(done))? })))
     }
 

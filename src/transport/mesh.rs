@@ -157,43 +157,6 @@ struct SendReq {
 unsafe impl Send for SendReq {}
 
 impl Mesh {
-    /// A small frame is written at once from the calling thread when nothing
-    /// is queued before it; anything else, and any send with `ready`, goes
-    /// through the lane's writer thread.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn queue_send(
-        &self,
-        peer: usize,
-        key: Key,
-        data: *const u8,
-        len: usize,
-        status: Arc<Status>,
-        deadline: Instant,
-        ready: Option<Ready>,
-    ) -> Result<()> {
-        let lane = if key.kind == KIND_P2P { 0 } else { key.sub as usize };
-        let out = self.inner.sender(peer, lane, deadline)?;
-        let header = FrameHeader { key, len: len as u64 }.encode();
-        if ready.is_none() && len <= INLINE_SEND_MAX && out.half.queued.load(Ordering::SeqCst) == 0 {
-            if let Ok(mut stream) = out.half.stream.try_lock() {
-                if out.half.queued.load(Ordering::SeqCst) == 0 {
-                    let written = write_frame(&mut stream, &header, std::slice::from_raw_parts(data, len));
-                    drop(stream);
-                    self.inner.sent(peer, written, len, &status);
-                    return Ok(());
-                }
-            }
-        }
-        out.half.queued.fetch_add(1, Ordering::SeqCst);
-        if let Err(e) = out.queue.send(SendReq { header, data, len, status, ready }) {
-            // The writer has exited: the peer was lost after we took its queue.
-            out.half.queued.fetch_sub(1, Ordering::SeqCst);
-            let err = self.inner.lost_error(peer);
-            e.0.status.finish(Err(err));
-        }
-        Ok(())
-    }
-
     /// Start accepting on `listener`, connect to `eager` peers and wait until
     /// each of `expect` has connected to us, all before `deadline`.
     pub fn start(
@@ -245,7 +208,6 @@ impl Mesh {
     pub fn local_addr(&self) -> SocketAddr {
         self.inner.listener.local_addr().expect("bound listener")
     }
-
 }
 
 impl Drop for Mesh {
@@ -267,6 +229,9 @@ impl Transport for Mesh {
         self.inner.describe(peer)
     }
 
+    /// A small frame is written at once from the calling thread when nothing
+    /// is queued before it; anything else, and any send with `ready`, goes
+    /// through the lane's writer thread.
     unsafe fn send(
         &self,
         peer: usize,
@@ -275,21 +240,29 @@ impl Transport for Mesh {
         len: usize,
         status: Arc<Status>,
         deadline: Instant,
+        ready: Option<Ready>,
     ) -> Result<()> {
-        self.queue_send(peer, key, data, len, status, deadline, None)
-    }
-
-    unsafe fn send_after(
-        &self,
-        peer: usize,
-        key: Key,
-        data: *const u8,
-        len: usize,
-        status: Arc<Status>,
-        deadline: Instant,
-        ready: Ready,
-    ) -> Result<()> {
-        self.queue_send(peer, key, data, len, status, deadline, Some(ready))
+        let lane = if key.kind == KIND_P2P { 0 } else { key.sub as usize };
+        let out = self.inner.sender(peer, lane, deadline)?;
+        let header = FrameHeader { key, len: len as u64 }.encode();
+        if ready.is_none() && len <= INLINE_SEND_MAX && out.half.queued.load(Ordering::SeqCst) == 0 {
+            if let Ok(mut stream) = out.half.stream.try_lock() {
+                if out.half.queued.load(Ordering::SeqCst) == 0 {
+                    let written = write_frame(&mut stream, &header, std::slice::from_raw_parts(data, len));
+                    drop(stream);
+                    self.inner.sent(peer, written, len, &status);
+                    return Ok(());
+                }
+            }
+        }
+        out.half.queued.fetch_add(1, Ordering::SeqCst);
+        if let Err(e) = out.queue.send(SendReq { header, data, len, status, ready }) {
+            // The writer has exited: the peer was lost after we took its queue.
+            out.half.queued.fetch_sub(1, Ordering::SeqCst);
+            let err = self.inner.lost_error(peer);
+            e.0.status.finish(Err(err));
+        }
+        Ok(())
     }
 
     unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>) -> Result<()> {
@@ -332,7 +305,6 @@ impl Transport for Mesh {
         let inner = &self.inner;
         let why = reason.message.as_bytes();
         let why = &why[..why.len().min(ABORT_MAX as usize)];
-        let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
         inner.gave_up.lock().unwrap().get_or_insert_with(|| why.to_vec());
         let peers = || (0..inner.peers.len()).filter(|&p| p != inner.rank());
         // Write straight to each connection we send on: the queue may be stuck
@@ -344,14 +316,12 @@ impl Transport for Mesh {
                 (link.lanes.first().cloned(), link.unused.iter().filter_map(|c| c.try_clone().ok()).collect::<Vec<_>>())
             };
             for mut stream in unused {
-                stream.set_write_timeout(Some(Duration::from_millis(100)));
-                let _ = write_frame(&mut stream, &header, why);
+                write_abort(&mut stream, why);
             }
             let Some(out) = out else { continue };
             loop {
                 if let Ok(mut stream) = out.half.stream.try_lock() {
-                    stream.set_write_timeout(Some(Duration::from_millis(100)));
-                    let _ = write_frame(&mut stream, &header, why);
+                    write_abort(&mut stream, why);
                     break;
                 }
                 if Instant::now() >= grace {
@@ -597,10 +567,9 @@ impl Inner {
         if link.lost.is_some() || self.stopping.load(Ordering::SeqCst) {
             // A connection the peer dialled while we were giving up may be
             // the only one it reads yet: tell it why there too.
-            if let Some(why) = self.gave_up.lock().unwrap().clone() {
-                let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
-                stream.set_write_timeout(Some(Duration::from_millis(100)));
-                let _ = write_frame(&mut stream, &header, &why);
+            let gave_up = self.gave_up.lock().unwrap().clone();
+            if let Some(why) = gave_up {
+                write_abort(&mut stream, &why);
             }
             stream.shutdown();
             return;
@@ -898,6 +867,13 @@ impl Timeouts for UnixStream {
         self.set_read_timeout(t)?;
         self.set_write_timeout(t)
     }
+}
+
+/// Tell the peer why this rank gives up (best effort: a stuck peer gets 100 ms).
+fn write_abort(stream: &mut Conn, why: &[u8]) {
+    let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
+    stream.set_write_timeout(Some(Duration::from_millis(100)));
+    let _ = write_frame(stream, &header, why);
 }
 
 /// Header and payload in as few syscalls as possible (one for small frames).

@@ -17,7 +17,7 @@ use crate::status::Status;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Makes a send's bytes ready to read (see `Transport::send_after`).
+/// Makes a send's bytes ready to read (see `Transport::send`).
 pub type Ready = Box<dyn FnOnce() -> Result<()> + Send>;
 
 pub trait Transport: Send + Sync {
@@ -27,21 +27,16 @@ pub trait Transport: Send + Sync {
     fn describe_peer(&self, peer: usize) -> String;
 
     /// Queue `len` bytes at `data` for `peer`; `status` finishes when they are written.
+    /// With `ready`, the bytes are read only after it has returned (on a
+    /// sending thread, in the order of the sends to `peer`), so the caller
+    /// need not wait for them to be filled; an error from `ready` fails this
+    /// send alone.
     ///
     /// # Safety
-    /// The bytes must stay valid and unchanged until `status` finishes.
-    unsafe fn send(&self, peer: usize, key: Key, data: *const u8, len: usize, status: Arc<Status>, deadline: Instant)
-        -> Result<()>;
-
-    /// Like `send`, but the bytes are read only after `ready` has returned
-    /// (on a sending thread, in the order of the sends to `peer`), so the
-    /// caller need not wait for them to be filled; an error from `ready`
-    /// fails this send alone.
-    ///
-    /// # Safety
-    /// As for `send`, from the time `ready` returns.
+    /// The bytes must stay valid and unchanged until `status` finishes (from
+    /// the time `ready` returns, with `ready`).
     #[allow(clippy::too_many_arguments)]
-    unsafe fn send_after(
+    unsafe fn send(
         &self,
         peer: usize,
         key: Key,
@@ -49,11 +44,8 @@ pub trait Transport: Send + Sync {
         len: usize,
         status: Arc<Status>,
         deadline: Instant,
-        ready: Ready,
-    ) -> Result<()> {
-        ready()?;
-        self.send(peer, key, data, len, status, deadline)
-    }
+        ready: Option<Ready>,
+    ) -> Result<()>;
 
     /// Post a buffer for the next message from `peer` with `key`; `status`
     /// finishes when it is filled (or the peer is lost, or sizes differ).
@@ -130,7 +122,7 @@ impl<'t> Transfers<'t> {
     pub unsafe fn send(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
         let status = Status::new();
         self.transport
-            .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline)
+            .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None)
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
         self.pending.push(Pending { peer, recv_key: None, status });
         Ok(TransferId(self.pending.len() - 1))
