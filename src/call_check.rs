@@ -163,8 +163,18 @@ mod tests {
     fn roundtrip_and_description() {
         let f = Fingerprint { op: "reduce", dtype: 0, reduce: 4, root: 2, bytes: 4096, piece: 1 << 20 };
         assert_eq!(Fingerprint::decode(&f.encode()).unwrap(), f);
-        assert_eq!(f.describe(), "reduce(4096 bytes, dtype torch.float32, op MAX, root 2, staged in pieces of 1048576 bytes)");
-        let b = Fingerprint { op: "barrier", dtype: Fingerprint::NONE, reduce: Fingerprint::NONE, root: u32::MAX, bytes: 0, piece: 0 };
+        assert_eq!(
+            f.describe(),
+            "reduce(4096 bytes, dtype torch.float32, op MAX, root 2, staged in pieces of 1048576 bytes)"
+        );
+        let b = Fingerprint {
+            op: "barrier",
+            dtype: Fingerprint::NONE,
+            reduce: Fingerprint::NONE,
+            root: u32::MAX,
+            bytes: 0,
+            piece: 0,
+        };
         assert_eq!(b.describe(), "barrier(0 bytes)");
     }
 }

@@ -4,15 +4,16 @@
 //! The engine owns every op until it finishes; a handle only observes it.
 
 use crate::algorithms::{
-    copy_buf, direct_allreduce, direct_gather, direct_scatter, prefers_direct, small_allreduce_bytes, monitored_barrier, pairwise_alltoall, ring_allgather, ring_allreduce,
-    ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes, OpCtx, RawBuf, Scratch, ScratchPool,
+    copy_buf, direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
+    ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, segment_bytes,
+    small_allreduce_bytes, OpCtx, RawBuf, Scratch, ScratchPool,
 };
 use crate::call_check::{agree, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
-use crate::fault::{Action, Faults, ENV_FAULT};
-use crate::stats::Stats;
-use crate::reduce::scale;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fault::{Action, Faults, ENV_FAULT};
+use crate::reduce::scale;
+use crate::stats::Stats;
 use crate::status::{Callback, Status};
 use crate::transport::{Key, Ready, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -72,22 +73,52 @@ impl Reduction {
 
 /// One collective call. Buffers are the caller's (see `Engine::submit`).
 pub enum Collective {
-    AllReduce { buf: RawBuf, red: Reduction },
+    AllReduce {
+        buf: RawBuf,
+        red: Reduction,
+    },
     /// In place at the root; other ranks' buffers are left as they were.
-    Reduce { buf: RawBuf, root: usize, red: Reduction },
-    Broadcast { buf: RawBuf, root: usize },
+    Reduce {
+        buf: RawBuf,
+        root: usize,
+        red: Reduction,
+    },
+    Broadcast {
+        buf: RawBuf,
+        root: usize,
+    },
     /// `outputs[i]` receives rank i's input; sizes may differ per rank.
-    AllGather { input: RawBuf, outputs: Vec<RawBuf> },
+    AllGather {
+        input: RawBuf,
+        outputs: Vec<RawBuf>,
+    },
     /// `outputs` only at the root.
-    Gather { input: RawBuf, outputs: Vec<RawBuf>, root: usize },
+    Gather {
+        input: RawBuf,
+        outputs: Vec<RawBuf>,
+        root: usize,
+    },
     /// `inputs` only at the root.
-    Scatter { inputs: Vec<RawBuf>, output: RawBuf, root: usize },
+    Scatter {
+        inputs: Vec<RawBuf>,
+        output: RawBuf,
+        root: usize,
+    },
     /// `inputs[i]` is this rank's contribution to rank i's `output`.
-    ReduceScatter { inputs: Vec<RawBuf>, output: RawBuf, red: Reduction },
+    ReduceScatter {
+        inputs: Vec<RawBuf>,
+        output: RawBuf,
+        red: Reduction,
+    },
     /// `inputs[i]` goes to rank i, `outputs[i]` comes from rank i.
-    AllToAll { inputs: Vec<RawBuf>, outputs: Vec<RawBuf> },
+    AllToAll {
+        inputs: Vec<RawBuf>,
+        outputs: Vec<RawBuf>,
+    },
     Barrier,
-    MonitoredBarrier { wait_all: bool },
+    MonitoredBarrier {
+        wait_all: bool,
+    },
 }
 
 impl Collective {
@@ -144,9 +175,19 @@ impl Collective {
     fn check(&self, rank: usize, world: usize) -> Result<()> {
         let name = self.name();
         let bad = |msg: String| Err(Error::invalid(format!("rustc10d: {name}: {msg}")));
-        let root_ok = |root: usize| if root < world { Ok(()) } else { bad(format!("root rank {root} is out of range for a group of size {world}")) };
+        let root_ok = |root: usize| {
+            if root < world {
+                Ok(())
+            } else {
+                bad(format!("root rank {root} is out of range for a group of size {world}"))
+            }
+        };
         let whole = |b: &RawBuf, red: &Reduction| {
-            if b.len.is_multiple_of(red.dtype.size()) { Ok(()) } else { bad(format!("{} bytes is not a whole number of {} elements", b.len, red.dtype.torch_name())) }
+            if b.len.is_multiple_of(red.dtype.size()) {
+                Ok(())
+            } else {
+                bad(format!("{} bytes is not a whole number of {} elements", b.len, red.dtype.torch_name()))
+            }
         };
         let blocks = |what: &str, bufs: &[RawBuf], want: usize| {
             if bufs.len() != world {
@@ -174,17 +215,28 @@ impl Collective {
                     return bad(format!("expected {world} outputs (one per rank), got {}", outputs.len()));
                 }
                 if outputs[rank].len != input.len {
-                    return bad(format!("output {rank} has {} bytes but the input has {}", outputs[rank].len, input.len));
+                    return bad(format!(
+                        "output {rank} has {} bytes but the input has {}",
+                        outputs[rank].len, input.len
+                    ));
                 }
                 Ok(())
             }
             Collective::Gather { input, outputs, root } => {
                 root_ok(*root)?;
-                if rank == *root { blocks("outputs", outputs, input.len) } else { Ok(()) }
+                if rank == *root {
+                    blocks("outputs", outputs, input.len)
+                } else {
+                    Ok(())
+                }
             }
             Collective::Scatter { inputs, output, root } => {
                 root_ok(*root)?;
-                if rank == *root { blocks("inputs", inputs, output.len) } else { Ok(()) }
+                if rank == *root {
+                    blocks("inputs", inputs, output.len)
+                } else {
+                    Ok(())
+                }
             }
             Collective::ReduceScatter { inputs, output, red } => {
                 red.check()?;
@@ -193,7 +245,11 @@ impl Collective {
             }
             Collective::AllToAll { inputs, outputs } => {
                 if inputs.len() != world || outputs.len() != world {
-                    return bad(format!("expected {world} input and output blocks, got {} and {}", inputs.len(), outputs.len()));
+                    return bad(format!(
+                        "expected {world} input and output blocks, got {} and {}",
+                        inputs.len(),
+                        outputs.len()
+                    ));
                 }
                 Ok(())
             }
@@ -392,7 +448,14 @@ impl Engine {
 
     /// # Safety
     /// `buf` must stay valid and unchanged until `done` has run.
-    pub unsafe fn send(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
+    pub unsafe fn send(
+        &self,
+        buf: RawBuf,
+        dst: usize,
+        tag: i64,
+        timeout: Option<Duration>,
+        done: Callback,
+    ) -> Result<OpHandle> {
         self.send_with(buf, dst, tag, timeout, None, done)
     }
 
@@ -401,11 +464,27 @@ impl Engine {
     ///
     /// # Safety
     /// As for `send`, from the time `ready` returns.
-    pub unsafe fn send_after(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, ready: Ready, done: Callback) -> Result<OpHandle> {
+    pub unsafe fn send_after(
+        &self,
+        buf: RawBuf,
+        dst: usize,
+        tag: i64,
+        timeout: Option<Duration>,
+        ready: Ready,
+        done: Callback,
+    ) -> Result<OpHandle> {
         self.send_with(buf, dst, tag, timeout, Some(ready), done)
     }
 
-    unsafe fn send_with(&self, buf: RawBuf, dst: usize, tag: i64, timeout: Option<Duration>, ready: Option<Ready>, done: Callback) -> Result<OpHandle> {
+    unsafe fn send_with(
+        &self,
+        buf: RawBuf,
+        dst: usize,
+        tag: i64,
+        timeout: Option<Duration>,
+        ready: Option<Ready>,
+        done: Callback,
+    ) -> Result<OpHandle> {
         self.check_peer("send", dst)?;
         let seq = self.shared.sends.fetch_add(1, Ordering::SeqCst);
         self.shared.p2p_fault("send", seq, dst)?;
@@ -424,7 +503,14 @@ impl Engine {
     ///
     /// # Safety
     /// `buf` must stay valid, and not be read, until `done` has run.
-    pub unsafe fn recv(&self, buf: RawBuf, src: Option<usize>, tag: i64, timeout: Option<Duration>, done: Callback) -> Result<OpHandle> {
+    pub unsafe fn recv(
+        &self,
+        buf: RawBuf,
+        src: Option<usize>,
+        tag: i64,
+        timeout: Option<Duration>,
+        done: Callback,
+    ) -> Result<OpHandle> {
         if let Some(src) = src {
             self.check_peer("recv", src)?;
         }
@@ -447,7 +533,13 @@ impl Engine {
             Some(src) => t.recv(src, key, buf.ptr, buf.len, None, status.clone())?,
             None => t.recv_any(key, buf.ptr, buf.len, status.clone())?,
         }
-        let expiry = Expiry { deadline: Instant::now() + timeout, transport: t.clone(), peer: src, recv_key: Some(key), message };
+        let expiry = Expiry {
+            deadline: Instant::now() + timeout,
+            transport: t.clone(),
+            peer: src,
+            recv_key: Some(key),
+            message,
+        };
         Ok(OpHandle { status, seq, source_rank: src.map_or(ANY_SOURCE, |s| s as i64), expiry: Some(expiry) })
     }
 
@@ -463,7 +555,10 @@ impl Engine {
 
     fn check_rank(&self, op: &str, what: &str, r: usize) -> Result<()> {
         if r >= self.size() {
-            return Err(Error::invalid(format!("rustc10d: {op}: {what} rank {r} is out of range for a group of size {}", self.size())));
+            return Err(Error::invalid(format!(
+                "rustc10d: {op}: {what} rank {r} is out of range for a group of size {}",
+                self.size()
+            )));
         }
         Ok(())
     }
@@ -471,7 +566,9 @@ impl Engine {
     fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
         self.check_rank(op, "peer", peer)?;
         if peer == self.rank() {
-            return Err(Error::unsupported(format!("rustc10d: {op} to or from the own rank ({peer}) is not supported")));
+            return Err(Error::unsupported(format!(
+                "rustc10d: {op} to or from the own rank ({peer}) is not supported"
+            )));
         }
         Ok(())
     }
@@ -493,15 +590,29 @@ impl Shared {
             Ok(pieces) => pieces.flatten(),
             Err(e) => {
                 let name = job.parts.first().map_or("op", |p| p.name());
-                let e = Error::new(e.kind, format!("rustc10d: {name} #{} on rank {} could not stage its tensors: {}", job.first_seq, self.transport.rank(), e.message));
+                let e = Error::new(
+                    e.kind,
+                    format!(
+                        "rustc10d: {name} #{} on rank {} could not stage its tensors: {}",
+                        job.first_seq,
+                        self.transport.rank(),
+                        e.message
+                    ),
+                );
                 self.break_group(&e);
                 job.status.finish(Err(e));
                 return;
             }
         };
         let result = match (pieces, job.staging.as_deref_mut()) {
-            (Some(bytes), Some(staging)) => self.run_part(job.first_seq, &job.parts[0], job.timeout, Some(Pieces { bytes, staging })),
-            _ => job.parts.iter().enumerate().try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout, None)),
+            (Some(bytes), Some(staging)) => {
+                self.run_part(job.first_seq, &job.parts[0], job.timeout, Some(Pieces { bytes, staging }))
+            }
+            _ => job
+                .parts
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, part)| self.run_part(job.first_seq + i as u64, part, job.timeout, None)),
         };
         job.status.finish(result.map(|()| 0));
     }
@@ -515,7 +626,10 @@ impl Shared {
         if let Some(cause) = broken {
             return Err(Error::new(
                 cause.kind,
-                format!("rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}", cause.message),
+                format!(
+                    "rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}",
+                    cause.message
+                ),
             ));
         }
         let start = Instant::now();
@@ -533,14 +647,19 @@ impl Shared {
         // The smallest all-reduces (and barriers) check the call alongside
         // their one exchange; PREMUL_SUM scales the caller's buffer first, so
         // it checks before, as does an op run in pieces.
-        let check_inline = pieces.is_none() && match part {
-            Collective::AllReduce { buf, red } => red.premul.is_none() && prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes),
-            Collective::Barrier => prefers_direct(1, ctx.transport.size(), ctx.small_allreduce_bytes),
-            _ => false,
-        };
+        let check_inline = pieces.is_none()
+            && match part {
+                Collective::AllReduce { buf, red } => {
+                    red.premul.is_none() && prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes)
+                }
+                Collective::Barrier => prefers_direct(1, ctx.transport.size(), ctx.small_allreduce_bytes),
+                _ => false,
+            };
         let r = match self.faults.hit(self.transport.rank(), part.name(), seq) {
             // An injected failure behaves like a real one: the group breaks.
-            Some(Action::Fail) => Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what))),
+            Some(Action::Fail) => {
+                Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what)))
+            }
             fault => {
                 match fault {
                     Some(Action::Stall(d)) => std::thread::sleep(d),
@@ -562,8 +681,15 @@ impl Shared {
                         None => execute(&ctx, part, inline),
                     }))
                     .unwrap_or_else(|panic| {
-                        let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-                        Err(Error::io(format!("rustc10d: {} hit an internal error: {}", ctx.what, why.unwrap_or_default())))
+                        let why = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned());
+                        Err(Error::io(format!(
+                            "rustc10d: {} hit an internal error: {}",
+                            ctx.what,
+                            why.unwrap_or_default()
+                        )))
                     })
                 })
             }
@@ -589,13 +715,16 @@ impl Shared {
     /// Apply a RUSTC10D_FAULT rule to a send or receive (`peer` MAX: any source).
     fn p2p_fault(&self, op: &'static str, seq: u64, peer: usize) -> Result<()> {
         match self.faults.hit(self.transport.rank(), op, seq) {
-            Some(Action::Fail) => Err(Error::io(format!("rustc10d: {op} #{seq} failed: fault injected by {ENV_FAULT}"))),
+            Some(Action::Fail) => {
+                Err(Error::io(format!("rustc10d: {op} #{seq} failed: fault injected by {ENV_FAULT}")))
+            }
             Some(Action::Stall(d)) => {
                 std::thread::sleep(d);
                 Ok(())
             }
             Some(Action::Drop) if peer < self.transport.size() => {
-                self.transport.break_peer(peer, &Error::peer_lost(format!("{op} #{seq}: connection dropped by {ENV_FAULT}")));
+                self.transport
+                    .break_peer(peer, &Error::peer_lost(format!("{op} #{seq}: connection dropped by {ENV_FAULT}")));
                 Ok(())
             }
             _ => Ok(()),
@@ -719,7 +848,12 @@ fn premultiply(buf: &RawBuf, red: &Reduction) -> ReduceOp {
 
 /// PREMUL_SUM on inputs the caller keeps: scaled copies of `blocks` in `scratch`
 /// (taken from the pool here); without PREMUL_SUM the blocks themselves.
-fn premultiplied_copies<'a>(scratch: &mut Scratch<'a>, ctx: &OpCtx<'a>, blocks: &[RawBuf], red: &Reduction) -> Vec<RawBuf> {
+fn premultiplied_copies<'a>(
+    scratch: &mut Scratch<'a>,
+    ctx: &OpCtx<'a>,
+    blocks: &[RawBuf],
+    red: &Reduction,
+) -> Vec<RawBuf> {
     let Some(factor) = red.premul else { return blocks.to_vec() };
     *scratch = ctx.scratch(blocks.iter().map(|b| b.len).sum());
     let mut at = scratch.raw().ptr;

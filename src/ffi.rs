@@ -31,17 +31,51 @@ pub mod bridge {
 
         // Collectives. Lists are flattened: `parts` coalesced calls of the same
         // kind, with `world` blocks per part where an op has one per rank.
-        fn all_reduce(self: &Group, tensors: &[TensorDesc], spec: ReduceSpec, timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
-        fn reduce(self: &Group, t: TensorDesc, root: i64, spec: ReduceSpec, timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
-        fn broadcast(self: &Group, t: TensorDesc, root: i64, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
-        fn all_gather(self: &Group, inputs: &[TensorDesc], outputs: &[TensorDesc], timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
-        fn gather(self: &Group, input: TensorDesc, outputs: &[TensorDesc], root: i64, timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
-        fn scatter(self: &Group, inputs: &[TensorDesc], output: TensorDesc, root: i64, timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
+        fn all_reduce(
+            self: &Group,
+            tensors: &[TensorDesc],
+            spec: ReduceSpec,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn reduce(
+            self: &Group,
+            t: TensorDesc,
+            root: i64,
+            spec: ReduceSpec,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn broadcast(
+            self: &Group,
+            t: TensorDesc,
+            root: i64,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn all_gather(
+            self: &Group,
+            inputs: &[TensorDesc],
+            outputs: &[TensorDesc],
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn gather(
+            self: &Group,
+            input: TensorDesc,
+            outputs: &[TensorDesc],
+            root: i64,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn scatter(
+            self: &Group,
+            inputs: &[TensorDesc],
+            output: TensorDesc,
+            root: i64,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
         fn reduce_scatter(
             self: &Group,
             inputs: &[TensorDesc],
@@ -50,18 +84,41 @@ pub mod bridge {
             timeout_ms: i64,
             done: UniquePtr<Completion>,
         ) -> Result<Box<Op>>;
-        fn all_to_all(self: &Group, inputs: &[TensorDesc], outputs: &[TensorDesc], timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
+        fn all_to_all(
+            self: &Group,
+            inputs: &[TensorDesc],
+            outputs: &[TensorDesc],
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
         fn barrier(self: &Group, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
-        fn monitored_barrier(self: &Group, wait_all: bool, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
+        fn monitored_barrier(
+            self: &Group,
+            wait_all: bool,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
 
         // Point to point.
         /// `staged`: the tensor's bytes are on the host only once
         /// `await_staged` returns (the sending thread calls it).
-        fn send(self: &Group, t: TensorDesc, dst: i64, tag: i64, timeout_ms: i64, staged: bool, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
-        fn recv(self: &Group, t: TensorDesc, src: i64, tag: i64, timeout_ms: i64, done: UniquePtr<Completion>)
-            -> Result<Box<Op>>;
+        fn send(
+            self: &Group,
+            t: TensorDesc,
+            dst: i64,
+            tag: i64,
+            timeout_ms: i64,
+            staged: bool,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
+        fn recv(
+            self: &Group,
+            t: TensorDesc,
+            src: i64,
+            tag: i64,
+            timeout_ms: i64,
+            done: UniquePtr<Completion>,
+        ) -> Result<Box<Op>>;
 
         fn sequence_number(self: &Group) -> u64;
         fn set_timeout(self: &Group, timeout_ms: i64);
@@ -115,7 +172,8 @@ impl Store for StoreRef {
         bridge::store_set(self, key, value).map_err(|e| Error::io(format!("store set {key}: {e}")))
     }
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        bridge::store_get(self, key, timeout.as_millis() as i64).map_err(|e| Error::timeout(format!("store get {key}: {e}")))
+        bridge::store_get(self, key, timeout.as_millis() as i64)
+            .map_err(|e| Error::timeout(format!("store get {key}: {e}")))
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         bridge::store_add(self, key, delta).map_err(|e| Error::io(format!("store add {key}: {e}")))
@@ -153,7 +211,9 @@ const DEFAULT_STAGE_PIECE_BYTES: usize = 8 << 20;
 
 fn stage_piece_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| std::env::var(ENV_STAGE_PIECE_BYTES).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_STAGE_PIECE_BYTES))
+    *BYTES.get_or_init(|| {
+        std::env::var(ENV_STAGE_PIECE_BYTES).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_STAGE_PIECE_BYTES)
+    })
 }
 
 /// The shim's staging of an op's tensors (nothing to do for CPU tensors), on
@@ -170,7 +230,10 @@ impl ShimStaging {
         ShimStaging(done.as_ref().map_or(std::ptr::null(), |c| c as *const _))
     }
 
-    fn with<T: Default>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
+    fn with<T: Default>(
+        &self,
+        f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>,
+    ) -> Result<T> {
         match unsafe { self.0.as_ref() } {
             Some(c) => f(c).map_err(|e| Error::io(e.what().to_string())),
             None => Ok(T::default()),
@@ -222,26 +285,59 @@ fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>>
 // Safety of the raw buffers below: the Completion owns the tensors and is
 // dropped only when the engine finishes the op.
 impl Group {
-    fn run(&self, parts: Vec<Collective>, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn run(
+        &self,
+        parts: Vec<Collective>,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         let staging = Box::new(ShimStaging::of(&done));
         Ok(Box::new(Op(unsafe { self.0.submit_staged(parts, timeout(timeout_ms), Some(staging), finish_with(done))? })))
     }
 
-    fn all_reduce(&self, ts: &[bridge::TensorDesc], spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        let parts = ts.iter().map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, &spec)? })).collect::<Result<_>>()?;
+    fn all_reduce(
+        &self,
+        ts: &[bridge::TensorDesc],
+        spec: bridge::ReduceSpec,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
+        let parts = ts
+            .iter()
+            .map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, &spec)? }))
+            .collect::<Result<_>>()?;
         self.run(parts, timeout_ms, done)
     }
 
-    fn reduce(&self, t: bridge::TensorDesc, root: i64, spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn reduce(
+        &self,
+        t: bridge::TensorDesc,
+        root: i64,
+        spec: bridge::ReduceSpec,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         let part = Collective::Reduce { buf: buf(&t), root: rank(root, "root")?, red: reduction(&t, &spec)? };
         self.run(vec![part], timeout_ms, done)
     }
 
-    fn broadcast(&self, t: bridge::TensorDesc, root: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn broadcast(
+        &self,
+        t: bridge::TensorDesc,
+        root: i64,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         self.run(vec![Collective::Broadcast { buf: buf(&t), root: rank(root, "root")? }], timeout_ms, done)
     }
 
-    fn all_gather(&self, inputs: &[bridge::TensorDesc], outputs: &[bridge::TensorDesc], timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn all_gather(
+        &self,
+        inputs: &[bridge::TensorDesc],
+        outputs: &[bridge::TensorDesc],
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         let parts = inputs
             .iter()
             .zip(per_part(outputs, inputs.len())?)
@@ -250,15 +346,44 @@ impl Group {
         self.run(parts, timeout_ms, done)
     }
 
-    fn gather(&self, input: bridge::TensorDesc, outputs: &[bridge::TensorDesc], root: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        self.run(vec![Collective::Gather { input: buf(&input), outputs: bufs(outputs), root: rank(root, "root")? }], timeout_ms, done)
+    fn gather(
+        &self,
+        input: bridge::TensorDesc,
+        outputs: &[bridge::TensorDesc],
+        root: i64,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
+        self.run(
+            vec![Collective::Gather { input: buf(&input), outputs: bufs(outputs), root: rank(root, "root")? }],
+            timeout_ms,
+            done,
+        )
     }
 
-    fn scatter(&self, inputs: &[bridge::TensorDesc], output: bridge::TensorDesc, root: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        self.run(vec![Collective::Scatter { inputs: bufs(inputs), output: buf(&output), root: rank(root, "root")? }], timeout_ms, done)
+    fn scatter(
+        &self,
+        inputs: &[bridge::TensorDesc],
+        output: bridge::TensorDesc,
+        root: i64,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
+        self.run(
+            vec![Collective::Scatter { inputs: bufs(inputs), output: buf(&output), root: rank(root, "root")? }],
+            timeout_ms,
+            done,
+        )
     }
 
-    fn reduce_scatter(&self, inputs: &[bridge::TensorDesc], outputs: &[bridge::TensorDesc], spec: bridge::ReduceSpec, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn reduce_scatter(
+        &self,
+        inputs: &[bridge::TensorDesc],
+        outputs: &[bridge::TensorDesc],
+        spec: bridge::ReduceSpec,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         let parts = outputs
             .iter()
             .zip(per_part(inputs, outputs.len())?)
@@ -267,7 +392,13 @@ impl Group {
         self.run(parts, timeout_ms, done)
     }
 
-    fn all_to_all(&self, inputs: &[bridge::TensorDesc], outputs: &[bridge::TensorDesc], timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn all_to_all(
+        &self,
+        inputs: &[bridge::TensorDesc],
+        outputs: &[bridge::TensorDesc],
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         self.run(vec![Collective::AllToAll { inputs: bufs(inputs), outputs: bufs(outputs) }], timeout_ms, done)
     }
 
@@ -275,15 +406,30 @@ impl Group {
         self.run(vec![Collective::Barrier], timeout_ms, done)
     }
 
-    fn monitored_barrier(&self, wait_all: bool, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn monitored_barrier(
+        &self,
+        wait_all: bool,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         self.run(vec![Collective::MonitoredBarrier { wait_all }], timeout_ms, done)
     }
 
-    fn send(&self, t: bridge::TensorDesc, dst: i64, tag: i64, timeout_ms: i64, staged: bool, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn send(
+        &self,
+        t: bridge::TensorDesc,
+        dst: i64,
+        tag: i64,
+        timeout_ms: i64,
+        staged: bool,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         let dst = rank(dst, "destination")?;
         let h = if staged {
             let staging = ShimStaging::of(&done);
-            let ready = Box::new(move || staging.with(bridge::await_staged).map_err(|e| e.context("rustc10d: send could not stage its tensor")));
+            let ready = Box::new(move || {
+                staging.with(bridge::await_staged).map_err(|e| e.context("rustc10d: send could not stage its tensor"))
+            });
             unsafe { self.0.send_after(buf(&t), dst, tag, timeout(timeout_ms), ready, finish_with(done))? }
         } else {
             unsafe { self.0.send(buf(&t), dst, tag, timeout(timeout_ms), finish_with(done))? }
@@ -291,7 +437,14 @@ impl Group {
         Ok(Box::new(Op(h)))
     }
 
-    fn recv(&self, t: bridge::TensorDesc, src: i64, tag: i64, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
+    fn recv(
+        &self,
+        t: bridge::TensorDesc,
+        src: i64,
+        tag: i64,
+        timeout_ms: i64,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<Box<Op>> {
         // src < 0: any source (torch's recvAnysource).
         let src = if src < 0 { None } else { Some(rank(src, "source")?) };
         let h = unsafe { self.0.recv(buf(&t), src, tag, timeout(timeout_ms), finish_with(done))? };

@@ -4,9 +4,9 @@
 use crate::engine::Engine;
 use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
 use crate::rendezvous::{connect, GroupConfig, TransportMode};
-use pyo3::exceptions::PyRuntimeError;
 use crate::stats::Stats;
 use crate::transport::Transport;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::BTreeMap;

@@ -22,9 +22,7 @@ fn typed_mut<T>(bytes: &mut [u8]) -> &mut [T] {
     }
     assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
     assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
-    unsafe {
-        std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut T, bytes.len() / std::mem::size_of::<T>())
-    }
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut T, bytes.len() / std::mem::size_of::<T>()) }
 }
 
 #[inline(always)]
@@ -296,7 +294,10 @@ mod tests {
             let mut a = vec![0u64; n / 8];
             let b = vec![0u64; n / 8];
             let (dst, src) = unsafe {
-                (std::slice::from_raw_parts_mut(a.as_mut_ptr() as *mut u8, n), std::slice::from_raw_parts(b.as_ptr() as *const u8, n))
+                (
+                    std::slice::from_raw_parts_mut(a.as_mut_ptr() as *mut u8, n),
+                    std::slice::from_raw_parts(b.as_ptr() as *const u8, n),
+                )
             };
             let t0 = std::time::Instant::now();
             for _ in 0..10 {

@@ -127,7 +127,9 @@ fn shm_endpoint(mode: TransportMode, rank: usize) -> Result<Option<(ShmEndpoint,
     let probe = shm::Segment::create(64 << 10).and_then(|_| ShmEndpoint::bind());
     match (probe, mode) {
         (Ok(ep), _) => Ok(Some(ep)),
-        (Err(e), TransportMode::Shm) => Err(e.context(format!("rustc10d: rank {rank}: {ENV_TRANSPORT}=shm but shared memory is unavailable"))),
+        (Err(e), TransportMode::Shm) => {
+            Err(e.context(format!("rustc10d: rank {rank}: {ENV_TRANSPORT}=shm but shared memory is unavailable")))
+        }
         (Err(e), _) => {
             tracing::info!("rustc10d: rank {rank}: shared memory unavailable, using TCP only: {}", e.message);
             Ok(None)
@@ -203,16 +205,19 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
         store.set(&key, &t)?;
         t.to_vec()
     } else {
-        store
-            .get(&key, timeout)
-            .map_err(|e| e.context(format!("rustc10d: rank {rank} timed out waiting for rank 0 to publish the group token")))?
+        store.get(&key, timeout).map_err(|e| {
+            e.context(format!("rustc10d: rank {rank} timed out waiting for rank 0 to publish the group token"))
+        })?
     };
     bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
 }
 
 fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<Published> {
     let raw = store.get(&keys.addr(peer), timeout).map_err(|e| {
-        e.context(format!("rustc10d: rank {rank} timed out after {} ms waiting for rank {peer} to publish its address", timeout.as_millis()))
+        e.context(format!(
+            "rustc10d: rank {rank} timed out after {} ms waiting for rank {peer} to publish its address",
+            timeout.as_millis()
+        ))
     })?;
     let text = String::from_utf8_lossy(&raw);
     let version = text.split(' ').next().unwrap_or("");
@@ -221,7 +226,8 @@ fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout
             "rustc10d: rank {peer} speaks protocol {version:?}, rank {rank} speaks v{PROTOCOL_VERSION}: all ranks must run the same rustc10d version"
         )));
     }
-    Published::decode(&text).ok_or_else(|| Error::io(format!("rustc10d: rank {peer} published a malformed address {text:?}")))
+    Published::decode(&text)
+        .ok_or_else(|| Error::io(format!("rustc10d: rank {peer} published a malformed address {text:?}")))
 }
 
 /// The address to advertise: the forced interface's, else the one that routes

@@ -4,13 +4,13 @@
 use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Collective, Engine, Reduction, Waited};
-use rustc10d::rendezvous::{connect, GroupConfig, TransportMode, MemStore};
-use rustc10d::transport::frame::{Hello, HELLO_LEN, PROTOCOL_VERSION, TOKEN_LEN};
 use rustc10d::rendezvous::Store;
+use rustc10d::rendezvous::{connect, GroupConfig, MemStore, TransportMode};
+use rustc10d::transport::frame::{Hello, HELLO_LEN, PROTOCOL_VERSION, TOKEN_LEN};
 use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixStream;
-use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

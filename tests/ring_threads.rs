@@ -6,7 +6,7 @@ use rustc10d::algorithms::RawBuf;
 use rustc10d::dtype::{DType, ReduceOp};
 use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Staging, Waited};
 use rustc10d::fault::Faults;
-use rustc10d::rendezvous::{connect, GroupConfig, TransportMode, MemStore, Store};
+use rustc10d::rendezvous::{connect, GroupConfig, MemStore, Store, TransportMode};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,7 +50,14 @@ fn group_on(
 /// Run `f(rank, engine)` on every rank at once.
 fn on_all<T: Send>(engines: &[Engine], f: impl Fn(usize, &Engine) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
-        let hs: Vec<_> = engines.iter().enumerate().map(|(r, e)| { let f = &f; s.spawn(move || f(r, e)) }).collect();
+        let hs: Vec<_> = engines
+            .iter()
+            .enumerate()
+            .map(|(r, e)| {
+                let f = &f;
+                s.spawn(move || f(r, e))
+            })
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -91,7 +98,8 @@ fn allreduce_matches_arithmetic_for_many_sizes_and_worlds_on(mode: TransportMode
             for (v, m) in results {
                 let want: Vec<i64> = (0..n as i64).map(|i| i * 10 * w + w * (w - 1) / 2).collect();
                 assert_eq!(v, want, "sum world={world} n={n}");
-                let want: Vec<f32> = (0..n).map(|i| (0..world).map(|r| ((i + r) % 5) as f32).fold(0.0, f32::max)).collect();
+                let want: Vec<f32> =
+                    (0..n).map(|i| (0..world).map(|r| ((i + r) % 5) as f32).fold(0.0, f32::max)).collect();
                 assert_eq!(m, want, "max world={world} n={n}");
             }
         }
@@ -112,10 +120,7 @@ fn avg_broadcast_barrier_and_many_in_flight() {
         let mut b = if rank == 2 { vec![7u8, 8, 9] } else { vec![0u8; 3] };
         let h2 = run(e, Collective::Broadcast { buf: raw(&mut b), root: 2 });
         let mut many: Vec<Vec<i32>> = (0..8).map(|k| vec![k + rank as i32; 33]).collect();
-        let hs: Vec<_> = many
-            .iter_mut()
-            .map(|v| all_reduce(e, raw(v), DType::I32, ReduceOp::Sum))
-            .collect();
+        let hs: Vec<_> = many.iter_mut().map(|v| all_reduce(e, raw(v), DType::I32, ReduceOp::Sum)).collect();
         wait_ok(run(e, Collective::Barrier));
         for h in [h1, h2].into_iter().chain(hs) {
             assert!(h.is_done(), "ops issued before a barrier are done when it is");
@@ -186,7 +191,9 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group_on(mode: TransportMode)
     drop(dead);
     for (h, _v) in &handles {
         match h.wait(None) {
-            Waited::Failed(msg) => assert!(msg.contains("rank 2") || msg.contains("rank 0") || msg.contains("rank 1"), "{msg}"),
+            Waited::Failed(msg) => {
+                assert!(msg.contains("rank 2") || msg.contains("rank 0") || msg.contains("rank 1"), "{msg}")
+            }
             other => panic!("expected failure, got {other:?}"),
         }
     }
@@ -230,7 +237,10 @@ fn bad_input_is_refused_before_the_wire() {
     assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
     assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)] }), "one output per rank");
     let mut short = vec![0f32; 2];
-    assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut short), raw(&mut v)] }), "own block must fit");
+    assert!(
+        bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut short), raw(&mut v)] }),
+        "own block must fit"
+    );
     assert!(unsafe { e.send(raw(&mut v), 0, 0, None, noop()) }.is_err(), "send to self");
     assert!(unsafe { e.recv(raw(&mut v), Some(7), 0, None, noop()) }.is_err());
     // Still usable.
@@ -244,7 +254,13 @@ fn bad_input_is_refused_before_the_wire() {
 #[test]
 fn init_without_peer_times_out_naming_it() {
     let store = MemStore::default();
-    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(500), store_host: Some("127.0.0.1".into()), transport: TransportMode::Tcp };
+    let cfg = GroupConfig {
+        rank: 0,
+        size: 2,
+        timeout: Duration::from_millis(500),
+        store_host: Some("127.0.0.1".into()),
+        transport: TransportMode::Tcp,
+    };
     let t0 = Instant::now();
     let err = connect(&store, &cfg).err().expect("no peer: must fail");
     assert!(err.message.contains("rank 1"), "{}", err.message);
@@ -256,7 +272,13 @@ fn init_with_unreachable_peer_names_its_address() {
     let store = MemStore::default();
     // Rank 1 "published" an address where nothing listens (first incarnation: generation 0).
     store.set("rustc10d/0/addr/1", b"v2 127.0.0.1:1 elsewhere -").unwrap();
-    let cfg = GroupConfig { rank: 0, size: 2, timeout: Duration::from_millis(800), store_host: Some("127.0.0.1".into()), transport: TransportMode::Tcp };
+    let cfg = GroupConfig {
+        rank: 0,
+        size: 2,
+        timeout: Duration::from_millis(800),
+        store_host: Some("127.0.0.1".into()),
+        transport: TransportMode::Tcp,
+    };
     let t0 = Instant::now();
     let err = connect(&store, &cfg).err().expect("unreachable peer: must fail");
     assert!(err.message.contains("rank 1 (127.0.0.1:1)"), "{}", err.message);
@@ -317,7 +339,8 @@ fn reducing_collectives_on(mode: TransportMode) {
         let n = 41usize;
         let out = on_all(&engines, |rank, e| {
             // reduce_scatter: block b of rank r holds b*100 + r + i
-            let mut blocks: Vec<Vec<i32>> = (0..world).map(|b| (0..n as i32).map(|i| (b * 100 + rank) as i32 + i).collect()).collect();
+            let mut blocks: Vec<Vec<i32>> =
+                (0..world).map(|b| (0..n as i32).map(|i| (b * 100 + rank) as i32 + i).collect()).collect();
             let inputs: Vec<RawBuf> = blocks.iter_mut().map(|v| raw(v)).collect();
             let mut mine = vec![0i32; n];
             let red = Reduction::new(DType::I32, ReduceOp::Sum);
@@ -325,7 +348,10 @@ fn reducing_collectives_on(mode: TransportMode) {
             // reduce (MAX) to rank 1; other ranks keep their buffer
             let mut r: Vec<f32> = (0..n).map(|i| (i * (rank + 1)) as f32).collect();
             let before = r.clone();
-            wait_ok(run(e, Collective::Reduce { buf: raw(&mut r), root: 1, red: Reduction::new(DType::F32, ReduceOp::Max) }));
+            wait_ok(run(
+                e,
+                Collective::Reduce { buf: raw(&mut r), root: 1, red: Reduction::new(DType::F32, ReduceOp::Max) },
+            ));
             // PREMUL_SUM allreduce
             let mut p = vec![1.0f64 + rank as f64; 3];
             let red = Reduction { dtype: DType::F64, op: ReduceOp::Sum, premul: Some(0.5) };
@@ -481,7 +507,9 @@ fn small_allreduce_checks_every_peer() {
         for (rank, (waited, untouched)) in out.into_iter().enumerate() {
             assert!(untouched, "case {case}: rank {rank}'s buffer was touched");
             match waited {
-                Waited::Failed(msg) => assert!(case == 1 || msg.contains("does not match"), "case {case}: rank {rank}: {msg}"),
+                Waited::Failed(msg) => {
+                    assert!(case == 1 || msg.contains("does not match"), "case {case}: rank {rank}: {msg}")
+                }
                 other => panic!("case {case}: rank {rank} completed: {other:?}"),
             }
         }
@@ -492,22 +520,22 @@ fn small_allreduce_checks_every_peer() {
 #[ignore = "timing probe, run by hand: cargo test --release -- --ignored latency"]
 fn latency_probe() {
     for mode in BOTH {
-    eprintln!("{mode:?}");
-    let engines = group_via(mode, 2, Duration::from_secs(10));
-    for n in [2usize, 1024, 262144, 4 << 20] {
-        let t = on_all(&engines, |_, e| {
-            let mut v = vec![1.0f32; n];
-            for _ in 0..50 {
-                wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
-            }
-            let t0 = Instant::now();
-            for _ in 0..500 {
-                wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
-            }
-            t0.elapsed() / 500
-        });
-        eprintln!("allreduce {} B: {:?}", n * 4, t[0]);
-    }
+        eprintln!("{mode:?}");
+        let engines = group_via(mode, 2, Duration::from_secs(10));
+        for n in [2usize, 1024, 262144, 4 << 20] {
+            let t = on_all(&engines, |_, e| {
+                let mut v = vec![1.0f32; n];
+                for _ in 0..50 {
+                    wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
+                }
+                let t0 = Instant::now();
+                for _ in 0..500 {
+                    wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
+                }
+                t0.elapsed() / 500
+            });
+            eprintln!("allreduce {} B: {:?}", n * 4, t[0]);
+        }
     }
 }
 
@@ -642,7 +670,8 @@ fn staged_ops_run_in_pieces() {
         let mut device: Vec<f64> = (0..n).map(|i| (i * 3 + rank) as f64).collect();
         let mut host = vec![f64::NAN; n];
         let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let staging = FakeDevice { device: raw(&mut device), host: raw(&mut host), want: 2999, bytes: 0, log: log.clone() };
+        let staging =
+            FakeDevice { device: raw(&mut device), host: raw(&mut host), want: 2999, bytes: 0, log: log.clone() };
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
         wait_ok(unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() });
         let reduce_log = log.lock().unwrap().clone();
@@ -650,7 +679,8 @@ fn staged_ops_run_in_pieces() {
         let mut bdevice: Vec<u8> = if rank == 1 { (0..=255).cycle().take(7000).collect() } else { vec![0; 7000] };
         let mut bhost = vec![0xEEu8; 7000];
         let blog = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let staging = FakeDevice { device: raw(&mut bdevice), host: raw(&mut bhost), want: 2999, bytes: 0, log: blog.clone() };
+        let staging =
+            FakeDevice { device: raw(&mut bdevice), host: raw(&mut bhost), want: 2999, bytes: 0, log: blog.clone() };
         let part = Collective::Broadcast { buf: raw(&mut bhost), root: 1 };
         wait_ok(unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() });
         let bcast_log = blog.lock().unwrap().clone();

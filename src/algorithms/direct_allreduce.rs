@@ -24,7 +24,13 @@ pub fn prefers_direct(bytes: usize, world: usize, threshold: usize) -> bool {
 
 /// With `check`, the call check (see call_check) runs alongside the exchange,
 /// against every peer, instead of before it: one round trip less.
-pub fn direct_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, check: Option<&Fingerprint>) -> Result<()> {
+pub fn direct_allreduce(
+    ctx: &OpCtx,
+    buf: RawBuf,
+    dtype: DType,
+    op: ReduceOp,
+    check: Option<&Fingerprint>,
+) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let len = buf.len;
     let mut scratch = ctx.scratch(len * world);

@@ -36,7 +36,11 @@ pub const ENV_SEGMENT_BYTES: &str = "RUSTC10D_SEGMENT_BYTES";
 const DEFAULT_SEGMENT_BYTES: usize = 1024 * 1024;
 
 pub fn segment_bytes() -> usize {
-    std::env::var(ENV_SEGMENT_BYTES).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(DEFAULT_SEGMENT_BYTES)
+    std::env::var(ENV_SEGMENT_BYTES)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(DEFAULT_SEGMENT_BYTES)
 }
 
 /// What an algorithm needs to know about the op it runs.

@@ -40,7 +40,8 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
     let key = |t: usize, j: usize| ctx.key((t * nseg + j) as u64);
 
     // Step t's chunk is neither sent nor folded into by any other step in flight.
-    let fold = Fold { unit: es, f: Arc::new(move |mine: &mut [u8], theirs: &[u8]| reduce_into(dtype, op, mine, theirs)) };
+    let fold =
+        Fold { unit: es, f: Arc::new(move |mine: &mut [u8], theirs: &[u8]| reduce_into(dtype, op, mine, theirs)) };
     let tr = &mut ctx.transfers();
     let mut posted: [Vec<TransferId>; 2] = [Vec::new(), Vec::new()];
     let post = |tr: &mut Transfers, t: usize, posted: &mut [Vec<TransferId>; 2]| -> Result<()> {

@@ -38,7 +38,10 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
     // The last step's block is this rank's own: start the output from it.
     unsafe { copy_buf(output, inputs[rank]) };
-    let fold = Fold { unit: dtype.size(), f: Arc::new(move |out: &mut [u8], partial: &[u8]| reduce_into(dtype, op, out, partial)) };
+    let fold = Fold {
+        unit: dtype.size(),
+        f: Arc::new(move |out: &mut [u8], partial: &[u8]| reduce_into(dtype, op, out, partial)),
+    };
     let post = |tr: &mut super::Transfers, t: usize| -> Result<Vec<TransferId>> {
         (0..nseg)
             .map(|j| {

@@ -106,7 +106,11 @@ fn wait_writable(s: &TcpStream) -> io::Result<()> {
         0 => Err(io::Error::new(io::ErrorKind::WouldBlock, "write timed out")),
         n if n < 0 => {
             let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted { Ok(()) } else { Err(err) }
+            if err.kind() == io::ErrorKind::Interrupted {
+                Ok(())
+            } else {
+                Err(err)
+            }
         }
         _ => Ok(()), // writable, or an error the next sendmsg reports
     }

@@ -236,7 +236,14 @@ mod tests {
 
     fn post(mb: &mut Mailbox, key: Key, buf: &mut [u8]) -> Arc<Status> {
         let status = Status::new();
-        mb.post(key, PostedRecv { buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len(), fold: None }, status: status.clone(), any_source: false });
+        mb.post(
+            key,
+            PostedRecv {
+                buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len(), fold: None },
+                status: status.clone(),
+                any_source: false,
+            },
+        );
         status
     }
 
@@ -338,7 +345,14 @@ mod tests {
         // Posted first, then a message from peer 2 arrives.
         let mut a = [0u8; 2];
         let sa = Status::new();
-        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: a.as_mut_ptr(), len: 2, fold: None }, status: sa.clone(), any_source: true });
+        any.lock().unwrap().push(
+            Key::p2p(0),
+            PostedRecv {
+                buf: RecvBuf { ptr: a.as_mut_ptr(), len: 2, fold: None },
+                status: sa.clone(),
+                any_source: true,
+            },
+        );
         deliver(&mut m2, Key::p2p(0), &[4, 5], &any);
         assert_eq!(sa.result().unwrap().unwrap(), 2, "the source rank, not the length");
         assert_eq!(a, [4, 5]);
@@ -346,7 +360,14 @@ mod tests {
         deliver(&mut m1, Key::p2p(0), &[6, 7], &any);
         let mut b = [0u8; 2];
         let sb = Status::new();
-        any.lock().unwrap().push(Key::p2p(0), PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 2, fold: None }, status: sb.clone(), any_source: true });
+        any.lock().unwrap().push(
+            Key::p2p(0),
+            PostedRecv {
+                buf: RecvBuf { ptr: b.as_mut_ptr(), len: 2, fold: None },
+                status: sb.clone(),
+                any_source: true,
+            },
+        );
         assert!(!m2.offer_early(Key::p2p(0), &sb, &any), "nothing early from peer 2");
         assert!(m1.offer_early(Key::p2p(0), &sb, &any));
         assert_eq!(sb.result().unwrap().unwrap(), 1);
@@ -355,7 +376,14 @@ mod tests {
         let mut c = [0u8; 1];
         let mut d = [0u8; 1];
         let sd = Status::new();
-        any.lock().unwrap().push(Key::p2p(3), PostedRecv { buf: RecvBuf { ptr: d.as_mut_ptr(), len: 1, fold: None }, status: sd.clone(), any_source: true });
+        any.lock().unwrap().push(
+            Key::p2p(3),
+            PostedRecv {
+                buf: RecvBuf { ptr: d.as_mut_ptr(), len: 1, fold: None },
+                status: sd.clone(),
+                any_source: true,
+            },
+        );
         let sc = post(&mut m1, Key::p2p(3), &mut c);
         deliver(&mut m1, Key::p2p(3), &[9], &any);
         assert!(sc.is_done() && !sd.is_done());
@@ -396,4 +424,3 @@ mod tests {
         }
     }
 }
-

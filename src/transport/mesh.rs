@@ -60,8 +60,10 @@ impl ShmEndpoint {
             return Err(Error::io("rustc10d: getrandom failed"));
         }
         let name = format!("rustc10d-{}", r.iter().map(|b| format!("{b:02x}")).collect::<String>());
-        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| Error::io(e.to_string()))?;
-        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(format!("rustc10d: cannot listen on a Unix socket: {e}")))?;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::io(e.to_string()))?;
+        let listener = UnixListener::bind_addr(&addr)
+            .map_err(|e| Error::io(format!("rustc10d: cannot listen on a Unix socket: {e}")))?;
         Ok((ShmEndpoint { listener, ring_bytes: shm::ring_bytes() }, name))
     }
 }
@@ -265,7 +267,15 @@ impl Transport for Mesh {
         Ok(())
     }
 
-    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>) -> Result<()> {
+    unsafe fn recv(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *mut u8,
+        len: usize,
+        fold: Option<Fold>,
+        status: Arc<Status>,
+    ) -> Result<()> {
         let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: false };
         let p = &self.inner.peers[peer];
         p.mailbox.lock().unwrap().post(key, recv);
@@ -277,7 +287,10 @@ impl Transport for Mesh {
         let inner = &self.inner;
         // Post first, then look for a message that came early: a reader that
         // gets one meanwhile finds the posted receive.
-        inner.any.lock().unwrap().push(key, PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true });
+        inner.any.lock().unwrap().push(
+            key,
+            PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true },
+        );
         for peer in (0..inner.peers.len()).filter(|&p| p != inner.rank()) {
             if inner.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &inner.any) {
                 break;
@@ -407,7 +420,11 @@ impl Inner {
             let now = Instant::now();
             let left = deadline.saturating_duration_since(now);
             let err = match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), HANDSHAKE_TIMEOUT)) {
-                Ok(stream) => match stream.set_nodelay(true).map_err(|e| Error::io(e.to_string())).and_then(|_| self.handshake(&stream, Some(peer), deadline)) {
+                Ok(stream) => match stream
+                    .set_nodelay(true)
+                    .map_err(|e| Error::io(e.to_string()))
+                    .and_then(|_| self.handshake(&stream, Some(peer), deadline))
+                {
                     Ok(_) => return Ok(stream),
                     // A wrong peer at that address will not become right by retrying.
                     Err(e) => {
@@ -442,7 +459,8 @@ impl Inner {
         for<'a> &'a S: Read + Write,
     {
         let io_err = |e: io::Error| Error::io(e.to_string());
-        let limit = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), HANDSHAKE_TIMEOUT);
+        let limit =
+            deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), HANDSHAKE_TIMEOUT);
         stream.timeouts(Some(limit)).map_err(io_err)?;
         let dialling = expected.is_some();
         let mut io = stream;
@@ -467,9 +485,14 @@ impl Inner {
             return Err(Error::invalid("rustc10d: shared memory is not set up here"));
         };
         let fail = |what: String| {
-            Error::io(format!("rustc10d: rank {} could not connect to {} through shared memory: {what}", self.rank(), self.describe(peer)))
+            Error::io(format!(
+                "rustc10d: rank {} could not connect to {} through shared memory: {what}",
+                self.rank(),
+                self.describe(peer)
+            ))
         };
-        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| fail(e.to_string()))?;
+        let addr =
+            std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| fail(e.to_string()))?;
         let sock = UnixStream::connect_addr(&addr).map_err(|e| fail(e.to_string()))?;
         self.handshake(&sock, Some(peer), deadline).map_err(|e| fail(format!("handshake failed: {}", e.message)))?;
         let (seg, fd) = Segment::create(local.ring_bytes).map_err(|e| fail(e.message))?;
@@ -495,24 +518,32 @@ impl Inner {
     }
 
     fn accept_loop(self: Arc<Self>) {
-        self.accept_until_stopped("", || self.listener.accept().map(|(s, _)| s), |stream| {
-            let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-            self.handshake_off_thread(from, move |me| {
-                stream.set_nodelay(true).map_err(|e| Error::io(e.to_string()))?;
-                let peer = me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT)?;
-                Ok((peer, Conn::Tcp(stream)))
-            });
-        });
+        self.accept_until_stopped(
+            "",
+            || self.listener.accept().map(|(s, _)| s),
+            |stream| {
+                let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                self.handshake_off_thread(from, move |me| {
+                    stream.set_nodelay(true).map_err(|e| Error::io(e.to_string()))?;
+                    let peer = me.handshake(&stream, None, Instant::now() + HANDSHAKE_TIMEOUT)?;
+                    Ok((peer, Conn::Tcp(stream)))
+                });
+            },
+        );
     }
 
     fn accept_shm_loop(self: Arc<Self>) {
         let Some(local) = &self.local else { return };
-        self.accept_until_stopped(" on the shared-memory socket", || local.listener.accept().map(|(s, _)| s), |sock| {
-            self.handshake_off_thread("a local process".into(), move |me| {
-                let (peer, seg) = me.accept_shm(&sock)?;
-                Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, crate::status::spin_budget())))))
-            });
-        });
+        self.accept_until_stopped(
+            " on the shared-memory socket",
+            || local.listener.accept().map(|(s, _)| s),
+            |sock| {
+                self.handshake_off_thread("a local process".into(), move |me| {
+                    let (peer, seg) = me.accept_shm(&sock)?;
+                    Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, crate::status::spin_budget())))))
+                });
+            },
+        );
     }
 
     /// Hand each accepted connection to `on` until shutdown (which makes `accept` fail).
@@ -539,10 +570,17 @@ impl Inner {
     /// Run an accepted connection's handshake on its own thread, so a slow
     /// client cannot block others, and register it if it passes. Not joined
     /// at shutdown: it ends within HANDSHAKE_TIMEOUT.
-    fn handshake_off_thread(self: &Arc<Self>, from: String, shake: impl FnOnce(&Arc<Self>) -> Result<(usize, Conn)> + Send + 'static) {
+    fn handshake_off_thread(
+        self: &Arc<Self>,
+        from: String,
+        shake: impl FnOnce(&Arc<Self>) -> Result<(usize, Conn)> + Send + 'static,
+    ) {
         if self.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
             self.handshakes.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("rustc10d: rank {} dropped a connection from {from}: too many handshakes at once", self.rank());
+            tracing::warn!(
+                "rustc10d: rank {} dropped a connection from {from}: too many handshakes at once",
+                self.rank()
+            );
             return;
         }
         let me = self.clone();
@@ -551,7 +589,9 @@ impl Inner {
             me.handshakes.fetch_sub(1, Ordering::SeqCst);
             match shook {
                 Ok((peer, conn)) => me.register(peer, conn),
-                Err(e) => tracing::warn!("rustc10d: rank {} dropped a connection from {from}: {}", me.rank(), e.message),
+                Err(e) => {
+                    tracing::warn!("rustc10d: rank {} dropped a connection from {from}: {}", me.rank(), e.message)
+                }
             }
         });
     }

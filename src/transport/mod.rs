@@ -53,8 +53,15 @@ pub trait Transport: Send + Sync {
     ///
     /// # Safety
     /// The buffer must stay valid, and not be read, until `status` finishes.
-    unsafe fn recv(&self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>, status: Arc<Status>)
-        -> Result<()>;
+    unsafe fn recv(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *mut u8,
+        len: usize,
+        fold: Option<Fold>,
+        status: Arc<Status>,
+    ) -> Result<()>;
 
     /// Like `recv`, from whichever peer sends a message with `key` first;
     /// `status` finishes with that peer's rank.
@@ -139,7 +146,14 @@ impl<'t> Transfers<'t> {
     ///
     /// # Safety
     /// As for `recv`; nobody else may touch `data` until then either.
-    pub unsafe fn recv_folded(&mut self, peer: usize, key: Key, data: *mut u8, len: usize, fold: Option<Fold>) -> Result<TransferId> {
+    pub unsafe fn recv_folded(
+        &mut self,
+        peer: usize,
+        key: Key,
+        data: *mut u8,
+        len: usize,
+        fold: Option<Fold>,
+    ) -> Result<TransferId> {
         let status = Status::new();
         self.transport
             .recv(peer, key, data, len, fold, status.clone())

@@ -57,7 +57,8 @@ struct Ctl {
 const _: () = assert!(std::mem::size_of::<Ctl>() <= CTL_BYTES);
 
 pub fn ring_bytes() -> usize {
-    let want = std::env::var(ENV_SHM_RING_BYTES).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(DEFAULT_RING_BYTES);
+    let want =
+        std::env::var(ENV_SHM_RING_BYTES).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(DEFAULT_RING_BYTES);
     want.clamp(64 << 10, 1 << 30).next_power_of_two()
 }
 
@@ -116,7 +117,8 @@ impl Segment {
         let len = st.st_size as usize;
         // Read the capacity from the first control block, then check it all.
         let probe = Segment::map(raw, CTL_BYTES, 0)?;
-        let (magic, capacity) = (probe.ctl(0).magic.load(Ordering::Acquire), probe.ctl(0).capacity.load(Ordering::Relaxed) as usize);
+        let (magic, capacity) =
+            (probe.ctl(0).magic.load(Ordering::Acquire), probe.ctl(0).capacity.load(Ordering::Relaxed) as usize);
         drop(probe);
         if magic != MAGIC || !capacity.is_power_of_two() || Self::bytes_for(capacity) != len {
             return Err(Error::io("rustc10d: malformed shared-memory segment from a peer"));
@@ -125,7 +127,9 @@ impl Segment {
     }
 
     fn map(fd: RawFd, len: usize, capacity: usize) -> Result<Segment> {
-        let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let base = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
         if base == libc::MAP_FAILED {
             return Err(os_error("mmap"));
         }
@@ -376,7 +380,8 @@ fn wake_if_asleep(seq: &AtomicU32, sleeps: &AtomicU32) {
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // Shared (not PRIVATE): the word lives in memory mapped by two processes.
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec) };
 }
