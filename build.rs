@@ -47,6 +47,13 @@ print("|".join(ext.library_paths()))
         };
 
         let mut b = cxx_build::bridge("src/ffi.rs");
+        let include_dirs: Vec<&str> = includes.split('|').collect();
+        let mut features = Vec::new();
+        for (feature, has) in probe_torch_features(&include_dirs) {
+            let bit = if has { "1" } else { "0" };
+            b.define(&format!("RUSTC10D_TORCH_HAS_{feature}"), bit);
+            features.push(format!("{}={bit}", feature.to_ascii_lowercase()));
+        }
         b.file("cpp/shim.cc")
             .std("c++20")
             .include(py_include)
@@ -55,7 +62,7 @@ print("|".join(ext.library_paths()))
             .flag("-fvisibility=hidden")
             .flag_if_supported("-Wno-unused-parameter")
             .flag_if_supported("-Wno-deprecated-declarations");
-        for inc in includes.split('|') {
+        for inc in &include_dirs {
             b.include(inc);
         }
         b.compile("rustc10d_shim");
@@ -73,11 +80,58 @@ print("|".join(ext.library_paths()))
         let libdir = libs.split('|').next().unwrap_or_default();
         println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,{libdir}");
         println!("cargo:rustc-env=RUSTC10D_TORCH_VERSION={version}");
+        println!("cargo:rustc-env=RUSTC10D_TORCH_FEATURES={}", features.join(","));
 
         println!("cargo:rerun-if-changed=cpp/shim.cc");
         println!("cargo:rerun-if-changed=cpp/shim.h");
+        println!("cargo:rerun-if-changed=cpp/torch_compat.h");
         println!("cargo:rerun-if-changed={torch_file}");
         println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
         println!("cargo:rerun-if-env-changed=PYTHON_SYS_EXECUTABLE");
+    }
+
+    /// The torch APIs that differ across the supported releases (2.11 to
+    /// 2.15): (feature, header under torch/csrc/distributed/c10d, an
+    /// identifier only that feature declares there). cpp/torch_compat.h turns
+    /// each RUSTC10D_TORCH_HAS_<feature> into what the shim uses.
+    const TORCH_FEATURES: [(&str, &str, &str); 5] = [
+        // Backend::registerCompletionHook and friends (2.15).
+        ("COMPLETION_HOOKS", "Backend.hpp", "registerCompletionHook"),
+        // Work::getCompletionKey (2.15).
+        ("COMPLETION_KEY", "Work.hpp", "getCompletionKey"),
+        // c10d::PreMulSumSupplement; before, NCCLPreMulSumSupplement.
+        ("PREMUL_SUM_SUPPLEMENT", "Types.hpp", "PreMulSumSupplement"),
+        // OpType::ALLGATHER_INTO_TENSOR_COALESCED and its reduce-scatter twin.
+        ("TENSOR_COALESCED_OPTYPES", "Work.hpp", "ALLGATHER_INTO_TENSOR_COALESCED"),
+        // Backend::gather_into_tensor.
+        ("GATHER_INTO_TENSOR", "Backend.hpp", "gather_into_tensor"),
+    ];
+
+    /// Which of TORCH_FEATURES the torch headers in `include_dirs` declare.
+    /// Reading the headers is instant, where a compile per probe would cost
+    /// seconds of torch headers each.
+    fn probe_torch_features(include_dirs: &[&str]) -> Vec<(&'static str, bool)> {
+        TORCH_FEATURES
+            .iter()
+            .map(|&(feature, header, ident)| {
+                let text = include_dirs
+                    .iter()
+                    .map(|dir| std::path::Path::new(dir).join("torch/csrc/distributed/c10d").join(header))
+                    .find_map(|path| std::fs::read_to_string(path).ok())
+                    .unwrap_or_else(|| panic!("rustc10d: torch has no c10d header {header}; is this a torch built with distributed support?"));
+                (feature, declares(&text, ident))
+            })
+            .collect()
+    }
+
+    /// Whether `ident` occurs in `text` as a whole identifier (not inside a
+    /// longer one: `gather_into_tensor` is not `allgather_into_tensor`).
+    fn declares(text: &str, ident: &str) -> bool {
+        let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        text.match_indices(ident).any(|(at, _)| {
+            let before = text[..at].chars().next_back();
+            let after = text[at + ident.len()..].chars().next();
+            !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+        })
     }
 }

@@ -2,6 +2,7 @@
 // tensors into descriptors for the Rust engine and its results back into
 // torch's terms. No algorithm and no socket lives here.
 #include "rustc10d/cpp/shim.h"
+#include "rustc10d/cpp/torch_compat.h"
 #include "rustc10d/src/ffi.rs.h"
 
 #include <ATen/core/ivalue.h>
@@ -43,30 +44,19 @@ struct StoreRef::Impl {
 };
 StoreRef::~StoreRef() = default;
 
-// Completion hooks registered with a backend (torch's flight recorder uses them).
-struct HookRegistry {
-  std::mutex mu;
-  std::map<int64_t, c10d::CompletionHook> hooks;
-
-  void fire(uint64_t key, float duration_ms) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (auto& [id, hook] : hooks) hook(c10d::CompletionHookArgs{key, duration_ms});
-  }
-};
-
 // When an op started and how long it took (ms; negative until it finishes).
 struct OpTiming {
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::atomic<float> duration_ms{-1.0f};
 };
 
-// CUDA tensors are accepted only with RUSTC10D_CUDA=1 until the staging path
-// has passed scripts/gpu_check.sh on real hardware.
+// RUSTC10D_CUDA=0 refuses CUDA tensors, for users who want them to fail
+// rather than be staged through host memory.
 constexpr const char* kEnvCuda = "RUSTC10D_CUDA";
 
 bool cuda_enabled() {
   const char* v = std::getenv(kEnvCuda);
-  return v != nullptr && std::string(v) == "1";
+  return v == nullptr || std::string(v) != "0";
 }
 
 // Tests only: stage CPU tensors exactly as CUDA tensors are staged (copied in
@@ -120,7 +110,7 @@ struct DeviceSync {
 struct Completion::Impl {
   std::shared_ptr<DeviceSync> cuda;                             // set for CUDA ops
   std::vector<std::pair<at::Tensor, at::Tensor>> stage_in;       // (device tensor, host copy) to fill first
-  std::shared_ptr<HookRegistry> hooks;
+  std::shared_ptr<compat::CompletionHooks> hooks;
   uint64_t key = 0;
   std::shared_ptr<OpTiming> timing;
   c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -304,20 +294,17 @@ void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept {
 
 namespace {
 
-class RustWork final : public c10d::Work {
+class RustWork final : public compat::Work {
  public:
   RustWork(int rank, OpType type, rust::Box<Op> op, c10::intrusive_ptr<c10::ivalue::Future> future,
            std::vector<at::Tensor> outputs, uint64_t key, std::shared_ptr<OpTiming> timing,
            std::shared_ptr<DeviceSync> cuda)
-      : Work(rank, type),
+      : compat::Work(rank, type, key),
         op_(std::move(op)),
         future_(std::move(future)),
         outputs_(std::move(outputs)),
-        key_(key),
         timing_(std::move(timing)),
         cuda_(std::move(cuda)) {}
-
-  uint64_t getCompletionKey() const override { return key_; }
 
   float getDuration() const override {
     float ms = timing_->duration_ms;
@@ -358,8 +345,8 @@ class RustWork final : public c10d::Work {
         throw c10::DistBackendError(here(__func__), std::string(op_->error_message()));
       default:
         throw c10::DistBackendError(
-            here(__func__), c10::str("rustc10d: Work.wait timed out after ", ms,
-                                     " ms; the ", c10d::opTypeToString(opType_), " op is still running"));
+            here(__func__), c10::str("rustc10d: Timed out after ", ms, " ms in Work.wait; the ",
+                                     c10d::opTypeToString(opType_), " op is still running"));
     }
   }
 
@@ -376,7 +363,6 @@ class RustWork final : public c10d::Work {
   rust::Box<Op> op_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
-  uint64_t key_;
   std::shared_ptr<OpTiming> timing_;
   std::shared_ptr<DeviceSync> cuda_;
 };
@@ -462,7 +448,7 @@ class Staging {
   // Runs when the engine finished successfully, before the future completes.
   void on_success(std::function<void()> f) { done_->impl->on_success = std::move(f); }
 
-  std::unique_ptr<Completion> completion(std::shared_ptr<HookRegistry> hooks, uint64_t key) {
+  std::unique_ptr<Completion> completion(std::shared_ptr<compat::CompletionHooks> hooks, uint64_t key) {
     if (cuda_) {
       // A future that knows the device: its value becomes usable on a stream
       // only after the copies back (events recorded on our stream).
@@ -516,9 +502,8 @@ class Staging {
   // gate (stage_inputs), copied back by complete().
   TensorDesc stage_device(const at::Tensor& t, Access access) {
     if (t.device().is_cuda()) {
-      TORCH_CHECK(cuda_enabled(), "rustc10d: ", op_, " got a tensor on ", t.device(),
-                  ": CUDA tensors are staged through host memory by code that has not yet passed "
-                  "scripts/gpu_check.sh on a GPU, so they are off unless ", kEnvCuda, "=1 is set");
+      TORCH_CHECK(cuda_enabled(), "rustc10d: ", op_, " got a tensor on ", t.device(), ", but CUDA tensors are "
+                  "turned off by ", kEnvCuda, "=0; unset it to stage them through host memory");
       if (!cuda_) {
         cuda_ = std::make_shared<DeviceSync>(t.device());
         cuda_->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
@@ -556,7 +541,7 @@ ReduceSpec spec_of(const c10d::ReduceOp& op, const std::vector<TensorDesc>& ds, 
   }
   double premul = 1.0;
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-    auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    auto* s = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
     TORCH_CHECK(s && !s->tensor_factor.defined(),
                 "rustc10d: ", name, " supports PREMUL_SUM with a Python scalar factor only");
     premul = s->double_factor;
@@ -634,10 +619,10 @@ class CoalescedWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-class RustBackend final : public c10d::Backend {
+class RustBackend final : public compat::Backend<RustBackend> {
  public:
-  RustBackend(rust::Box<Group> group, int rank, int size, milliseconds timeout)
-      : Backend(rank, size), group_(std::move(group)), timeout_(timeout) {}
+  RustBackend(rust::Box<Group> group, int rank, int size)
+      : compat::Backend<RustBackend>(rank, size), group_(std::move(group)) {}
 
   ~RustBackend() override { stop(); }
 
@@ -647,19 +632,9 @@ class RustBackend final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "rustc10d"; }
   bool supportsCoalescing() const override { return true; }
-  bool supportsCompletionHooks() const override { return true; }
-  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override {
-    std::lock_guard<std::mutex> lock(hooks_->mu);
-    hooks_->hooks[id] = std::move(hook);
-  }
-  void unregisterCompletionHook(int64_t id) override {
-    std::lock_guard<std::mutex> lock(hooks_->mu);
-    hooks_->hooks.erase(id);
-  }
   uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
   void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
   void setTimeout(milliseconds timeout) override {
-    timeout_ = timeout;
     group_->set_timeout(to_ms(timeout));
   }
 
@@ -806,7 +781,7 @@ class RustBackend final : public c10d::Backend {
       auto blocks = split_desc(s.result(o), getSize(), s.name());
       os.insert(os.end(), blocks.begin(), blocks.end());
     }
-    return run(s, OpType::ALLGATHER_INTO_TENSOR_COALESCED, [&](auto done) {
+    return run(s, compat::kAllgatherIntoTensorCoalesced, [&](auto done) {
       return group_->all_gather(slice(is), slice(os), to_ms(opts.timeout), std::move(done));
     });
   }
@@ -825,8 +800,8 @@ class RustBackend final : public c10d::Backend {
     });
   }
 
-  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
-                                                    const c10d::GatherOptions& opts) override {
+  // torch's gather_into_tensor, where it has one (see compat::Backend).
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
     bool root = opts.rootRank == getRank();
     Staging s("gather_into_tensor", root ? std::vector<at::Tensor>{output} : std::vector<at::Tensor>{});
     auto i = s.input(input);
@@ -888,7 +863,7 @@ class RustBackend final : public c10d::Backend {
     auto os = s.results(outputs);
     check_same_dtype(is, os.empty() ? TensorDesc{} : os[0], s.name());
     auto spec = spec_of(opts.reduceOp, os, s.name());
-    return run(s, OpType::REDUCE_SCATTER_TENSOR_COALESCED, [&](auto done) {
+    return run(s, compat::kReduceScatterTensorCoalesced, [&](auto done) {
       return group_->reduce_scatter(slice(is), slice(os), spec, to_ms(opts.timeout), std::move(done));
     });
   }
@@ -923,9 +898,8 @@ class RustBackend final : public c10d::Backend {
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
     Staging s("monitored_barrier", {});
-    auto ms = opts.timeout == c10d::kUnsetTimeout ? to_ms(timeout_) : to_ms(opts.timeout);
     run(s, OpType::BARRIER, [&](auto done) {
-      return group_->monitored_barrier(waitAllRanks, ms, std::move(done));
+      return group_->monitored_barrier(waitAllRanks, to_ms(opts.timeout), std::move(done));
     })->wait();
   }
 
@@ -1005,8 +979,6 @@ class RustBackend final : public c10d::Backend {
   }
 
   rust::Box<Group> group_;
-  milliseconds timeout_;
-  std::shared_ptr<HookRegistry> hooks_ = std::make_shared<HookRegistry>();
   std::atomic<uint64_t> next_key_{1};
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
@@ -1014,9 +986,8 @@ class RustBackend final : public c10d::Backend {
 
 }  // namespace
 
-size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size, int64_t timeout_ms) {
-  c10::intrusive_ptr<c10d::Backend> backend =
-      c10::make_intrusive<RustBackend>(std::move(group), rank, size, milliseconds(timeout_ms));
+size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size) {
+  c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<RustBackend>(std::move(group), rank, size);
   return reinterpret_cast<size_t>(py::cast(backend).release().ptr());
 }
 

@@ -38,6 +38,6 @@ void piece_out(const Completion& done, size_t i);
 void await_staged(const Completion& done);
 
 // Wrap the engine in a c10d::Backend and return a new reference to its Python object.
-size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size, int64_t timeout_ms);
+size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size);
 
 }  // namespace rustc10d

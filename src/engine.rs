@@ -116,8 +116,10 @@ pub enum Collective {
         outputs: Vec<RawBuf>,
     },
     Barrier,
+    /// `timeout`: how long rank 0 waits for the others (None: the op's).
     MonitoredBarrier {
         wait_all: bool,
+        timeout: Option<Duration>,
     },
 }
 
@@ -332,7 +334,8 @@ struct Expiry {
     /// None for an any-source receive.
     peer: Option<usize>,
     recv_key: Option<Key>,
-    message: String,
+    /// The op's error when it expires.
+    timed_out: Error,
 }
 
 /// Outcome of `OpHandle::wait`.
@@ -492,10 +495,11 @@ impl Engine {
         let t = &self.shared.transport;
         let status = Status::with_callback(self.shared.recorded("send", buf.len, done));
         let deadline = Instant::now() + timeout;
-        let what = format!("rustc10d: send #{seq} to {} (tag {tag}) on rank {}", t.describe_peer(dst), self.rank());
-        let message = format!("{what} timed out after {} ms", timeout.as_millis());
-        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready).map_err(|e| e.context(&what))?;
-        let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, message };
+        let op = format!("send #{seq} to {} (tag {tag}) on rank {}", t.describe_peer(dst), self.rank());
+        let timed_out = Error::timed_out(timeout, format_args!("{op} was still waiting to write its data"));
+        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready)
+            .map_err(|e| e.context(format_args!("rustc10d: {op}")))?;
+        let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, timed_out };
         Ok(OpHandle { status, seq, source_rank: -1, expiry: Some(expiry) })
     }
 
@@ -521,8 +525,9 @@ impl Engine {
         let t = &self.shared.transport;
         let rank = self.rank();
         let from = src.map_or_else(|| "any rank".to_string(), |s| t.describe_peer(s));
-        let what = format!("rustc10d: recv #{seq} from {from} (tag {tag}) on rank {rank}");
-        let message = format!("{what} timed out after {} ms waiting for data", timeout.as_millis());
+        let op = format!("recv #{seq} from {from} (tag {tag}) on rank {rank}");
+        let timed_out = Error::timed_out(timeout, format_args!("{op} was waiting for data"));
+        let what = format!("rustc10d: {op}");
         // Name the op in errors that come from the transport, too.
         let status = Status::with_callback(Box::new(move |r: &Result<i64>| match r {
             Ok(_) => done(r),
@@ -538,7 +543,7 @@ impl Engine {
             transport: t.clone(),
             peer: src,
             recv_key: Some(key),
-            message,
+            timed_out,
         };
         Ok(OpHandle { status, seq, source_rank: src.map_or(ANY_SOURCE, |s| s as i64), expiry: Some(expiry) })
     }
@@ -784,7 +789,9 @@ fn execute(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
             all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, check)
         }
-        Collective::MonitoredBarrier { wait_all } => monitored_barrier(ctx, *wait_all),
+        Collective::MonitoredBarrier { wait_all, timeout } => {
+            monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
+        }
     }
 }
 
@@ -920,7 +927,7 @@ impl OpHandle {
 
     /// The op ran past its timeout: withdraw it, or break the connection that holds it.
     fn expire(&self, e: &Expiry) {
-        let err = Error::timeout(e.message.clone());
+        let err = e.timed_out.clone();
         let cancelled = match (e.recv_key, e.peer) {
             (Some(key), Some(peer)) => e.transport.cancel_recv(peer, key, &self.status),
             (Some(key), None) => e.transport.cancel_recv_any(key, &self.status),

@@ -40,6 +40,11 @@ impl Error {
     pub fn timeout(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Timeout, message)
     }
+    /// A deadline passed, worded as torch's backends word it ("Timed out",
+    /// which tools and torch's own tests match on), then what was waited for.
+    pub fn timed_out(after: std::time::Duration, what: impl std::fmt::Display) -> Self {
+        Self::timeout(format!("rustc10d: Timed out after {} ms: {what}", after.as_millis()))
+    }
     pub fn peer_lost(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::PeerLost, message)
     }

@@ -155,7 +155,7 @@ pub mod bridge {
         fn piece_out(done: &Completion, i: usize) -> Result<()>;
         /// Wait until a send's tensor, whose copy was queued at issue, is on the host.
         fn await_staged(done: &Completion) -> Result<()>;
-        fn backend_to_python(group: Box<Group>, rank: i32, size: i32, timeout_ms: i64) -> Result<usize>;
+        fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
     }
 }
 
@@ -183,8 +183,10 @@ impl Store for StoreRef {
 pub struct Group(pub Engine);
 pub struct Op(OpHandle);
 
+/// A timeout from torch's options: negative is unset (torch's kUnsetTimeout,
+/// the group's timeout applies); zero is a real, zero timeout.
 fn timeout(ms: i64) -> Option<Duration> {
-    (ms > 0).then(|| Duration::from_millis(ms as u64))
+    u64::try_from(ms).ok().map(Duration::from_millis)
 }
 
 fn buf(t: &bridge::TensorDesc) -> RawBuf {
@@ -412,7 +414,9 @@ impl Group {
         timeout_ms: i64,
         done: cxx::UniquePtr<bridge::Completion>,
     ) -> Result<Box<Op>> {
-        self.run(vec![Collective::MonitoredBarrier { wait_all }], timeout_ms, done)
+        // Only rank 0 waits with the barrier's timeout; the op itself runs
+        // with the group's, as torch's monitored barrier does.
+        self.run(vec![Collective::MonitoredBarrier { wait_all, timeout: timeout(timeout_ms) }], -1, done)
     }
 
     fn send(
@@ -456,7 +460,7 @@ impl Group {
     }
 
     fn set_timeout(&self, timeout_ms: i64) {
-        self.0.set_timeout(Duration::from_millis(timeout_ms.max(1) as u64));
+        self.0.set_timeout(Duration::from_millis(timeout_ms.max(0) as u64));
     }
 
     fn shutdown(&self) {

@@ -47,7 +47,7 @@ fn create_backend(
     let cfg = GroupConfig {
         rank: usize::try_from(rank).map_err(|_| PyRuntimeError::new_err(format!("rustc10d: invalid rank {rank}")))?,
         size: usize::try_from(size).map_err(|_| PyRuntimeError::new_err(format!("rustc10d: invalid size {size}")))?,
-        timeout: Duration::from_millis(timeout_ms.max(1) as u64),
+        timeout: Duration::from_millis(timeout_ms.max(0) as u64),
         store_host: Some(store_host(&store_ref)),
         transport: TransportMode::from_env().map_err(|e| PyRuntimeError::new_err(e.message))?,
     };
@@ -62,7 +62,7 @@ fn create_backend(
     groups.retain(|_, g| g.stats.strong_count() > 0);
     groups.insert(group_name, Watched { stats: Arc::downgrade(&engine.stats()), transport });
     drop(groups);
-    let ptr = backend_to_python(Box::new(Group(engine)), rank, size, timeout_ms).map_err(err)?;
+    let ptr = backend_to_python(Box::new(Group(engine)), rank, size).map_err(err)?;
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
 }
 
@@ -114,6 +114,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(links, m)?)?;
     m.add("TORCH_VERSION", env!("RUSTC10D_TORCH_VERSION"))?;
+    // Which of the torch APIs that differ across releases this build found (build.rs).
+    let features = PyDict::new(m.py());
+    for pair in env!("RUSTC10D_TORCH_FEATURES").split(',') {
+        let (name, bit) = pair.split_once('=').expect("build.rs writes name=0|1");
+        features.set_item(name, bit == "1")?;
+    }
+    m.add("TORCH_FEATURES", features)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

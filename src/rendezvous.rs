@@ -206,7 +206,10 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
         t.to_vec()
     } else {
         store.get(&key, timeout).map_err(|e| {
-            e.context(format!("rustc10d: rank {rank} timed out waiting for rank 0 to publish the group token"))
+            Error::timed_out(
+                timeout,
+                format_args!("rank {rank} was waiting for rank 0 to publish the group token: {e}"),
+            )
         })?
     };
     bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
@@ -214,10 +217,7 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
 
 fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<Published> {
     let raw = store.get(&keys.addr(peer), timeout).map_err(|e| {
-        e.context(format!(
-            "rustc10d: rank {rank} timed out after {} ms waiting for rank {peer} to publish its address",
-            timeout.as_millis()
-        ))
+        Error::timed_out(timeout, format_args!("rank {rank} was waiting for rank {peer} to publish its address: {e}"))
     })?;
     let text = String::from_utf8_lossy(&raw);
     let version = text.split(' ').next().unwrap_or("");

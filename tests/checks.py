@@ -338,6 +338,15 @@ def _expect_each(ctx: Ctx, got: list, expected: list, where: str):
         ctx.expect_equal(g, e, f"{where}, [{i}]")
 
 
+def work_exception(work) -> object | None:
+    """work.exception(); the Python binding of torch 2.11 and 2.12 cannot return it (a TypeError
+    for every backend), so there the only account of a Work's failure is is_success()."""
+    try:
+        return work.exception()
+    except TypeError:
+        return None if work.is_success() else "failed (is_success() is False)"
+
+
 def wait_done(handle, what: str):
     """Wait on what an op returned; afterwards it must say it is done."""
     if handle is None:
@@ -356,7 +365,7 @@ def wait_done(handle, what: str):
         # Gloo's reduce_scatter Works say is_completed() False even after wait(): let it pass there
         completed = handle.is_completed() or (BACKEND == "gloo" and handle.is_success())
         assert completed and handle.is_success(), f"{what}: Work not done after wait()"
-        assert handle.exception() is None, f"{what}: {handle.exception()}"
+        assert work_exception(handle) is None, f"{what}: {work_exception(handle)}"
 
 
 def all_reduce_case(ctx, dtype, shape, op="SUM", async_op=False, salt="", group=None) -> Issued:
@@ -670,7 +679,7 @@ def async_ops_in_flight(ctx: Ctx):
     for i, t, inputs, op, work in reversed(pending):
         work.wait()
         assert work.is_completed() and work.is_success(), f"op {i}: Work not done after wait()"
-        assert work.exception() is None, f"op {i}: {work.exception()}"
+        assert work_exception(work) is None, f"op {i}: {work_exception(work)}"
         ctx.expect_reduced(t, inputs, op, f"op {i} ({t.dtype} {op} {tuple(t.shape)})")
 
 
@@ -745,7 +754,7 @@ def irecv_pending_until_sent(ctx: Ctx):
     waited = time.monotonic() - t0
     assert waited > late / 3, f"wait() returned after {waited:.2f} s, before rank 1 sent"
     assert work.is_completed() and work.is_success(), "Work not done after wait()"
-    assert work.exception() is None, work.exception()
+    assert work_exception(work) is None, work_exception(work)
     assert work.source_rank() == 1, f"source_rank() {work.source_rank()}"
     ctx.expect_equal(buf, payload, "received data")
 

@@ -382,20 +382,28 @@ fn reducing_collectives() {
 #[test]
 fn monitored_barrier_names_the_missing_rank() {
     let engines = group(3, Duration::from_secs(10));
-    let short = Some(Duration::from_millis(300));
-    // Rank 2 arrives long after the others gave up on it.
+    let barrier = |wait_all, ms| Collective::MonitoredBarrier { wait_all, timeout: Some(Duration::from_millis(ms)) };
+    // Rank 2 arrives long after rank 0 gave up on it; rank 0 tells the others why at once.
+    let start = Instant::now();
     let out = on_all(&engines, |rank, e| {
         if rank == 2 {
             std::thread::sleep(Duration::from_millis(800));
         }
-        unsafe { e.submit(vec![Collective::MonitoredBarrier { wait_all: true }], short, noop()).unwrap() }.wait(None)
+        run(e, barrier(true, 300)).wait(None)
     });
-    match &out[0] {
-        Waited::Failed(msg) => assert!(msg.contains("[2]"), "{msg}"),
-        other => panic!("rank 0 must report rank 2: {other:?}"),
+    assert!(start.elapsed() < Duration::from_secs(5), "the others waited for their own timeout");
+    let failed = |w: &Waited, text: &str| matches!(w, Waited::Failed(m) if m.contains(text));
+    assert!(failed(&out[0], "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 300 ms"), "{:?}", out[0]);
+    for (rank, w) in out.iter().enumerate().skip(1) {
+        let told = format!("Rank {rank} successfully reached monitoredBarrier, but received errors");
+        assert!(failed(w, &told) && failed(w, "rank 0 reported: rustc10d: [Rank 0]: Ranks 2"), "{w:?}");
     }
-    // All three enter: passes, and the group was not broken by the failure.
-    let out = on_all(&engines, |_, e| run(e, Collective::MonitoredBarrier { wait_all: false }).wait(None));
+    // A zero timeout is one, not "unset": rank 0 fails at once, naming nobody.
+    let out = on_all(&engines, |_, e| run(e, barrier(false, 0)).wait(None));
+    let zero = "Rank 0 timed out in monitoredBarrier after 0 ms.\nNo ranks successfully processed in monitoredBarrier.";
+    assert!(failed(&out[0], zero), "{:?}", out[0]);
+    // All three enter: passes, and the group was not broken by the failures.
+    let out = on_all(&engines, |_, e| run(e, barrier(false, 5000)).wait(None));
     assert!(out.iter().all(|w| *w == Waited::Done), "{out:?}");
 }
 

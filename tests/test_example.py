@@ -1,4 +1,5 @@
-"""Each example in examples/ runs under torchrun and reports OK."""
+"""Each example in examples/ runs under torchrun and reports OK; so does tests/every_op_job.py, the
+job that scripts/torch_matrix.sh runs on each supported torch, plain and staged like CUDA tensors."""
 
 import sys
 
@@ -24,3 +25,15 @@ def test_example_under_torchrun(tmp_path, example):
     assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     assert "OK" in proc.stdout.splitlines(), proc.stdout
     assert EXAMPLES[example] in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="uses ops Gloo lacks (PREMUL_SUM, gather_into_tensor)")
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "staged"])
+def test_every_op_job_under_torchrun(tmp_path, staged):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           str(harness.REPO / "tests" / "every_op_job.py")]
+    env = harness.worker_env({"RUSTC10D_TEST_STAGING": "1"} if staged else {})
+    [proc] = harness.run_processes({"torchrun": cmd}, timeout=150, log_dir=tmp_path, env=env)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert "OK" in proc.stdout.splitlines(), proc.stdout

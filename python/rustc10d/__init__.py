@@ -1,7 +1,7 @@
 """rustc10d: a torch.distributed backend written in Rust.
 
-Importing this package registers the backend ``"rustc10d"`` for CPU (and,
-later, CUDA) tensors::
+Importing this package registers the backend ``"rustc10d"`` for CPU and CUDA
+tensors::
 
     import torch.distributed as dist
     import rustc10d  # optional: the entry point registers it too
@@ -10,21 +10,45 @@ later, CUDA) tensors::
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import shlex
+import sys
+import urllib.parse
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
+
+def _rebuild_command() -> str:
+    """The command that rebuilds this install against the torch installed now: pip recorded
+    where it was built from (PEP 610's direct_url.json)."""
+    source = "<your rustc10d checkout>"
+    try:
+        url = json.loads(importlib.metadata.distribution("rustc10d").read_text("direct_url.json") or "{}").get("url", "")
+        if url.startswith("file://"):
+            source = shlex.quote(urllib.parse.unquote(url.removeprefix("file://")))
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        pass
+    return f"{shlex.quote(sys.executable)} -m pip install --no-build-isolation --force-reinstall --no-deps {source}"
+
+
+# The C++ ABI differs between torch releases, so a build works with the one torch it was built
+# against (scripts/torch-versions.txt lists those supported).
 try:
     from . import _native
 except ImportError as exc:  # usually a torch upgraded under a built rustc10d
     raise ImportError(
         f"rustc10d's native module could not be loaded with torch {torch.__version__}: {exc}. "
-        "Rebuild it against this torch: pip install --no-build-isolation --force-reinstall --no-deps rustc10d"
+        f"If torch was upgraded or downgraded since rustc10d was built, rebuild it against this torch: "
+        f"{_rebuild_command()}"
     ) from exc
 
 if _native.TORCH_VERSION != torch.__version__:
     raise ImportError(
         f"rustc10d was built against torch {_native.TORCH_VERSION}, but torch {torch.__version__} is installed. "
-        "Rebuild it against this torch: pip install --no-build-isolation --force-reinstall --no-deps rustc10d"
+        f"Rebuild it against this torch: {_rebuild_command()}"
     )
 
 __version__: str = _native.__version__
@@ -32,9 +56,13 @@ BACKEND_NAME = "rustc10d"
 __all__ = ["BACKEND_NAME", "links", "register", "stats"]
 
 
+def _millis(t: timedelta) -> int:
+    """Whole milliseconds, rounded up, so that a tiny timeout never becomes zero."""
+    return -(-t // timedelta(milliseconds=1))
+
+
 def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None):
-    timeout_ms = int(opts.timeout.total_seconds() * 1000)
-    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout_ms, opts.group_id or "")
+    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, _millis(opts.timeout), opts.group_id or "")
 
 
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]:

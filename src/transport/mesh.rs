@@ -647,7 +647,7 @@ impl Inner {
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::timeout(format!(
-                    "rustc10d: rank {} timed out waiting for {} to connect",
+                    "rustc10d: Timed out: rank {} was waiting for {} to connect",
                     self.rank(),
                     self.describe(peer)
                 )));

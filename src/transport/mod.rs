@@ -171,13 +171,15 @@ impl<'t> Transfers<'t> {
                 e.kind,
                 format!("rustc10d: {} failed with {}: {}", self.what, self.transport.describe_peer(p.peer), e.message),
             )),
-            None => Err(Error::timeout(format!(
-                "rustc10d: {} timed out after {} ms waiting for {} {}",
-                self.what,
-                self.timeout.as_millis(),
-                if p.recv_key.is_some() { "data from" } else { "a send to" },
-                self.transport.describe_peer(p.peer)
-            ))),
+            None => Err(Error::timed_out(
+                self.timeout,
+                format_args!(
+                    "{} was waiting for {} {}",
+                    self.what,
+                    if p.recv_key.is_some() { "data from" } else { "a send to" },
+                    self.transport.describe_peer(p.peer)
+                ),
+            )),
         }
     }
 

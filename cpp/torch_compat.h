@@ -1,0 +1,106 @@
+// What differs between the torch releases rustc10d builds against (2.11 to
+// 2.15), in one place. build.rs looks for each feature in the headers of the
+// torch it builds against and defines RUSTC10D_TORCH_HAS_<FEATURE> to 0 or 1
+// (see TORCH_FEATURES there); no other file reads those macros. What a torch
+// lacks is left out, never imitated: on 2.11 the backend simply has no
+// completion hooks and no gather_into_tensor, as torch's own backends there.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#if !defined(RUSTC10D_TORCH_HAS_COMPLETION_HOOKS) || !defined(RUSTC10D_TORCH_HAS_COMPLETION_KEY) || \
+    !defined(RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT) || !defined(RUSTC10D_TORCH_HAS_TENSOR_COALESCED_OPTYPES) || \
+    !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR)
+#error "build.rs defines every RUSTC10D_TORCH_HAS_* feature macro"
+#endif
+
+namespace rustc10d::compat {
+
+// PREMUL_SUM's factor; torch 2.11 to 2.14 call it NCCLPreMulSumSupplement.
+#if RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT
+using PreMulSumSupplement = c10d::PreMulSumSupplement;
+#else
+using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
+#endif
+
+// The OpType of the tensor-coalesced collectives. A torch without their own
+// OpTypes labels them COALESCED, as its NCCL backend does.
+#if RUSTC10D_TORCH_HAS_TENSOR_COALESCED_OPTYPES
+constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED;
+constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else
+constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::COALESCED;
+constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::COALESCED;
+#endif
+
+// The completion hooks registered with one backend (torch's flight recorder
+// registers them), fired when an op succeeds. Holds nothing on a torch
+// without them.
+class CompletionHooks {
+ public:
+#if RUSTC10D_TORCH_HAS_COMPLETION_HOOKS
+  void add(int64_t id, c10d::CompletionHook hook) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hooks_[id] = std::move(hook);
+  }
+  void remove(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hooks_.erase(id);
+  }
+  void fire(uint64_t key, float duration_ms) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, hook] : hooks_) hook(c10d::CompletionHookArgs{key, duration_ms});
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, c10d::CompletionHook> hooks_;
+#else
+  void fire(uint64_t, float) {}
+#endif
+};
+
+// c10d::Backend plus the virtuals that only some releases declare. `Impl`
+// (the real backend) provides gather_single(), the gather into one tensor.
+template <class Impl>
+class Backend : public c10d::Backend {
+ public:
+  using c10d::Backend::Backend;
+
+#if RUSTC10D_TORCH_HAS_COMPLETION_HOOKS
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override { hooks_->add(id, std::move(hook)); }
+  void unregisterCompletionHook(int64_t id) override { hooks_->remove(id); }
+#endif
+
+#if RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR
+  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                                    const c10d::GatherOptions& opts) override {
+    return static_cast<Impl*>(this)->gather_single(output, input, opts);
+  }
+#endif
+
+ protected:
+  std::shared_ptr<CompletionHooks> hooks_ = std::make_shared<CompletionHooks>();
+};
+
+// c10d::Work plus the completion key that identifies it to completion hooks,
+// where torch has one.
+class Work : public c10d::Work {
+ public:
+  Work(int rank, c10d::OpType type, uint64_t key) : c10d::Work(rank, type), key_(key) {}
+
+#if RUSTC10D_TORCH_HAS_COMPLETION_KEY
+  uint64_t getCompletionKey() const override { return key_; }
+#endif
+
+ private:
+  uint64_t key_;
+};
+
+}  // namespace rustc10d::compat
