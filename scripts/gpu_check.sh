@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-export RUSTC10D_CUDA=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 
 "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible to torch")'
 "$PYTHON" -c 'import rustc10d' 2>/dev/null || "$PYTHON" -m pip install -q --no-build-isolation .

@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh machine: installs torch and the build and
-# test requirements into .venv (reused when present), builds and installs
-# rustc10d against that torch, then runs the Rust core's tests (cargo test) and
-# the multi-process pytest suite.
+# The whole test suite, from a fresh machine: installs torch and the build and test requirements
+# into a virtual environment (reused when present), builds and installs rustc10d against that
+# torch, checks the Rust code's format and lints, then runs the Rust core's tests (cargo test)
+# and the multi-process pytest suite.
+#
+#   bash scripts/test.sh                                   # torch 2.15.0 into .venv
+#   TORCH_VERSION=2.11.0 PYTHON_VERSION=3.12 VENV=/tmp/t211 bash scripts/test.sh
+#
+# TORCH_VERSION: the torch to test against (scripts/torch-versions.txt lists the supported ones).
+# PYTHON_VERSION: the Python to create VENV with (default: python3); VENV: the environment
+# (default .venv). SKIP_CARGO=1 skips the torch-independent Rust checks (CI runs them once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib.sh
 
 TORCH_VERSION=${TORCH_VERSION:-2.15.0}
+VENV=${VENV:-.venv}
 # The two-host tests build network namespaces with iproute2 (they skip without root or ip).
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "iproute2 unavailable: two-host tests will skip"
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${TORCH_VERSION}" "setuptools>=70.1" "setuptools-rust>=1.12" wheel \
-    pytest pytest-timeout numpy
-.venv/bin/python -m pip install -q --no-build-isolation .
+ensure_env "$VENV" "$TORCH_VERSION" "${PYTHON_VERSION:-}"
+build_rustc10d "$VENV"
 
-cargo test --locked
-.venv/bin/python -m pytest
+if [ "${SKIP_CARGO:-0}" != 1 ]; then
+    cargo fmt --check
+    cargo clippy --locked --all-targets -- -D warnings
+    PYO3_PYTHON="$(cd "$VENV" && pwd)/bin/python" cargo clippy --locked --all-targets --features extension -- -D warnings
+    cargo test --locked
+fi
+"$VENV/bin/python" -m pytest
