@@ -166,7 +166,7 @@ fn p2p_in_any_order_and_recv_timeout_on(mode: TransportMode) {
         assert_eq!(h.wait(Some(Duration::from_millis(50))), Waited::TimedOut, "caller timeout leaves the op running");
         let t0 = Instant::now();
         match h.wait(None) {
-            Waited::Failed(msg) => assert!(msg.contains("timed out") && msg.contains("tag 999"), "{msg}"),
+            Waited::Failed(msg) => assert!(msg.contains("Timed out after 300 ms") && msg.contains("tag 999"), "{msg}"),
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(t0.elapsed() < Duration::from_secs(2));
