@@ -54,7 +54,7 @@ print("|".join(ext.library_paths()))
             b.define(&format!("RUSTC10D_TORCH_HAS_{feature}"), bit);
             features.push(format!("{}={bit}", feature.to_ascii_lowercase()));
         }
-        b.file("cpp/shim.cc")
+        b.files(["cpp/backend.cc", "cpp/completion.cc"])
             .std("c++20")
             .include(py_include)
             .define("TORCH_API_INCLUDE_EXTENSION_H", None)
@@ -82,9 +82,7 @@ print("|".join(ext.library_paths()))
         println!("cargo:rustc-env=RUSTC10D_TORCH_VERSION={version}");
         println!("cargo:rustc-env=RUSTC10D_TORCH_FEATURES={}", features.join(","));
 
-        println!("cargo:rerun-if-changed=cpp/shim.cc");
-        println!("cargo:rerun-if-changed=cpp/shim.h");
-        println!("cargo:rerun-if-changed=cpp/torch_compat.h");
+        println!("cargo:rerun-if-changed=cpp");
         println!("cargo:rerun-if-changed={torch_file}");
         println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
         println!("cargo:rerun-if-env-changed=PYTHON_SYS_EXECUTABLE");

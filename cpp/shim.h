@@ -8,6 +8,7 @@
 namespace rustc10d {
 
 struct Group;  // Rust: the engine of one process group
+enum class ErrorKind : uint8_t;
 
 // A c10d::Store handed over by torch.
 struct StoreRef {
@@ -16,8 +17,8 @@ struct StoreRef {
   ~StoreRef();
 };
 
-// What finishing an op means on the torch side: copy staged results back,
-// complete the Work's future, release the tensors. Owned by the engine.
+// What finishing an op means on the torch side (complete its future, release
+// its tensors), and its staged tensors' device side. Owned by the engine.
 struct Completion {
   struct Impl;
   std::unique_ptr<Impl> impl;
@@ -30,12 +31,14 @@ int64_t store_add(const StoreRef& store, rust::Str key, int64_t delta);
 rust::String store_host(const StoreRef& store);
 std::unique_ptr<StoreRef> store_from_python(size_t pyobject);
 
-void complete(std::unique_ptr<Completion> done, rust::Str error) noexcept;
-void stage_inputs(const Completion& done);
-bool stage_pieces(const Completion& done, size_t bytes);
-void piece_in(const Completion& done, size_t i);
-void piece_out(const Completion& done, size_t i);
-void await_staged(const Completion& done);
+void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error) noexcept;
+void complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
+                     rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept;
+
+// Device primitives (see src/engine/staging.rs).
+uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len);
+void wait_event(const Completion& done, uint64_t event);
+void to_device(const Completion& done, size_t buffer, size_t start, size_t len);
 
 // Wrap the engine in a c10d::Backend and return a new reference to its Python object.
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size);

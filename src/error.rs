@@ -20,7 +20,7 @@ pub enum ErrorKind {
     Mismatch,
 }
 
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct Error {
     pub kind: ErrorKind,

@@ -1,132 +1,155 @@
-//! The cxx bridge: the C++ shim translates tensors into `TensorDesc`s and
-//! calls the engine; the engine calls back to finish ops and to use the Store.
+//! The cxx bridge: typed all the way. The C++ shim translates tensors and
+//! options into a `Call` and submits it; the engine calls back to finish ops,
+//! to move staged tensors with the shim's device primitives, and to use the
+//! Store. Enums are shared with C++ with the core's own values.
 
 use crate::algorithms::RawBuf;
-use crate::dtype::{DType, ReduceOp};
-use crate::engine::{Collective, Engine, OpHandle, Reduction, Staging, Waited};
-use crate::error::{Error, Result};
+use crate::config::Config;
+use crate::dtype;
+use crate::engine::{Device, Engine, Event, OpHandle, StagedBuffer, Staging, Waited};
+use crate::error::{self, Error, Result};
+use crate::ops::{self, Collective, Reduction, SparseGathered};
 use crate::rendezvous::Store;
 use crate::status::Callback;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[cxx::bridge(namespace = "rustc10d")]
 pub mod bridge {
-    /// A contiguous CPU tensor's storage; `dtype` is a `DType` code.
+    /// Element type; `Opaque`: one an op only moves (never reduces).
+    #[repr(u8)]
+    enum DType {
+        Float32,
+        Float64,
+        Float16,
+        BFloat16,
+        Int8,
+        UInt8,
+        Int16,
+        Int32,
+        Int64,
+        Bool,
+        Opaque = 255,
+    }
+
+    /// c10d's RedOpType, same values.
+    #[repr(u8)]
+    enum ReduceOpCode {
+        Sum,
+        Avg,
+        Product,
+        Min,
+        Max,
+        BAnd,
+        BOr,
+        BXor,
+        PremulSum,
+    }
+
+    #[repr(u8)]
+    enum OpKind {
+        AllReduce,
+        Reduce,
+        Broadcast,
+        AllGather,
+        Gather,
+        Scatter,
+        ReduceScatter,
+        AllToAll,
+        Barrier,
+        MonitoredBarrier,
+        AllReduceSparse,
+        Send,
+        Recv,
+    }
+
+    #[repr(u8)]
+    enum WaitOutcome {
+        Done,
+        Failed,
+        TimedOut,
+    }
+
+    /// What went wrong; it picks the Python exception the shim raises.
+    #[repr(u8)]
+    enum ErrorKind {
+        InvalidArgument,
+        Unsupported,
+        Timeout,
+        PeerLost,
+        Io,
+        Aborted,
+        Mismatch,
+    }
+
+    /// A contiguous byte range of host memory (a CPU tensor's storage, or a
+    /// device tensor's host copy).
     struct TensorDesc {
         ptr: usize,
         nbytes: usize,
-        dtype: u8,
+        dtype: DType,
     }
 
-    /// A reduce op as torch names it: `op` is c10d's RedOpType code;
-    /// `premul` is PREMUL_SUM's factor (op 8).
-    struct ReduceSpec {
-        op: u8,
+    /// A device tensor the op works on through `host`, its pinned host copy.
+    struct StagedDesc {
+        host: TensorDesc,
+        /// The op reads it: bring it to the host first.
+        copy_in: bool,
+        /// The op writes it: copy it back once the op has succeeded.
+        copy_out: bool,
+        /// Byte ranges of the host copy are byte ranges of the device tensor.
+        contiguous: bool,
+    }
+
+    /// One call of a torch.distributed op, as descriptors. Per kind:
+    /// AllReduce: `outputs` (in place), one collective each. Reduce,
+    /// Broadcast: `outputs[0]`. AllGather: `inputs`, and `outputs` W blocks
+    /// per input. Gather: `inputs[0]`, W `outputs` at the root. Scatter: W
+    /// `inputs` at the root, `outputs[0]`. ReduceScatter: W `inputs` blocks
+    /// per output. AllToAll: W of each. AllReduceSparse: `inputs` = indices,
+    /// values. Send: `inputs[0]`; Recv: `outputs[0]`.
+    struct Call {
+        kind: OpKind,
+        inputs: Vec<TensorDesc>,
+        outputs: Vec<TensorDesc>,
+        /// The root of a rooted collective; the peer of a send or receive (-1: any source).
+        root: i64,
+        tag: i64,
+        reduce: ReduceOpCode,
+        /// PREMUL_SUM's factor.
         premul: f64,
+        /// Monitored barrier: report every missing rank.
+        wait_all: bool,
+        /// Sparse all-reduce: bytes per row of indices and of values.
+        index_row: usize,
+        value_row: usize,
+        /// Negative: the group's timeout. A monitored barrier's is rank 0's wait.
+        timeout_ms: i64,
+        staged: Vec<StagedDesc>,
     }
 
     extern "Rust" {
         type Group;
         type Op;
 
-        // Collectives. Lists are flattened: `parts` coalesced calls of the same
-        // kind, with `world` blocks per part where an op has one per rank.
-        fn all_reduce(
-            self: &Group,
-            tensors: &[TensorDesc],
-            spec: ReduceSpec,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn reduce(
-            self: &Group,
-            t: TensorDesc,
-            root: i64,
-            spec: ReduceSpec,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn broadcast(
-            self: &Group,
-            t: TensorDesc,
-            root: i64,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn all_gather(
-            self: &Group,
-            inputs: &[TensorDesc],
-            outputs: &[TensorDesc],
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn gather(
-            self: &Group,
-            input: TensorDesc,
-            outputs: &[TensorDesc],
-            root: i64,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn scatter(
-            self: &Group,
-            inputs: &[TensorDesc],
-            output: TensorDesc,
-            root: i64,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn reduce_scatter(
-            self: &Group,
-            inputs: &[TensorDesc],
-            outputs: &[TensorDesc],
-            spec: ReduceSpec,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn all_to_all(
-            self: &Group,
-            inputs: &[TensorDesc],
-            outputs: &[TensorDesc],
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn barrier(self: &Group, timeout_ms: i64, done: UniquePtr<Completion>) -> Result<Box<Op>>;
-        fn monitored_barrier(
-            self: &Group,
-            wait_all: bool,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-
-        // Point to point.
-        /// `staged`: the tensor's bytes are on the host only once
-        /// `await_staged` returns (the sending thread calls it).
-        fn send(
-            self: &Group,
-            t: TensorDesc,
-            dst: i64,
-            tag: i64,
-            timeout_ms: i64,
-            staged: bool,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-        fn recv(
-            self: &Group,
-            t: TensorDesc,
-            src: i64,
-            tag: i64,
-            timeout_ms: i64,
-            done: UniquePtr<Completion>,
-        ) -> Result<Box<Op>>;
-
+        /// Hand a call to the engine. An op refused at once (bad input) comes
+        /// back failed, with `failed_at_issue`.
+        fn submit(self: &Group, call: &Call, done: UniquePtr<Completion>) -> Box<Op>;
+        fn start_coalescing(self: &Group) -> Result<()>;
+        /// One op for every op issued since start_coalescing.
+        fn end_coalescing(self: &Group, done: UniquePtr<Completion>) -> Box<Op>;
         fn sequence_number(self: &Group) -> u64;
         fn set_timeout(self: &Group, timeout_ms: i64);
         fn shutdown(self: &Group);
+        /// Config::cuda: CUDA tensors are accepted.
+        fn cuda_allowed(self: &Group) -> bool;
+        /// Config::test_staging: CPU tensors are staged like CUDA tensors.
+        fn test_staging(self: &Group) -> bool;
 
         fn is_done(self: &Op) -> bool;
-        /// 0: done, 1: failed (see error_message), 2: `timeout_ms` passed first.
-        fn wait(self: &Op, timeout_ms: i64) -> i32;
+        fn failed_at_issue(self: &Op) -> bool;
+        fn wait(self: &Op, timeout_ms: i64) -> WaitOutcome;
+        fn error_kind(self: &Op) -> ErrorKind;
         fn error_message(self: &Op) -> String;
         fn source_rank(self: &Op) -> i64;
         fn seq(self: &Op) -> u64;
@@ -142,22 +165,25 @@ pub mod bridge {
         fn store_add(store: &StoreRef, key: &str, delta: i64) -> Result<i64>;
         fn store_host(store: &StoreRef) -> String;
         fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
-        fn complete(done: UniquePtr<Completion>, error: &str);
-        /// Bring a CUDA op's inputs to the host (in stream order) and wait for
-        /// them; nothing to do for CPU ops.
-        fn stage_inputs(done: &Completion) -> Result<()>;
-        /// Start bringing the op's one staged buffer to the host in pieces of
-        /// `bytes`; false if the op has no such buffer.
-        fn stage_pieces(done: &Completion, bytes: usize) -> Result<bool>;
-        /// Wait until piece `i` is on the host.
-        fn piece_in(done: &Completion, i: usize) -> Result<()>;
-        /// Queue the copy of piece `i` back to the device.
-        fn piece_out(done: &Completion, i: usize) -> Result<()>;
-        /// Wait until a send's tensor, whose copy was queued at issue, is on the host.
-        fn await_staged(done: &Completion) -> Result<()>;
+
+        /// Finish the op: its future, its Work, its tensors (error empty: success).
+        fn complete(done: UniquePtr<Completion>, kind: ErrorKind, error: &str);
+        /// Finish a sparse all-reduce: every rank's rows, to be added up.
+        fn complete_sparse(done: UniquePtr<Completion>, rows: &[u64], indices: &[u8], values: &[u8]);
+
+        /// Device primitives on staged buffer `buffer` (by index into Call::staged).
+        /// Queue bytes [start, start + len) to the host after the caller's
+        /// queued work; the event marks it done.
+        fn to_host(done: &Completion, buffer: usize, start: usize, len: usize) -> Result<u64>;
+        fn wait_event(done: &Completion, event: u64) -> Result<()>;
+        /// Queue bytes [start, start + len) back to the device.
+        fn to_device(done: &Completion, buffer: usize, start: usize, len: usize) -> Result<()>;
+
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
     }
 }
+
+use bridge::{Call, OpKind, ReduceOpCode, WaitOutcome};
 
 // Torch's Store and the tensors a Completion holds are safe to use and
 // release from any thread.
@@ -180,8 +206,42 @@ impl Store for StoreRef {
     }
 }
 
-pub struct Group(pub Engine);
-pub struct Op(OpHandle);
+/// A process group's engine and the settings the shim asks about.
+pub struct Group {
+    pub engine: Engine,
+    pub cfg: Config,
+}
+
+pub struct Op {
+    handle: OpHandle,
+    at_issue: bool,
+}
+
+impl From<error::ErrorKind> for bridge::ErrorKind {
+    fn from(k: error::ErrorKind) -> Self {
+        use error::ErrorKind as K;
+        match k {
+            K::InvalidArgument => Self::InvalidArgument,
+            K::Unsupported => Self::Unsupported,
+            K::Timeout => Self::Timeout,
+            K::PeerLost => Self::PeerLost,
+            K::Io => Self::Io,
+            K::Aborted => Self::Aborted,
+            K::Mismatch => Self::Mismatch,
+        }
+    }
+}
+
+fn dtype_of(d: bridge::DType) -> Result<dtype::DType> {
+    dtype::DType::ALL
+        .get(d.repr as usize)
+        .copied()
+        .ok_or_else(|| Error::unsupported("rustc10d does not support reductions on this dtype yet"))
+}
+
+fn op_kind(k: OpKind) -> Result<ops::OpKind> {
+    ops::OpKind::from_code(k.repr).ok_or_else(|| Error::invalid(format!("rustc10d: unknown op kind {}", k.repr)))
+}
 
 /// A timeout from torch's options: negative is unset (torch's kUnsetTimeout,
 /// the group's timeout applies); zero is a real, zero timeout.
@@ -193,90 +253,23 @@ fn buf(t: &bridge::TensorDesc) -> RawBuf {
     RawBuf::new(t.ptr as *mut u8, t.nbytes)
 }
 
-fn rank(r: i64, what: &str) -> Result<usize> {
-    usize::try_from(r).map_err(|_| Error::invalid(format!("rustc10d: {what} rank {r} is negative")))
-}
-
-/// Finishing an op completes its torch future (and releases its tensors).
-fn finish_with(done: cxx::UniquePtr<bridge::Completion>) -> Callback {
-    Box::new(move |r: &Result<i64>| match r {
-        Ok(_) => bridge::complete(done, ""),
-        Err(e) => bridge::complete(done, &e.message),
-    })
-}
-
-/// Staged ops run in pieces of this many bytes where they can (one large
-/// all_reduce or broadcast of a CUDA tensor): the device copies of one piece
-/// overlap the network transfer of the others. 0: whole tensors.
-pub const ENV_STAGE_PIECE_BYTES: &str = "RUSTC10D_STAGE_PIECE_BYTES";
-const DEFAULT_STAGE_PIECE_BYTES: usize = 8 << 20;
-
-fn stage_piece_bytes() -> usize {
-    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        std::env::var(ENV_STAGE_PIECE_BYTES).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_STAGE_PIECE_BYTES)
-    })
-}
-
-/// The shim's staging of an op's tensors (nothing to do for CPU tensors), on
-/// the engine thread: a device copy is then ordered after the previous op's
-/// copy back (both on the group's stream) and the caller never blocks on it.
-struct ShimStaging(*const bridge::Completion);
-
-// The Completion lives in the op's callback, which runs only after the staging is done with
-// (for a send: after `ready`).
-unsafe impl Send for ShimStaging {}
-
-impl ShimStaging {
-    fn of(done: &cxx::UniquePtr<bridge::Completion>) -> ShimStaging {
-        ShimStaging(done.as_ref().map_or(std::ptr::null(), |c| c as *const _))
-    }
-
-    fn with<T: Default>(
-        &self,
-        f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>,
-    ) -> Result<T> {
-        match unsafe { self.0.as_ref() } {
-            Some(c) => f(c).map_err(|e| Error::io(e.what().to_string())),
-            None => Ok(T::default()),
-        }
-    }
-}
-
-impl Staging for ShimStaging {
-    fn all_in(&mut self) -> Result<()> {
-        self.with(bridge::stage_inputs)
-    }
-    fn piece_bytes(&self) -> usize {
-        stage_piece_bytes()
-    }
-    fn start_pieces(&mut self, bytes: usize) -> Result<bool> {
-        self.with(|c| bridge::stage_pieces(c, bytes))
-    }
-    fn piece_in(&mut self, i: usize) -> Result<()> {
-        self.with(|c| bridge::piece_in(c, i))
-    }
-    fn piece_out(&mut self, i: usize) -> Result<()> {
-        self.with(|c| bridge::piece_out(c, i))
-    }
-}
-
-fn reduction(t: &bridge::TensorDesc, spec: &bridge::ReduceSpec) -> Result<Reduction> {
-    let dtype = DType::from_code(t.dtype)?;
-    if spec.op == PREMUL_SUM {
-        return Ok(Reduction { dtype, op: ReduceOp::Sum, premul: Some(spec.premul) });
-    }
-    Ok(Reduction::new(dtype, ReduceOp::from_code(spec.op)?))
-}
-
-/// c10d's RedOpType::PREMUL_SUM.
-const PREMUL_SUM: u8 = 8;
-
 fn bufs(ts: &[bridge::TensorDesc]) -> Vec<RawBuf> {
     ts.iter().map(buf).collect()
 }
 
-/// Cut a flat list into `parts` equal groups (one per coalesced call).
+fn rank(r: i64, what: &str) -> Result<usize> {
+    usize::try_from(r).map_err(|_| Error::invalid(format!("rustc10d: {what} rank {r} is negative")))
+}
+
+fn reduction(t: &bridge::TensorDesc, call: &Call) -> Result<Reduction> {
+    let dtype = dtype_of(t.dtype)?;
+    if call.reduce == ReduceOpCode::PremulSum {
+        return Ok(Reduction { dtype, op: dtype::ReduceOp::Sum, premul: Some(call.premul) });
+    }
+    Ok(Reduction::new(dtype, dtype::ReduceOp::from_code(call.reduce.repr)?))
+}
+
+/// Cut a flat list into `parts` equal groups (one per coalesced tensor).
 fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>> {
     if parts == 0 || !ts.len().is_multiple_of(parts) {
         return Err(Error::invalid(format!("rustc10d: {} tensors do not split into {parts} calls", ts.len())));
@@ -284,212 +277,257 @@ fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>>
     Ok(ts.chunks(ts.len() / parts).map(bufs).collect())
 }
 
-// Safety of the raw buffers below: the Completion owns the tensors and is
-// dropped only when the engine finishes the op.
-impl Group {
-    fn run(
-        &self,
-        parts: Vec<Collective>,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        let staging = Box::new(ShimStaging::of(&done));
-        Ok(Box::new(Op(unsafe { self.0.submit_staged(parts, timeout(timeout_ms), Some(staging), finish_with(done))? })))
-    }
+fn first(ts: &[bridge::TensorDesc], what: &str) -> Result<RawBuf> {
+    ts.first().map(buf).ok_or_else(|| Error::invalid(format!("rustc10d: the call has no {what} tensor")))
+}
 
-    fn all_reduce(
-        &self,
-        ts: &[bridge::TensorDesc],
-        spec: bridge::ReduceSpec,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        let parts = ts
+/// A reduction reduces tensors of one dtype.
+fn same_dtype(kind: ops::OpKind, ts: impl IntoIterator<Item = bridge::DType>) -> Result<()> {
+    let mut ts = ts.into_iter();
+    let first = ts.next();
+    if ts.any(|d| Some(d) != first) {
+        return Err(Error::invalid(format!("rustc10d: {}: all tensors must have the same dtype", kind.name())));
+    }
+    Ok(())
+}
+
+/// The collectives of a call (see `Call`'s layouts).
+fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> Result<Vec<Collective>> {
+    let (ins, outs) = (&call.inputs[..], &call.outputs[..]);
+    let root = || rank(call.root, "root");
+    let kind = op_kind(call.kind)?;
+    if matches!(kind, ops::OpKind::AllReduce | ops::OpKind::ReduceScatter) {
+        same_dtype(kind, ins.iter().chain(outs).map(|t| t.dtype))?;
+    }
+    Ok(match kind {
+        ops::OpKind::AllReduce => outs
             .iter()
-            .map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, &spec)? }))
-            .collect::<Result<_>>()?;
-        self.run(parts, timeout_ms, done)
-    }
-
-    fn reduce(
-        &self,
-        t: bridge::TensorDesc,
-        root: i64,
-        spec: bridge::ReduceSpec,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        let part = Collective::Reduce { buf: buf(&t), root: rank(root, "root")?, red: reduction(&t, &spec)? };
-        self.run(vec![part], timeout_ms, done)
-    }
-
-    fn broadcast(
-        &self,
-        t: bridge::TensorDesc,
-        root: i64,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        self.run(vec![Collective::Broadcast { buf: buf(&t), root: rank(root, "root")? }], timeout_ms, done)
-    }
-
-    fn all_gather(
-        &self,
-        inputs: &[bridge::TensorDesc],
-        outputs: &[bridge::TensorDesc],
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        let parts = inputs
+            .map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, call)? }))
+            .collect::<Result<_>>()?,
+        ops::OpKind::Reduce => {
+            let t = outs.first().ok_or_else(|| Error::invalid("rustc10d: reduce takes one tensor"))?;
+            vec![Collective::Reduce { buf: buf(t), root: root()?, red: reduction(t, call)? }]
+        }
+        ops::OpKind::Broadcast => vec![Collective::Broadcast { buf: first(outs, "output")?, root: root()? }],
+        ops::OpKind::AllGather => ins
             .iter()
-            .zip(per_part(outputs, inputs.len())?)
+            .zip(per_part(outs, ins.len())?)
             .map(|(i, outputs)| Collective::AllGather { input: buf(i), outputs })
-            .collect();
-        self.run(parts, timeout_ms, done)
-    }
-
-    fn gather(
-        &self,
-        input: bridge::TensorDesc,
-        outputs: &[bridge::TensorDesc],
-        root: i64,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        self.run(
-            vec![Collective::Gather { input: buf(&input), outputs: bufs(outputs), root: rank(root, "root")? }],
-            timeout_ms,
-            done,
-        )
-    }
-
-    fn scatter(
-        &self,
-        inputs: &[bridge::TensorDesc],
-        output: bridge::TensorDesc,
-        root: i64,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        self.run(
-            vec![Collective::Scatter { inputs: bufs(inputs), output: buf(&output), root: rank(root, "root")? }],
-            timeout_ms,
-            done,
-        )
-    }
-
-    fn reduce_scatter(
-        &self,
-        inputs: &[bridge::TensorDesc],
-        outputs: &[bridge::TensorDesc],
-        spec: bridge::ReduceSpec,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        let parts = outputs
+            .collect(),
+        ops::OpKind::Gather => {
+            vec![Collective::Gather { input: first(ins, "input")?, outputs: bufs(outs), root: root()? }]
+        }
+        ops::OpKind::Scatter => {
+            vec![Collective::Scatter { inputs: bufs(ins), output: first(outs, "output")?, root: root()? }]
+        }
+        ops::OpKind::ReduceScatter => outs
             .iter()
-            .zip(per_part(inputs, outputs.len())?)
-            .map(|(o, inputs)| Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, &spec)? }))
-            .collect::<Result<_>>()?;
-        self.run(parts, timeout_ms, done)
-    }
+            .zip(per_part(ins, outs.len())?)
+            .map(|(o, inputs)| Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, call)? }))
+            .collect::<Result<_>>()?,
+        ops::OpKind::AllToAll => vec![Collective::AllToAll { inputs: bufs(ins), outputs: bufs(outs) }],
+        ops::OpKind::Barrier => vec![Collective::Barrier],
+        ops::OpKind::MonitoredBarrier => {
+            vec![Collective::MonitoredBarrier { wait_all: call.wait_all, timeout: timeout(call.timeout_ms) }]
+        }
+        ops::OpKind::AllReduceSparse => {
+            let [indices, values] = ins else {
+                return Err(Error::invalid("rustc10d: a sparse all-reduce takes indices and values"));
+            };
+            vec![Collective::AllReduceSparse {
+                indices: buf(indices),
+                values: buf(values),
+                index_row: call.index_row,
+                value_row: call.value_row,
+                dtype: dtype_of(values.dtype).unwrap_or(dtype::DType::U8),
+                out: sparse.clone(),
+            }]
+        }
+        ops::OpKind::Send | ops::OpKind::Recv => unreachable!("point-to-point calls are not collectives"),
+    })
+}
 
-    fn all_to_all(
-        &self,
-        inputs: &[bridge::TensorDesc],
-        outputs: &[bridge::TensorDesc],
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        self.run(vec![Collective::AllToAll { inputs: bufs(inputs), outputs: bufs(outputs) }], timeout_ms, done)
-    }
-
-    fn barrier(&self, timeout_ms: i64, done: cxx::UniquePtr<bridge::Completion>) -> Result<Box<Op>> {
-        self.run(vec![Collective::Barrier], timeout_ms, done)
-    }
-
-    fn monitored_barrier(
-        &self,
-        wait_all: bool,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        // Only rank 0 waits with the barrier's timeout; the op itself runs
-        // with the group's, as torch's monitored barrier does.
-        self.run(vec![Collective::MonitoredBarrier { wait_all, timeout: timeout(timeout_ms) }], -1, done)
-    }
-
-    fn send(
-        &self,
-        t: bridge::TensorDesc,
-        dst: i64,
-        tag: i64,
-        timeout_ms: i64,
-        staged: bool,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        let dst = rank(dst, "destination")?;
-        let h = if staged {
-            let staging = ShimStaging::of(&done);
-            let ready = Box::new(move || {
-                staging.with(bridge::await_staged).map_err(|e| e.context("rustc10d: send could not stage its tensor"))
-            });
-            unsafe { self.0.send_after(buf(&t), dst, tag, timeout(timeout_ms), ready, finish_with(done))? }
-        } else {
-            unsafe { self.0.send(buf(&t), dst, tag, timeout(timeout_ms), finish_with(done))? }
+/// Finishing an op completes its torch future (and releases its tensors);
+/// a sparse all-reduce hands over what it gathered, a staged receive first
+/// queues its result back to the device.
+fn finish_with(
+    done: cxx::UniquePtr<bridge::Completion>,
+    sparse: Option<Arc<Mutex<SparseGathered>>>,
+    staged_out: Option<Staging>,
+) -> Callback {
+    Box::new(move |r: &Result<i64>| {
+        let r = match (r, staged_out) {
+            (Ok(_), Some(mut staging)) => staging.all_out().map(|()| 0),
+            (r, _) => r.clone(),
         };
-        Ok(Box::new(Op(h)))
+        match (r, sparse) {
+            (Ok(_), Some(out)) => {
+                let out = std::mem::take(&mut *out.lock().unwrap());
+                bridge::complete_sparse(done, &out.rows, &out.indices, &out.values)
+            }
+            (Ok(_), None) => bridge::complete(done, bridge::ErrorKind::Io, ""),
+            (Err(e), _) => bridge::complete(done, e.kind.into(), &e.message),
+        }
+    })
+}
+
+/// The shim's device primitives for one op's staged buffers.
+struct ShimDevice(*const bridge::Completion);
+
+// The Completion lives in the op's callback, which runs only after staging is
+// done with (for a send: after its ready).
+unsafe impl Send for ShimDevice {}
+
+impl ShimDevice {
+    fn call<T>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
+        f(unsafe { &*self.0 }).map_err(|e| Error::io(e.what().to_string()))
+    }
+}
+
+impl Device for ShimDevice {
+    fn to_host(&mut self, index: usize, start: usize, len: usize) -> Result<Event> {
+        self.call(|c| bridge::to_host(c, index, start, len))
+    }
+    fn wait(&mut self, event: Event) -> Result<()> {
+        self.call(|c| bridge::wait_event(c, event))
+    }
+    fn to_device(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
+        self.call(|c| bridge::to_device(c, index, start, len))
+    }
+}
+
+impl Group {
+    fn staging(&self, call: &Call, done: &cxx::UniquePtr<bridge::Completion>) -> Option<Staging> {
+        let completion = done.as_ref()? as *const bridge::Completion;
+        (!call.staged.is_empty()).then(|| Staging {
+            buffers: call
+                .staged
+                .iter()
+                .map(|s| StagedBuffer {
+                    host: buf(&s.host),
+                    copy_in: s.copy_in,
+                    copy_out: s.copy_out,
+                    contiguous: s.contiguous,
+                })
+                .collect(),
+            device: Box::new(ShimDevice(completion)),
+            piece_bytes: self.cfg.stage_piece_bytes,
+        })
     }
 
-    fn recv(
-        &self,
-        t: bridge::TensorDesc,
-        src: i64,
-        tag: i64,
-        timeout_ms: i64,
-        done: cxx::UniquePtr<bridge::Completion>,
-    ) -> Result<Box<Op>> {
-        // src < 0: any source (torch's recvAnysource).
-        let src = if src < 0 { None } else { Some(rank(src, "source")?) };
-        let h = unsafe { self.0.recv(buf(&t), src, tag, timeout(timeout_ms), finish_with(done))? };
-        Ok(Box::new(Op(h)))
+    // Safety of the raw buffers: the Completion owns the tensors and is
+    // dropped only when the engine finishes the op.
+    fn issue(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Result<OpHandle> {
+        let staging = self.staging(call, &done);
+        let e = &self.engine;
+        match op_kind(call.kind)? {
+            ops::OpKind::Send => {
+                let ready = staging.map(|s| s.send_in()).transpose()?;
+                let ready = ready.map(|wait| -> crate::transport::Ready {
+                    Box::new(move || wait().map_err(|e| e.context("rustc10d: send could not stage its tensor")))
+                });
+                let dst = rank(call.root, "destination")?;
+                let input = first(&call.inputs, "input")?;
+                unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, finish_with(done, None, None)) }
+            }
+            ops::OpKind::Recv => {
+                // A negative source: any source (torch's recvAnysource).
+                let src = if call.root < 0 { None } else { Some(rank(call.root, "source")?) };
+                let out = first(&call.outputs, "output")?;
+                unsafe { e.recv(out, src, call.tag, timeout(call.timeout_ms), finish_with(done, None, staging)) }
+            }
+            _ => {
+                let sparse = Arc::new(Mutex::new(SparseGathered::default()));
+                let parts = collectives(call, &sparse)?;
+                let is_sparse = call.kind == OpKind::AllReduceSparse;
+                // A monitored barrier's timeout is rank 0's wait; the op runs with the group's.
+                let op_timeout = if call.kind == OpKind::MonitoredBarrier { None } else { timeout(call.timeout_ms) };
+                let done = finish_with(done, is_sparse.then_some(sparse), None);
+                unsafe { e.submit(parts, op_timeout, staging, done) }
+            }
+        }
+    }
+
+    fn submit(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
+        Box::new(match self.issue(call, done) {
+            Ok(handle) => Op { handle, at_issue: false },
+            Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
+        })
+    }
+
+    fn start_coalescing(&self) -> Result<()> {
+        self.engine.start_coalescing()
+    }
+
+    fn end_coalescing(&self, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
+        Box::new(match self.engine.end_coalescing(finish_with(done, None, None)) {
+            Ok(handle) => Op { handle, at_issue: false },
+            Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
+        })
     }
 
     fn sequence_number(&self) -> u64 {
-        self.0.sequence_number()
+        self.engine.sequence_number()
     }
 
     fn set_timeout(&self, timeout_ms: i64) {
-        self.0.set_timeout(Duration::from_millis(timeout_ms.max(0) as u64));
+        self.engine.set_timeout(Duration::from_millis(timeout_ms.max(0) as u64));
     }
 
     fn shutdown(&self) {
-        self.0.shutdown();
+        self.engine.shutdown();
+    }
+
+    fn cuda_allowed(&self) -> bool {
+        self.cfg.cuda
+    }
+
+    fn test_staging(&self) -> bool {
+        self.cfg.test_staging
     }
 }
 
 impl Op {
     fn is_done(&self) -> bool {
-        self.0.is_done()
+        self.handle.is_done()
     }
 
-    fn wait(&self, timeout_ms: i64) -> i32 {
-        match self.0.wait((timeout_ms >= 0).then(|| Duration::from_millis(timeout_ms as u64))) {
-            Waited::Done => 0,
-            Waited::Failed(_) => 1,
-            Waited::TimedOut => 2,
+    fn failed_at_issue(&self) -> bool {
+        self.at_issue
+    }
+
+    fn wait(&self, timeout_ms: i64) -> WaitOutcome {
+        match self.handle.wait(timeout(timeout_ms)) {
+            Waited::Done => WaitOutcome::Done,
+            Waited::Failed(_) => WaitOutcome::Failed,
+            Waited::TimedOut => WaitOutcome::TimedOut,
         }
     }
 
+    fn error_kind(&self) -> bridge::ErrorKind {
+        self.handle.error().map_or(bridge::ErrorKind::Io, |e| e.kind.into())
+    }
+
     fn error_message(&self) -> String {
-        self.0.error().map(|e| e.message).unwrap_or_default()
+        self.handle.error().map(|e| e.message).unwrap_or_default()
     }
 
     fn source_rank(&self) -> i64 {
-        self.0.source_rank()
+        self.handle.source_rank()
     }
 
     fn seq(&self) -> u64 {
-        self.0.seq()
+        self.handle.seq()
     }
 }
+
+// The shared enums carry the core's values (checked when the shim is built).
+const _: () = {
+    use dtype::{DType as D, ReduceOp as R};
+    use ops::OpKind as K;
+    assert!(bridge::DType::Float32.repr == D::F32 as u8 && bridge::DType::Bool.repr == D::Bool as u8);
+    assert!(bridge::DType::BFloat16.repr == D::BF16 as u8 && bridge::DType::Int64.repr == D::I64 as u8);
+    assert!(ReduceOpCode::Sum.repr == R::Sum as u8 && ReduceOpCode::BXor.repr == R::BXor as u8);
+    assert!(OpKind::AllReduce.repr == K::AllReduce as u8 && OpKind::Recv.repr == K::Recv as u8);
+    assert!(OpKind::AllReduceSparse.repr == K::AllReduceSparse as u8);
+};

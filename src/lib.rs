@@ -1,16 +1,18 @@
 //! rustc10d: a torch.distributed (c10d) backend in Rust.
 //!
 //! Layers, bottom up: `transport` moves bytes between ranks; `algorithms` are
-//! collectives written against it; `engine` orders ops and completes them;
-//! `rendezvous` brings a group up through a Store. The torch shim (C++, `cpp/`)
-//! and the Python module sit on top, behind the `extension` feature.
+//! collectives written against it (`ops` says what a call is); `engine`
+//! orders ops and completes them; `rendezvous` brings a group up through a
+//! Store; `config` holds every setting. The torch shim (C++, `cpp/`) and the
+//! Python module sit on top, behind the `extension` feature.
 
 pub mod algorithms;
-pub mod call_check;
+pub mod config;
 pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod ops;
 pub mod reduce;
 pub mod rendezvous;
 pub mod stats;

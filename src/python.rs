@@ -1,20 +1,19 @@
 //! The private `rustc10d._native` module: builds a backend for the Python
 //! creator function. The typed, documented API lives in python/rustc10d.
 
+use crate::config::{self, Config, LogLevel};
 use crate::engine::Engine;
+use crate::error::{Error, ErrorKind};
 use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
-use crate::rendezvous::{connect, GroupConfig, TransportMode};
+use crate::rendezvous::{self, connect, Member};
 use crate::stats::Stats;
 use crate::transport::Transport;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
-
-/// Logging level for the engine's `tracing` output on stderr (error, warn, info, debug, trace).
-pub const ENV_LOG: &str = "RUSTC10D_LOG";
 
 /// What Python may ask of a live group, by group name (`rustc10d.stats()`, `links()`).
 struct Watched {
@@ -32,7 +31,29 @@ fn watched<T>(group_name: &str, f: impl FnOnce(&Watched) -> Option<T>) -> PyResu
         .ok_or_else(|| PyRuntimeError::new_err(format!("rustc10d: no live rustc10d group named {group_name:?}")))
 }
 
+/// The Python exception for an error at init, as torch raises its own: a bad
+/// setting is a ValueError, a rendezvous that timed out a DistStoreError, a
+/// peer that cannot be reached a DistNetworkError.
+fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let dist = |name: &str| -> PyErr {
+        let made = py
+            .import("torch.distributed")
+            .and_then(|m| m.getattr(name))
+            .and_then(|cls| cls.call1((e.message.clone(),)))
+            .map(PyErr::from_value);
+        made.unwrap_or_else(|err| err)
+    };
+    match e.kind {
+        ErrorKind::InvalidArgument => PyValueError::new_err(e.message),
+        ErrorKind::Unsupported => PyNotImplementedError::new_err(e.message),
+        ErrorKind::Timeout => dist("DistStoreError"),
+        ErrorKind::PeerLost | ErrorKind::Io => dist("DistNetworkError"),
+        ErrorKind::Aborted | ErrorKind::Mismatch => dist("DistBackendError"),
+    }
+}
+
 /// Rendezvous through `store` and return a `torch.distributed.Backend`.
+/// `options`: the settings of rustc10d.Options that were given, as text.
 #[pyfunction]
 fn create_backend(
     py: Python<'_>,
@@ -41,28 +62,31 @@ fn create_backend(
     size: i32,
     timeout_ms: i64,
     group_name: String,
+    options: BTreeMap<String, String>,
 ) -> PyResult<Py<PyAny>> {
     let err = |e: cxx::Exception| PyRuntimeError::new_err(e.what().to_string());
     let store_ref = store_from_python(store.as_ptr() as usize).map_err(err)?;
-    let cfg = GroupConfig {
-        rank: usize::try_from(rank).map_err(|_| PyRuntimeError::new_err(format!("rustc10d: invalid rank {rank}")))?,
-        size: usize::try_from(size).map_err(|_| PyRuntimeError::new_err(format!("rustc10d: invalid size {size}")))?,
+    let member = Member {
+        rank: usize::try_from(rank).map_err(|_| PyValueError::new_err(format!("rustc10d: invalid rank {rank}")))?,
+        size: usize::try_from(size).map_err(|_| PyValueError::new_err(format!("rustc10d: invalid size {size}")))?,
         timeout: Duration::from_millis(timeout_ms.max(0) as u64),
         store_host: Some(store_host(&store_ref)),
-        transport: TransportMode::from_env().map_err(|e| PyRuntimeError::new_err(e.message))?,
     };
     // Rendezvous can take a while: let other Python threads run meanwhile.
-    let (engine, transport) = py
+    let (engine, transport, cfg) = py
         .detach(|| {
-            let mesh: Arc<dyn Transport> = Arc::new(connect(&*store_ref, &cfg)?);
-            Ok::<_, crate::error::Error>((Engine::new(mesh.clone(), cfg.timeout)?, Arc::downgrade(&mesh)))
+            // A rank that cannot take part tells the others, so that they fail now too.
+            let cfg = Config::from_env(&options).inspect_err(|e| rendezvous::refuse(&*store_ref, &member, e))?;
+            let mesh: Arc<dyn Transport> = Arc::new(connect(&*store_ref, &member, &cfg)?);
+            let engine = Engine::new(mesh.clone(), &cfg, member.timeout)?;
+            Ok::<_, Error>((engine, Arc::downgrade(&mesh), cfg))
         })
-        .map_err(|e| PyRuntimeError::new_err(e.message))?;
+        .map_err(|e| to_py(py, e))?;
     let mut groups = GROUPS.lock().unwrap();
     groups.retain(|_, g| g.stats.strong_count() > 0);
     groups.insert(group_name, Watched { stats: Arc::downgrade(&engine.stats()), transport });
     drop(groups);
-    let ptr = backend_to_python(Box::new(Group(engine)), rank, size).map_err(err)?;
+    let ptr = backend_to_python(Box::new(Group { engine, cfg }), rank, size).map_err(err)?;
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
 }
 
@@ -78,7 +102,7 @@ fn stats(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
         d.set_item("bytes", s.bytes)?;
         d.set_item("seconds", s.total.as_secs_f64())?;
         d.set_item("max_seconds", s.max.as_secs_f64())?;
-        out.set_item(op, d)?;
+        out.set_item(op.name(), d)?;
     }
     Ok(out.unbind())
 }
@@ -96,13 +120,16 @@ fn links(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
     Ok(out.unbind())
 }
 
+/// stderr logging, once per process, at RUSTC10D_LOG's level (a bad value
+/// logs at the default level here, and fails init_process_group with Config's error).
 fn init_logging() {
-    let level = match std::env::var(ENV_LOG).unwrap_or_default().to_ascii_lowercase().as_str() {
-        "error" => tracing::Level::ERROR,
-        "info" => tracing::Level::INFO,
-        "debug" => tracing::Level::DEBUG,
-        "trace" => tracing::Level::TRACE,
-        _ => tracing::Level::WARN,
+    let level = std::env::var("RUSTC10D_LOG").ok().and_then(|v| config::log_level(&v).ok());
+    let level = match level.unwrap_or(Config::default().log) {
+        LogLevel::Error => tracing::Level::ERROR,
+        LogLevel::Warn => tracing::Level::WARN,
+        LogLevel::Info => tracing::Level::INFO,
+        LogLevel::Debug => tracing::Level::DEBUG,
+        LogLevel::Trace => tracing::Level::TRACE,
     };
     let _ = tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).try_init();
 }

@@ -1,6 +1,8 @@
 //! Store-based rendezvous: pick the address peers can reach, publish it with
-//! a protocol version, agree on the group's token, and bring up the mesh.
+//! a protocol version and the settings every rank must share, agree on the
+//! group's token, and bring up the mesh.
 
+use crate::config::{Config, TransportMode};
 use crate::error::{Error, Result};
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
 use crate::transport::mesh::{Mesh, PeerAddr, ShmEndpoint};
@@ -9,32 +11,6 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-/// Forces the interface whose IPv4 address is advertised (like GLOO_SOCKET_IFNAME).
-pub const ENV_SOCKET_IFNAME: &str = "RUSTC10D_SOCKET_IFNAME";
-
-/// How ranks on the same host talk: `auto` (default: shared memory where it
-/// can be set up, else TCP), `shm` (shared memory, or fail at init), `tcp`.
-/// Ranks on other hosts always use TCP.
-pub const ENV_TRANSPORT: &str = "RUSTC10D_TRANSPORT";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportMode {
-    Auto,
-    Shm,
-    Tcp,
-}
-
-impl TransportMode {
-    pub fn from_env() -> Result<TransportMode> {
-        match std::env::var(ENV_TRANSPORT).unwrap_or_default().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(TransportMode::Auto),
-            "shm" => Ok(TransportMode::Shm),
-            "tcp" => Ok(TransportMode::Tcp),
-            other => Err(Error::invalid(format!("rustc10d: {ENV_TRANSPORT}={other:?}: expected auto, shm or tcp"))),
-        }
-    }
-}
 
 /// The key/value store the group rendezvous through (torch's c10d Store, already
 /// prefixed per group; an in-memory one in tests).
@@ -84,29 +60,32 @@ impl Store for MemStore {
     }
 }
 
+/// Who this rank is in the group it joins.
 #[derive(Debug, Clone)]
-pub struct GroupConfig {
+pub struct Member {
     pub rank: usize,
     pub size: usize,
     pub timeout: Duration,
     /// Host of the Store's server, when known: we advertise the local address
     /// that routes to it, so that ranks on other machines can reach us.
     pub store_host: Option<String>,
-    pub transport: TransportMode,
 }
 
-/// What each rank publishes: how to reach it, and on which host it runs.
+/// What each rank publishes: how to reach it, on which host it runs, and the
+/// settings every rank must share (`Config::shared`).
 #[derive(Debug, Clone, PartialEq)]
 struct Published {
     tcp: SocketAddr,
     host: String,
     /// Its shared-memory socket name, or None if it takes TCP only.
     shm: Option<String>,
+    settings: String,
 }
 
 impl Published {
     fn encode(&self) -> String {
-        format!("v{PROTOCOL_VERSION} {} {} {}", self.tcp, self.host, self.shm.as_deref().unwrap_or("-"))
+        let shm = self.shm.as_deref().unwrap_or("-");
+        format!("v{PROTOCOL_VERSION} {} {} {shm} {}", self.tcp, self.host, self.settings)
     }
 
     fn decode(text: &str) -> Option<Published> {
@@ -114,22 +93,23 @@ impl Published {
         let tcp = it.next()?.parse().ok()?;
         let host = it.next()?.to_string();
         let shm = it.next().filter(|s| *s != "-").map(str::to_string);
-        Some(Published { tcp, host, shm })
+        let settings = it.next()?.to_string();
+        Some(Published { tcp, host, shm, settings })
     }
 }
 
 /// Set up this rank's shared-memory endpoint, unless the mode says TCP.
 /// In `auto`, a machine that cannot (no memfd, a sandbox) falls back to TCP.
-fn shm_endpoint(mode: TransportMode, rank: usize) -> Result<Option<(ShmEndpoint, String)>> {
-    if mode == TransportMode::Tcp {
+fn shm_endpoint(cfg: &Config, rank: usize) -> Result<Option<(ShmEndpoint, String)>> {
+    if cfg.transport == TransportMode::Tcp {
         return Ok(None);
     }
-    let probe = shm::Segment::create(64 << 10).and_then(|_| ShmEndpoint::bind());
-    match (probe, mode) {
+    let probe = shm::Segment::create(64 << 10).and_then(|_| ShmEndpoint::bind(cfg.shm_ring_bytes));
+    match (probe, cfg.transport) {
         (Ok(ep), _) => Ok(Some(ep)),
-        (Err(e), TransportMode::Shm) => {
-            Err(e.context(format!("rustc10d: rank {rank}: {ENV_TRANSPORT}=shm but shared memory is unavailable")))
-        }
+        (Err(e), TransportMode::Shm) => Err(e.context(format!(
+            "rustc10d: rank {rank}: the transport is shm (RUSTC10D_TRANSPORT) but shared memory is unavailable"
+        ))),
         (Err(e), _) => {
             tracing::info!("rustc10d: rank {rank}: shared memory unavailable, using TCP only: {}", e.message);
             Ok(None)
@@ -137,34 +117,33 @@ fn shm_endpoint(mode: TransportMode, rank: usize) -> Result<Option<(ShmEndpoint,
     }
 }
 
-/// Rendezvous through `store` and connect the ring neighbours.
-pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<Mesh> {
-    let (rank, size) = (cfg.rank, cfg.size);
+/// Rendezvous through `store` and connect the ring neighbours. Every rank
+/// checks every other rank's shared settings against its own, so ranks
+/// configured differently all fail here, naming the setting.
+pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
+    let (rank, size) = (me.rank, me.size);
     if size == 0 || rank >= size {
         return Err(Error::invalid(format!("rustc10d: rank {rank} is out of range for world size {size}")));
     }
-    let deadline = Instant::now() + cfg.timeout;
-    let ip = choose_local_ip(cfg.store_host.as_deref())?;
+    let deadline = Instant::now() + me.timeout;
+    let ip = choose_local_ip(cfg.socket_ifname.as_deref(), me.store_host.as_deref())?;
     let listener = TcpListener::bind(SocketAddr::new(ip, 0))
         .map_err(|e| Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {e}")))?;
-    let me = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
+    let addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
 
-    // A process group re-created over the same Store (destroy, then init again)
-    // must not read the last incarnation's keys: every rank counts itself in,
-    // and the count tells which incarnation this is.
-    let joined = store.add("rustc10d/joined", 1)?;
-    let generation = (joined - 1) / size as i64;
-    let keys = Keys(generation);
-    let token = agree_on_token(store, &keys, rank, cfg.timeout)?;
-    let (local, shm_name) = match shm_endpoint(cfg.transport, rank)? {
+    let keys = Keys::join(store, size)?;
+    let token = agree_on_token(store, &keys, rank, me.timeout)?;
+    let (local, shm_name) = match shm_endpoint(cfg, rank)? {
         Some((ep, name)) => (Some(ep), Some(name)),
         None => (None, None),
     };
-    let mine = Published { tcp: me, host: shm::host_key().unwrap_or_else(|| "unknown".into()), shm: shm_name };
+    let host = shm::host_key().unwrap_or_else(|| "unknown".into());
+    let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared() };
     store.set(&keys.addr(rank), mine.encode().as_bytes())?;
     let addrs = (0..size)
         .map(|peer| {
-            let theirs = if peer == rank { mine.clone() } else { lookup_peer(store, &keys, rank, peer, cfg.timeout)? };
+            let theirs = if peer == rank { mine.clone() } else { lookup_peer(store, &keys, rank, peer, me.timeout)? };
+            cfg.check_shared(&theirs.settings, rank, peer)?;
             // Shared memory when both ends offer it on the same host.
             let same_host = mine.shm.is_some() && theirs.host == mine.host && theirs.host != "unknown";
             Ok(PeerAddr { tcp: theirs.tcp, shm: theirs.shm.filter(|_| same_host && peer != rank) })
@@ -175,15 +154,31 @@ pub fn connect(store: &dyn Store, cfg: &GroupConfig) -> Result<Mesh> {
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };
-    let mesh = Mesh::start(listener, local, hello, addrs, ring, from, deadline)?;
-    tracing::debug!("rustc10d: rank {rank}/{size} listening on {me}");
+    let mesh = Mesh::start(listener, local, hello, addrs, cfg, ring, from, deadline)?;
+    tracing::debug!("rustc10d: rank {rank}/{size} listening on {addr}");
     Ok(mesh)
+}
+
+/// Tell the other ranks that this one cannot take part (a bad setting, say),
+/// so that they fail at once with `why` rather than at their timeout. Best effort.
+pub fn refuse(store: &dyn Store, me: &Member, why: &Error) {
+    if let Ok(keys) = Keys::join(store, me.size.max(1)) {
+        let _ = store.set(&keys.addr(me.rank), format!("v{PROTOCOL_VERSION} refused {}", why.message).as_bytes());
+    }
 }
 
 /// The Store keys of one incarnation of the group.
 struct Keys(i64);
 
 impl Keys {
+    /// A process group re-created over the same Store (destroy, then init
+    /// again) must not read the last incarnation's keys: every rank counts
+    /// itself in, and the count tells which incarnation this is.
+    fn join(store: &dyn Store, size: usize) -> Result<Keys> {
+        let joined = store.add("rustc10d/joined", 1)?;
+        Ok(Keys((joined - 1) / size as i64))
+    }
+
     fn addr(&self, rank: usize) -> String {
         format!("rustc10d/{}/addr/{rank}", self.0)
     }
@@ -220,6 +215,9 @@ fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout
         Error::timed_out(timeout, format_args!("rank {rank} was waiting for rank {peer} to publish its address: {e}"))
     })?;
     let text = String::from_utf8_lossy(&raw);
+    if let Some(why) = text.strip_prefix(&format!("v{PROTOCOL_VERSION} refused ")) {
+        return Err(Error::invalid(format!("rustc10d: rank {peer} could not join the group: {why}")));
+    }
     let version = text.split(' ').next().unwrap_or("");
     if version != format!("v{PROTOCOL_VERSION}") {
         return Err(Error::invalid(format!(
@@ -230,12 +228,13 @@ fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout
         .ok_or_else(|| Error::io(format!("rustc10d: rank {peer} published a malformed address {text:?}")))
 }
 
-/// The address to advertise: the forced interface's, else the one that routes
-/// to the Store's host, else the first non-loopback interface, else loopback.
-/// Never the hostname's resolution, which Debian maps to 127.0.1.1.
-pub fn choose_local_ip(store_host: Option<&str>) -> Result<IpAddr> {
-    if let Ok(name) = std::env::var(ENV_SOCKET_IFNAME) {
-        return interface_addr(&name);
+/// The address to advertise: the forced interface's (`ifname`,
+/// RUSTC10D_SOCKET_IFNAME), else the one that routes to the Store's host,
+/// else the first non-loopback interface, else loopback. Never the
+/// hostname's resolution, which Debian maps to 127.0.1.1.
+pub fn choose_local_ip(ifname: Option<&str>, store_host: Option<&str>) -> Result<IpAddr> {
+    if let Some(name) = ifname {
+        return interface_addr(name);
     }
     let host = store_host.filter(|h| !h.is_empty()).map(str::to_string).or_else(|| std::env::var("MASTER_ADDR").ok());
     if let Some(ip) = host.as_deref().and_then(route_to) {
@@ -265,7 +264,7 @@ fn interface_addr(name: &str) -> Result<IpAddr> {
     let mut names: Vec<_> = all.iter().map(|(n, _)| n.as_str()).collect();
     names.dedup();
     Err(Error::invalid(format!(
-        "rustc10d: {ENV_SOCKET_IFNAME}={name}: no interface of that name with an IP address (have: {})",
+        "rustc10d: RUSTC10D_SOCKET_IFNAME={name}: no interface of that name with an IP address (have: {})",
         names.join(", ")
     )))
 }
@@ -313,13 +312,13 @@ mod tests {
 
     #[test]
     fn loopback_store_host_gives_loopback() {
-        assert_eq!(choose_local_ip(Some("127.0.0.1")).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+        assert_eq!(choose_local_ip(None, Some("127.0.0.1")).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
     }
 
     #[test]
     fn ipv6_store_host_gives_ipv6() {
         if interfaces().unwrap().iter().any(|(_, ip)| *ip == IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)) {
-            assert_eq!(choose_local_ip(Some("::1")).unwrap(), IpAddr::V6(std::net::Ipv6Addr::LOCALHOST));
+            assert_eq!(choose_local_ip(None, Some("::1")).unwrap(), IpAddr::V6(std::net::Ipv6Addr::LOCALHOST));
         }
     }
 
@@ -338,7 +337,7 @@ mod tests {
         store.set(&keys.addr(3), format!("v{PROTOCOL_VERSION} 127.0.0.1").as_bytes()).unwrap();
         let err = lookup_peer(&store, &keys, 0, 3, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("malformed"), "{}", err.message);
-        let p = Published { tcp: "[::1]:5".parse().unwrap(), host: "h".into(), shm: None };
+        let p = Published { tcp: "[::1]:5".parse().unwrap(), host: "h".into(), shm: None, settings: "a=1,b=2".into() };
         assert_eq!(Published::decode(&p.encode()), Some(p.clone()));
         let p = Published { shm: Some("rustc10d-ab".into()), ..p };
         assert_eq!(Published::decode(&p.encode()), Some(p));

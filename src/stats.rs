@@ -2,6 +2,7 @@
 //! how many ops of each kind finished, how many bytes they moved, how long
 //! they took.
 
+use crate::ops::OpKind;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -17,10 +18,10 @@ pub struct OpStats {
 }
 
 #[derive(Debug, Default)]
-pub struct Stats(Mutex<BTreeMap<&'static str, OpStats>>);
+pub struct Stats(Mutex<BTreeMap<OpKind, OpStats>>);
 
 impl Stats {
-    pub fn record(&self, op: &'static str, bytes: u64, took: Duration, ok: bool) {
+    pub fn record(&self, op: OpKind, bytes: u64, took: Duration, ok: bool) {
         let mut map = self.0.lock().unwrap();
         let s = map.entry(op).or_default();
         s.count += 1;
@@ -30,7 +31,7 @@ impl Stats {
         s.max = s.max.max(took);
     }
 
-    pub fn snapshot(&self) -> BTreeMap<&'static str, OpStats> {
+    pub fn snapshot(&self) -> BTreeMap<OpKind, OpStats> {
         self.0.lock().unwrap().clone()
     }
 }

@@ -4,30 +4,18 @@
 //! before the future is complete.
 
 use crate::error::Result;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Runs once, on the thread that finishes the operation.
 pub type Callback = Box<dyn FnOnce(&Result<i64>) + Send>;
 
-/// How long a waiter polls before it sleeps: a futex sleep and wake-up cost
-/// tens of microseconds on a busy machine, as much as a small message's whole
-/// round trip. Yields while polling, so it never holds a core from the threads
-/// doing the work.
-pub const ENV_SPIN_US: &str = "RUSTC10D_SPIN_US";
-const DEFAULT_SPIN_US: u64 = 50;
-
-pub(crate) fn spin_budget() -> Duration {
-    static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let us = std::env::var(ENV_SPIN_US).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_SPIN_US);
-        Duration::from_micros(us)
-    })
-}
-
 #[derive(Default)]
 pub struct Status {
+    /// The op, named in every error ("recv #3 from rank 1 (...) ..."):
+    /// prefixed to one that does not name it already.
+    context: Option<String>,
     state: Mutex<State>,
     cv: Condvar,
     /// Set once `state.result` is, so waiters can poll without the lock.
@@ -39,6 +27,8 @@ struct State {
     claimed: bool,
     result: Option<Result<i64>>,
     callback: Option<Callback>,
+    /// Run after the result is published (`then`).
+    observers: Vec<Callback>,
 }
 
 impl Status {
@@ -52,8 +42,19 @@ impl Status {
         Arc::new(s)
     }
 
+    /// A cell whose errors name the op (`context`), whoever finishes it.
+    pub fn named(context: String, callback: Callback) -> Arc<Status> {
+        let s = Status { context: Some(context), ..Status::default() };
+        s.state.lock().unwrap().callback = Some(callback);
+        Arc::new(s)
+    }
+
     /// Complete with `result`. The first call wins; later calls return false.
     pub fn finish(&self, result: Result<i64>) -> bool {
+        let result = match (result, &self.context) {
+            (Err(e), Some(op)) if !e.message.contains(op.as_str()) => Err(e.context(format_args!("rustc10d: {op}"))),
+            (r, _) => r,
+        };
         let callback = {
             let mut st = self.state.lock().unwrap();
             if st.claimed {
@@ -65,10 +66,53 @@ impl Status {
         if let Some(cb) = callback {
             cb(&result);
         }
-        self.state.lock().unwrap().result = Some(result);
+        let observers = {
+            let mut st = self.state.lock().unwrap();
+            st.result = Some(result.clone());
+            std::mem::take(&mut st.observers)
+        };
         self.done.store(true, Ordering::Release);
         self.cv.notify_all();
+        for f in observers {
+            f(&result);
+        }
         true
+    }
+
+    /// Run `f` with the result once finished (at once if it is).
+    pub fn then(&self, f: Callback) {
+        let result = {
+            let mut st = self.state.lock().unwrap();
+            match &st.result {
+                Some(r) => r.clone(),
+                None => return st.observers.push(f),
+            }
+        };
+        f(&result)
+    }
+
+    /// A cell that finishes once every one of `all` has, with the first
+    /// failure among them if any; `callback` runs then.
+    pub fn all(all: &[Arc<Status>], callback: Callback) -> Arc<Status> {
+        let combined = Status::with_callback(callback);
+        if all.is_empty() {
+            combined.finish(Ok(0));
+            return combined;
+        }
+        let left = Arc::new(AtomicUsize::new(all.len()));
+        let failure = Arc::new(Mutex::new(None));
+        for s in all {
+            let (combined, left, failure) = (combined.clone(), left.clone(), failure.clone());
+            s.then(Box::new(move |r| {
+                if let Err(e) = r {
+                    failure.lock().unwrap().get_or_insert_with(|| e.clone());
+                }
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    combined.finish(failure.lock().unwrap().take().map_or(Ok(0), Err));
+                }
+            }));
+        }
+        combined
     }
 
     pub fn is_done(&self) -> bool {
@@ -80,9 +124,13 @@ impl Status {
         self.state.lock().unwrap().result.clone()
     }
 
-    /// Block until finished or `deadline` (None: no deadline). Returns None on expiry.
-    pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<i64>> {
-        let spin_until = Instant::now() + spin_budget();
+    /// Block until finished or `deadline` (None: no deadline); None on
+    /// expiry. Polls for up to `spin` first: a futex sleep and wake-up cost
+    /// tens of microseconds on a busy machine, as much as a small message's
+    /// whole round trip. Yields while polling, so it never holds a core from
+    /// the threads doing the work.
+    pub fn wait(&self, deadline: Option<Instant>, spin: Duration) -> Option<Result<i64>> {
+        let spin_until = Instant::now() + spin;
         while !self.done.load(Ordering::Acquire) && Instant::now() < spin_until.min(deadline.unwrap_or(spin_until)) {
             std::thread::yield_now();
         }
@@ -120,7 +168,7 @@ mod tests {
             s2.store(true, Ordering::SeqCst);
         }));
         let st = status.clone();
-        let t = std::thread::spawn(move || st.wait(None).unwrap().unwrap());
+        let t = std::thread::spawn(move || st.wait(None, Duration::ZERO).unwrap().unwrap());
         std::thread::sleep(Duration::from_millis(20));
         assert!(!status.is_done());
         assert!(status.finish(Ok(7)));
@@ -131,10 +179,37 @@ mod tests {
     }
 
     #[test]
+    fn all_finishes_after_every_part_with_the_first_failure() {
+        let parts = [Status::new(), Status::new(), Status::new()];
+        let seen = Arc::new(Mutex::new(None));
+        let s2 = seen.clone();
+        let all = Status::all(&parts, Box::new(move |r| *s2.lock().unwrap() = Some(r.is_ok())));
+        parts[1].finish(Err(Error::io("first")));
+        parts[0].finish(Ok(1));
+        assert!(!all.is_done());
+        parts[2].finish(Err(Error::io("second")));
+        assert_eq!(all.result().unwrap().unwrap_err().message, "first");
+        assert_eq!(*seen.lock().unwrap(), Some(false));
+        assert!(Status::all(&[], Box::new(|_| {})).result().unwrap().is_ok(), "nothing to wait for");
+    }
+
+    #[test]
+    fn named_errors_say_which_op_once() {
+        let op = "recv #3 from rank 1";
+        let lost = Status::named(op.into(), Box::new(|_| {}));
+        lost.finish(Err(Error::peer_lost("rank 1 closed its connection")));
+        let msg = lost.result().unwrap().unwrap_err().message;
+        assert_eq!(msg, "rustc10d: recv #3 from rank 1: rank 1 closed its connection");
+        let late = Status::named(op.into(), Box::new(|_| {}));
+        late.finish(Err(Error::timeout("rustc10d: Timed out after 5 ms: recv #3 from rank 1 was waiting for data")));
+        assert!(late.result().unwrap().unwrap_err().message.starts_with("rustc10d: Timed out"), "named once");
+    }
+
+    #[test]
     fn wait_honours_deadline() {
         let status = Status::new();
         let t0 = Instant::now();
-        assert!(status.wait(Some(t0 + Duration::from_millis(50))).is_none());
+        assert!(status.wait(Some(t0 + Duration::from_millis(50)), Duration::from_micros(50)).is_none());
         assert!(t0.elapsed() >= Duration::from_millis(50));
     }
 }

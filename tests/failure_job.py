@@ -53,9 +53,9 @@ def shm_maps() -> int:
         return sum("memfd:rustc10d" in line for line in f)
 
 
-def init(store, rank, world, seconds=30):
+def init(store, rank, world, seconds=30, options=None):
     dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=seconds))
+                            timeout=timedelta(seconds=seconds), pg_options=options)
 
 
 def sigkill(store, rank, world):
@@ -143,8 +143,35 @@ def destroy_cleans_up(store, rank, world):
     report(cycles=counts)
 
 
+def settings_differ(store, rank, world):
+    """Rank 1 asks for other segments than the others (settings every rank must share)."""
+    options = rustc10d.Options(segment_bytes=65536) if rank == 1 else None
+    report(first=timed_failure(lambda: init(store, rank, world, options=options)))
+
+
+def bad_setting(store, rank, world):
+    """Rank 1 asks for an impossible setting: it fails, and tells the others so at once."""
+    options = rustc10d.Options(nsocks=0) if rank == 1 else rustc10d.Options(nsocks=2)
+    report(first=timed_failure(lambda: init(store, rank, world, options=options)))
+
+
+def error_kinds(store, rank, world):
+    """Each kind of failure reaches Python as the exception torch's own backends raise."""
+    init(store, rank, world, seconds=2)
+    kinds = {
+        "bad input": timed_failure(lambda: dist.broadcast(torch.ones(2), src=world + 5)),
+        "unsupported": timed_failure(lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
+        "timeout": timed_failure(lambda: dist.recv(torch.zeros(1), src=1 - rank, tag=123)),
+    }
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    kinds["peer lost"] = timed_failure(lambda: dist.recv(torch.zeros(1), src=1, tag=124))
+    report(**kinds)
+
+
 SCENARIOS = {f.__name__: f for f in (sigkill, injected, dropped, recv_times_out, stall_times_out, mismatch,
-                                      destroy_cleans_up)}
+                                      destroy_cleans_up, settings_differ, bad_setting, error_kinds)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

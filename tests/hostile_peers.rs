@@ -2,10 +2,11 @@
 //! bytes, truncated or forged hellos, silent clients, floods of connections.
 
 use rustc10d::algorithms::RawBuf;
+use rustc10d::config::{Config, TransportMode};
 use rustc10d::dtype::{DType, ReduceOp};
-use rustc10d::engine::{Collective, Engine, Reduction, Waited};
-use rustc10d::rendezvous::Store;
-use rustc10d::rendezvous::{connect, GroupConfig, MemStore, TransportMode};
+use rustc10d::engine::{Engine, Waited};
+use rustc10d::ops::{Collective, Reduction};
+use rustc10d::rendezvous::{connect, MemStore, Member, Store};
 use rustc10d::transport::frame::{Hello, HELLO_LEN, PROTOCOL_VERSION, TOKEN_LEN};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -27,10 +28,11 @@ fn group_via(world: usize, transport: TransportMode) -> (Vec<Engine>, Vec<Socket
         .map(|rank| {
             let store = store.clone();
             std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some("127.0.0.1".into()), transport };
-                let mesh = connect(&*store, &cfg).unwrap();
+                let cfg = Config { transport, ..Config::default() };
+                let member = Member { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
+                let mesh = connect(&*store, &member, &cfg).unwrap();
                 let addr = mesh.local_addr();
-                (Engine::new(Arc::new(mesh), timeout).unwrap(), addr)
+                (Engine::new(Arc::new(mesh), &cfg, timeout).unwrap(), addr)
             })
         })
         .collect();
@@ -47,7 +49,8 @@ fn still_works(engines: &[Engine]) {
                 let mut v = vec![rank as f32 + 1.0; 1000];
                 let buf = RawBuf::new(v.as_mut_ptr().cast(), 4000);
                 let red = Reduction::new(DType::F32, ReduceOp::Sum);
-                let h = unsafe { e.submit(vec![Collective::AllReduce { buf, red }], None, Box::new(|_| {})).unwrap() };
+                let part = Collective::AllReduce { buf, red };
+                let h = unsafe { e.submit(vec![part], None, None, Box::new(|_| {})).unwrap() };
                 assert_eq!(h.wait(None), Waited::Done);
                 let w = engines.len() as f32;
                 assert!(v.iter().all(|&x| x == w * (w + 1.0) / 2.0));

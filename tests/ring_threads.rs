@@ -3,11 +3,14 @@
 //! real shared-memory segments (threads of one process share a host too).
 
 use rustc10d::algorithms::RawBuf;
+use rustc10d::config::{Config, TransportMode};
 use rustc10d::dtype::{DType, ReduceOp};
-use rustc10d::engine::{Collective, Engine, OpHandle, Reduction, Staging, Waited};
+use rustc10d::engine::{Device, Engine, Event, OpHandle, StagedBuffer, Staging, Waited};
+use rustc10d::error::Error;
 use rustc10d::fault::Faults;
-use rustc10d::rendezvous::{connect, GroupConfig, MemStore, Store, TransportMode};
-use std::sync::Arc;
+use rustc10d::ops::{Collective, OpKind, Reduction};
+use rustc10d::rendezvous::{connect, MemStore, Member, Store};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const BOTH: [TransportMode; 2] = [TransportMode::Tcp, TransportMode::Shm];
@@ -16,31 +19,36 @@ fn group(world: usize, timeout: Duration) -> Vec<Engine> {
     group_via(TransportMode::Auto, world, timeout)
 }
 
-fn group_via(mode: TransportMode, world: usize, timeout: Duration) -> Vec<Engine> {
-    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", "", mode)
+fn group_via(transport: TransportMode, world: usize, timeout: Duration) -> Vec<Engine> {
+    group_with(world, timeout, Config { transport, ..Config::default() })
 }
 
-/// `faults` in RUSTC10D_FAULT's grammar (passed directly: tests share the environment).
+/// Small segments, so that modest buffers take many pipelined steps.
+fn group_segmented(transport: TransportMode, world: usize) -> Vec<Engine> {
+    group_with(world, Duration::from_secs(10), Config { transport, segment_bytes: 64, ..Config::default() })
+}
+
+/// `faults` in RUSTC10D_FAULT's grammar.
 fn group_with_faults(world: usize, timeout: Duration, faults: &'static str) -> Vec<Engine> {
-    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", faults, TransportMode::Auto)
+    group_with(world, timeout, Config { faults: Arc::new(Faults::parse(faults).unwrap()), ..Config::default() })
+}
+
+fn group_with(world: usize, timeout: Duration, cfg: Config) -> Vec<Engine> {
+    group_on(Arc::new(MemStore::default()), world, timeout, "127.0.0.1", cfg)
+}
+
+fn member(rank: usize, size: usize, timeout: Duration, host: &str) -> Member {
+    Member { rank, size, timeout, store_host: Some(host.into()) }
 }
 
 /// W ranks as threads rendezvousing through `store`, advertising the route to `host`.
-fn group_on(
-    store: Arc<MemStore>,
-    world: usize,
-    timeout: Duration,
-    host: &'static str,
-    faults: &'static str,
-    transport: TransportMode,
-) -> Vec<Engine> {
+fn group_on(store: Arc<MemStore>, world: usize, timeout: Duration, host: &'static str, cfg: Config) -> Vec<Engine> {
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let store = store.clone();
+            let (store, cfg) = (store.clone(), cfg.clone());
             std::thread::spawn(move || {
-                let cfg = GroupConfig { rank, size: world, timeout, store_host: Some(host.into()), transport };
-                let mesh = Arc::new(connect(&*store, &cfg).unwrap());
-                Engine::with_faults(mesh, timeout, Faults::parse(faults).unwrap())
+                let mesh = Arc::new(connect(&*store, &member(rank, world, timeout, host), &cfg).unwrap());
+                Engine::new(mesh, &cfg, timeout).unwrap()
             })
         })
         .collect();
@@ -75,7 +83,7 @@ fn wait_ok(h: OpHandle) {
 }
 
 fn run(e: &Engine, part: Collective) -> OpHandle {
-    unsafe { e.submit(vec![part], None, noop()).unwrap() }
+    unsafe { e.submit(vec![part], None, None, noop()).unwrap() }
 }
 
 fn all_reduce(e: &Engine, buf: RawBuf, dtype: DType, op: ReduceOp) -> OpHandle {
@@ -83,9 +91,8 @@ fn all_reduce(e: &Engine, buf: RawBuf, dtype: DType, op: ReduceOp) -> OpHandle {
 }
 
 fn allreduce_matches_arithmetic_for_many_sizes_and_worlds_on(mode: TransportMode) {
-    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
     for world in [2, 3, 4] {
-        let engines = group_via(mode, world, Duration::from_secs(10));
+        let engines = group_segmented(mode, world);
         for n in [0usize, 1, world - 1, 7, 1001, 4096] {
             let results = on_all(&engines, |rank, e| {
                 let mut v: Vec<i64> = (0..n as i64).map(|i| i * 10 + rank as i64).collect();
@@ -151,7 +158,7 @@ fn p2p_in_any_order_and_recv_timeout_on(mode: TransportMode) {
         let sends: Vec<_> = [0usize, 1, 2]
             .iter()
             .rev()
-            .map(|&t| unsafe { e.send(raw(&mut outbox[t]), peer, t as i64, None, noop()).unwrap() })
+            .map(|&t| unsafe { e.send(raw(&mut outbox[t]), peer, t as i64, None, None, noop()).unwrap() })
             .collect();
         for h in recvs.into_iter().chain(sends) {
             wait_ok(h);
@@ -166,7 +173,9 @@ fn p2p_in_any_order_and_recv_timeout_on(mode: TransportMode) {
         assert_eq!(h.wait(Some(Duration::from_millis(50))), Waited::TimedOut, "caller timeout leaves the op running");
         let t0 = Instant::now();
         match h.wait(None) {
-            Waited::Failed(msg) => assert!(msg.contains("Timed out after 300 ms") && msg.contains("tag 999"), "{msg}"),
+            Waited::Failed(Error { message: msg, .. }) => {
+                assert!(msg.contains("Timed out after 300 ms") && msg.contains("tag 999"), "{msg}")
+            }
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(t0.elapsed() < Duration::from_secs(2));
@@ -191,7 +200,7 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group_on(mode: TransportMode)
     drop(dead);
     for (h, _v) in &handles {
         match h.wait(None) {
-            Waited::Failed(msg) => {
+            Waited::Failed(Error { message: msg, .. }) => {
                 assert!(msg.contains("rank 2") || msg.contains("rank 0") || msg.contains("rank 1"), "{msg}")
             }
             other => panic!("expected failure, got {other:?}"),
@@ -201,7 +210,7 @@ fn lost_peer_fails_pending_ops_fast_and_breaks_the_group_on(mode: TransportMode)
     let mut v = vec![1.0f32; 4];
     let h = all_reduce(&engines[0], raw(&mut v), DType::F32, ReduceOp::Sum);
     match h.wait(None) {
-        Waited::Failed(msg) => assert!(msg.contains("broken"), "{msg}"),
+        Waited::Failed(Error { message: msg, .. }) => assert!(msg.contains("broken"), "{msg}"),
         other => panic!("expected broken group, got {other:?}"),
     }
 }
@@ -219,7 +228,7 @@ fn empty_tensors_without_storage() {
         wait_ok(all_reduce(e, empty(), DType::F32, ReduceOp::Sum));
         wait_ok(run(e, Collective::Broadcast { buf: empty(), root: 1 }));
         let h = if rank == 0 {
-            unsafe { e.send(empty(), 1, 3, None, noop()).unwrap() }
+            unsafe { e.send(empty(), 1, 3, None, None, noop()).unwrap() }
         } else {
             unsafe { e.recv(empty(), Some(0), 3, None, noop()).unwrap() }
         };
@@ -232,7 +241,7 @@ fn bad_input_is_refused_before_the_wire() {
     let engines = group(2, Duration::from_secs(5));
     let e = &engines[0];
     let mut v = vec![1.0f32; 3];
-    let bad = |part| unsafe { e.submit(vec![part], None, noop()) }.is_err();
+    let bad = |part| unsafe { e.submit(vec![part], None, None, noop()) }.is_err();
     assert!(bad(Collective::AllReduce { buf: raw(&mut v), red: Reduction::new(DType::F32, ReduceOp::BXor) }));
     assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
     assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)] }), "one output per rank");
@@ -241,7 +250,7 @@ fn bad_input_is_refused_before_the_wire() {
         bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut short), raw(&mut v)] }),
         "own block must fit"
     );
-    assert!(unsafe { e.send(raw(&mut v), 0, 0, None, noop()) }.is_err(), "send to self");
+    assert!(unsafe { e.send(raw(&mut v), 0, 0, None, None, noop()) }.is_err(), "send to self");
     assert!(unsafe { e.recv(raw(&mut v), Some(7), 0, None, noop()) }.is_err());
     // Still usable.
     on_all(&engines, |_, e| {
@@ -254,15 +263,9 @@ fn bad_input_is_refused_before_the_wire() {
 #[test]
 fn init_without_peer_times_out_naming_it() {
     let store = MemStore::default();
-    let cfg = GroupConfig {
-        rank: 0,
-        size: 2,
-        timeout: Duration::from_millis(500),
-        store_host: Some("127.0.0.1".into()),
-        transport: TransportMode::Tcp,
-    };
+    let cfg = Config { transport: TransportMode::Tcp, ..Config::default() };
     let t0 = Instant::now();
-    let err = connect(&store, &cfg).err().expect("no peer: must fail");
+    let err = connect(&store, &member(0, 2, Duration::from_millis(500), "127.0.0.1"), &cfg).err().expect("no peer");
     assert!(err.message.contains("rank 1"), "{}", err.message);
     assert!(t0.elapsed() < Duration::from_secs(3));
 }
@@ -271,24 +274,20 @@ fn init_without_peer_times_out_naming_it() {
 fn init_with_unreachable_peer_names_its_address() {
     let store = MemStore::default();
     // Rank 1 "published" an address where nothing listens (first incarnation: generation 0).
-    store.set("rustc10d/0/addr/1", b"v2 127.0.0.1:1 elsewhere -").unwrap();
-    let cfg = GroupConfig {
-        rank: 0,
-        size: 2,
-        timeout: Duration::from_millis(800),
-        store_host: Some("127.0.0.1".into()),
-        transport: TransportMode::Tcp,
-    };
+    let cfg = Config { transport: TransportMode::Tcp, ..Config::default() };
+    let published =
+        format!("v{} 127.0.0.1:1 elsewhere - {}", rustc10d::transport::frame::PROTOCOL_VERSION, cfg.shared());
+    store.set("rustc10d/0/addr/1", published.as_bytes()).unwrap();
     let t0 = Instant::now();
-    let err = connect(&store, &cfg).err().expect("unreachable peer: must fail");
+    let member = member(0, 2, Duration::from_millis(800), "127.0.0.1");
+    let err = connect(&store, &member, &cfg).err().expect("unreachable peer: must fail");
     assert!(err.message.contains("rank 1 (127.0.0.1:1)"), "{}", err.message);
     assert!(t0.elapsed() < Duration::from_secs(3));
 }
 
 fn data_movement_collectives_on(mode: TransportMode) {
-    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
     for world in [2usize, 3, 4] {
-        let engines = group_via(mode, world, Duration::from_secs(10));
+        let engines = group_segmented(mode, world);
         let n = 37usize; // several segments of 64 bytes
         let out = on_all(&engines, |rank, e| {
             let mut input: Vec<u32> = (0..n as u32).map(|i| i + 1000 * rank as u32).collect();
@@ -333,9 +332,8 @@ fn data_movement_collectives() {
 }
 
 fn reducing_collectives_on(mode: TransportMode) {
-    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
     for world in [2usize, 3, 4] {
-        let engines = group_via(mode, world, Duration::from_secs(10));
+        let engines = group_segmented(mode, world);
         let n = 41usize;
         let out = on_all(&engines, |rank, e| {
             // reduce_scatter: block b of rank r holds b*100 + r + i
@@ -392,7 +390,7 @@ fn monitored_barrier_names_the_missing_rank() {
         run(e, barrier(true, 300)).wait(None)
     });
     assert!(start.elapsed() < Duration::from_secs(5), "the others waited for their own timeout");
-    let failed = |w: &Waited, text: &str| matches!(w, Waited::Failed(m) if m.contains(text));
+    let failed = |w: &Waited, text: &str| matches!(w, Waited::Failed(Error { message: m, .. }) if m.contains(text));
     assert!(failed(&out[0], "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 300 ms"), "{:?}", out[0]);
     for (rank, w) in out.iter().enumerate().skip(1) {
         let told = format!("Rank {rank} successfully reached monitoredBarrier, but received errors");
@@ -424,11 +422,11 @@ fn recv_from_any_source_on(mode: TransportMode) {
             assert_eq!(got, vec![1, 1, 2, 2]);
             let mut v = [0u32; 2];
             let h = unsafe { e.recv(raw(&mut v), None, 6, Some(Duration::from_millis(200)), noop()).unwrap() };
-            assert!(matches!(h.wait(None), Waited::Failed(m) if m.contains("any rank")));
+            assert!(matches!(h.wait(None), Waited::Failed(Error { message: m, .. }) if m.contains("any rank")));
         } else {
             let mut v = [rank as u32 * 11; 2];
             for _ in 0..2 {
-                wait_ok(unsafe { e.send(raw(&mut v), 0, 5, None, noop()).unwrap() });
+                wait_ok(unsafe { e.send(raw(&mut v), 0, 5, None, None, noop()).unwrap() });
             }
         }
     });
@@ -445,8 +443,7 @@ fn wait_ok_ref(h: &OpHandle) {
 
 #[test]
 fn allgather_with_blocks_of_different_sizes() {
-    std::env::set_var("RUSTC10D_SEGMENT_BYTES", "64");
-    let engines = group(3, Duration::from_secs(10));
+    let engines = group_segmented(TransportMode::Auto, 3);
     let len = |r: usize| [0usize, 100, 17][r];
     let out = on_all(&engines, |rank, e| {
         let mut input: Vec<u8> = (0..len(rank)).map(|i| (i + rank) as u8).collect();
@@ -477,7 +474,7 @@ fn mismatched_calls_fail_on_every_rank_without_touching_data_on(mode: TransportM
     for (waited, v) in out {
         assert_eq!(v, vec![1.0f32; 8], "nothing was reduced");
         match waited {
-            Waited::Failed(msg) => named += msg.contains("does not match") as usize,
+            Waited::Failed(Error { message: msg, .. }) => named += msg.contains("does not match") as usize,
             other => panic!("expected a failure, got {other:?}"),
         }
     }
@@ -515,7 +512,7 @@ fn small_allreduce_checks_every_peer() {
         for (rank, (waited, untouched)) in out.into_iter().enumerate() {
             assert!(untouched, "case {case}: rank {rank}'s buffer was touched");
             match waited {
-                Waited::Failed(msg) => {
+                Waited::Failed(Error { message: msg, .. }) => {
                     assert!(case == 1 || msg.contains("does not match"), "case {case}: rank {rank}: {msg}")
                 }
                 other => panic!("case {case}: rank {rank} completed: {other:?}"),
@@ -577,13 +574,13 @@ fn injected_faults_fail_stall_and_drop() {
     for (rank, (stalled, second, stats)) in out.into_iter().enumerate() {
         assert!(stalled >= Duration::from_millis(300), "rank {rank}: the barrier waits for the stalled rank 0");
         match second {
-            Waited::Failed(msg) if rank == 1 => assert!(msg.contains("RUSTC10D_FAULT"), "{msg}"),
+            Waited::Failed(Error { message: msg, .. }) if rank == 1 => assert!(msg.contains("RUSTC10D_FAULT"), "{msg}"),
             Waited::Failed(_) => {}
             other => panic!("rank {rank}: expected failure, got {other:?}"),
         }
-        let ar = stats["allreduce"];
+        let ar = stats[&OpKind::AllReduce];
         assert_eq!((ar.count, ar.failed, ar.bytes), (2, 1, 64));
-        assert_eq!(stats["barrier"].count, 1);
+        assert_eq!(stats[&OpKind::Barrier].count, 1);
     }
 }
 
@@ -591,7 +588,7 @@ fn injected_faults_fail_stall_and_drop() {
 fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
     let store = Arc::new(MemStore::default());
     for round in 0..3 {
-        let engines = group_on(store.clone(), 2, Duration::from_secs(5), "127.0.0.1", "", TransportMode::Auto);
+        let engines = group_on(store.clone(), 2, Duration::from_secs(5), "127.0.0.1", Config::default());
         let sums = on_all(&engines, |rank, e| {
             let mut v = vec![rank as i32 + round; 2];
             wait_ok(all_reduce(e, raw(&mut v), DType::I32, ReduceOp::Sum));
@@ -608,7 +605,8 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
         return;
     }
     let store = Arc::new(MemStore::default());
-    let engines = group_on(store.clone(), 2, Duration::from_secs(5), "::1", "", TransportMode::Tcp);
+    let cfg = Config { transport: TransportMode::Tcp, ..Config::default() };
+    let engines = group_on(store.clone(), 2, Duration::from_secs(5), "::1", cfg);
     let addr = String::from_utf8(store.get("rustc10d/0/addr/0", Duration::from_secs(1)).unwrap()).unwrap();
     assert!(addr.contains("[::1]:"), "{addr}");
     let out = on_all(&engines, |rank, e| {
@@ -619,57 +617,45 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
     assert!(out.iter().all(|v| v == &vec![3u8; 3]));
 }
 
-/// Host memory standing in for a device: `all_in`/`piece_in` copy the
-/// "device" vector into the buffer the engine works on, `piece_out` copies it
-/// back; every call is logged.
+/// Host memory standing in for a device: copies happen at once, and every
+/// call is logged.
 struct FakeDevice {
     device: RawBuf,
     host: RawBuf,
-    want: usize,
-    bytes: usize,
-    log: Arc<std::sync::Mutex<Vec<String>>>,
+    log: Arc<Mutex<Vec<String>>>,
 }
 unsafe impl Send for FakeDevice {}
 
-impl FakeDevice {
-    fn range(&self, i: usize) -> (usize, usize) {
-        let start = i * self.bytes;
-        (start, self.bytes.min(self.host.len - start))
-    }
-}
-
-impl Staging for FakeDevice {
-    fn all_in(&mut self) -> rustc10d::error::Result<()> {
-        self.log.lock().unwrap().push("all".into());
-        unsafe { std::ptr::copy_nonoverlapping(self.device.ptr, self.host.ptr, self.host.len) };
-        Ok(())
-    }
-    fn piece_bytes(&self) -> usize {
-        self.want
-    }
-    fn start_pieces(&mut self, bytes: usize) -> rustc10d::error::Result<bool> {
-        self.log.lock().unwrap().push(format!("pieces of {bytes}"));
-        self.bytes = bytes;
-        Ok(true)
-    }
-    fn piece_in(&mut self, i: usize) -> rustc10d::error::Result<()> {
-        self.log.lock().unwrap().push(format!("in {i}"));
-        let (start, len) = self.range(i);
+impl Device for FakeDevice {
+    fn to_host(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<Event> {
+        self.log.lock().unwrap().push(format!("in {start}+{len}"));
         unsafe { std::ptr::copy_nonoverlapping(self.device.ptr.add(start), self.host.ptr.add(start), len) };
+        Ok(start as Event)
+    }
+    fn wait(&mut self, event: Event) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(format!("wait {event}"));
         Ok(())
     }
-    fn piece_out(&mut self, i: usize) -> rustc10d::error::Result<()> {
-        self.log.lock().unwrap().push(format!("out {i}"));
-        let (start, len) = self.range(i);
+    fn to_device(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(format!("out {start}+{len}"));
         unsafe { std::ptr::copy_nonoverlapping(self.host.ptr.add(start), self.device.ptr.add(start), len) };
         Ok(())
     }
 }
 
-/// A staged all_reduce or broadcast runs piece by piece: each piece is
-/// brought in just before it runs and copied out right after, the cut is
-/// rounded to whole elements, and the "device" ends with the right values
-/// although the host buffer started as garbage.
+/// `host` staged for `device`, in pieces of `piece_bytes`; the log of device calls.
+fn staged<T>(device: &mut [T], host: &mut [T], piece_bytes: usize) -> (Staging, Arc<Mutex<Vec<String>>>) {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let buffer = StagedBuffer { host: raw(host), copy_in: true, copy_out: true, contiguous: true };
+    let device = FakeDevice { device: raw(device), host: raw(host), log: log.clone() };
+    (Staging { buffers: vec![buffer], device: Box::new(device), piece_bytes }, log)
+}
+
+/// A staged all_reduce or broadcast runs piece by piece: every piece's copy
+/// in is queued first, then each piece runs once its copy is done and is
+/// copied out right after; the cut is rounded to whole elements, and the
+/// "device" ends with the right values although the host buffer started as
+/// garbage.
 #[test]
 fn staged_ops_run_in_pieces() {
     let engines = group(3, Duration::from_secs(10));
@@ -677,29 +663,31 @@ fn staged_ops_run_in_pieces() {
         let n = 1001; // f64: 8008 bytes, in pieces of 2999 / 8 * 8 = 2992 bytes
         let mut device: Vec<f64> = (0..n).map(|i| (i * 3 + rank) as f64).collect();
         let mut host = vec![f64::NAN; n];
-        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let staging =
-            FakeDevice { device: raw(&mut device), host: raw(&mut host), want: 2999, bytes: 0, log: log.clone() };
+        let (staging, log) = staged(&mut device, &mut host, 2999);
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
-        wait_ok(unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() });
+        wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         let reduce_log = log.lock().unwrap().clone();
 
         let mut bdevice: Vec<u8> = if rank == 1 { (0..=255).cycle().take(7000).collect() } else { vec![0; 7000] };
         let mut bhost = vec![0xEEu8; 7000];
-        let blog = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let staging =
-            FakeDevice { device: raw(&mut bdevice), host: raw(&mut bhost), want: 2999, bytes: 0, log: blog.clone() };
+        let (staging, blog) = staged(&mut bdevice, &mut bhost, 2999);
         let part = Collective::Broadcast { buf: raw(&mut bhost), root: 1 };
-        wait_ok(unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() });
+        wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         let bcast_log = blog.lock().unwrap().clone();
         (device, reduce_log, bdevice, bcast_log)
     });
     for (device, reduce_log, bdevice, bcast_log) in out {
         let want: Vec<f64> = (0..1001).map(|i| (i * 9 + 3) as f64).collect();
         assert_eq!(device, want);
-        assert_eq!(reduce_log, ["pieces of 2992", "in 0", "out 0", "in 1", "out 1", "in 2", "out 2"]);
+        let pieces = |n: usize, len: usize| {
+            let ranges: Vec<(usize, usize)> = (0..len).step_by(n).map(|s| (s, n.min(len - s))).collect();
+            let ins = ranges.iter().map(|(s, l)| format!("in {s}+{l}"));
+            let runs = ranges.iter().flat_map(|(s, l)| [format!("wait {s}"), format!("out {s}+{l}")]);
+            ins.chain(runs).collect::<Vec<_>>()
+        };
+        assert_eq!(reduce_log, pieces(2992, 8008));
         assert_eq!(bdevice, (0..=255).cycle().take(7000).collect::<Vec<u8>>());
-        assert_eq!(bcast_log, ["pieces of 2999", "in 0", "out 0", "in 1", "out 1", "in 2", "out 2"]);
+        assert_eq!(bcast_log, pieces(2999, 7000));
     }
 }
 
@@ -713,11 +701,9 @@ fn ranks_that_cut_an_op_differently_are_refused() {
     let out = on_all(&engines, |rank, e| {
         let mut device = vec![1.0f32; 1 << 14];
         let mut host = vec![1.0f32; 1 << 14];
-        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let want = if rank == 2 { 1 << 12 } else { 0 };
-        let staging = FakeDevice { device: raw(&mut device), host: raw(&mut host), want, bytes: 0, log };
+        let (staging, _) = staged(&mut device, &mut host, if rank == 2 { 1 << 12 } else { 0 });
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
-        let h = unsafe { e.submit_staged(vec![part], None, Some(Box::new(staging)), noop()).unwrap() };
+        let h = unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() };
         (h.wait(None), device)
     });
     assert!(t0.elapsed() < Duration::from_secs(5), "no waiting for the timeout");
@@ -725,7 +711,9 @@ fn ranks_that_cut_an_op_differently_are_refused() {
     for (waited, device) in out {
         assert_eq!(device, vec![1.0f32; 1 << 14], "nothing was copied back");
         match waited {
-            Waited::Failed(msg) => named += msg.contains("staged in pieces of 4096 bytes") as usize,
+            Waited::Failed(Error { message: msg, .. }) => {
+                named += msg.contains("staged in pieces of 4096 bytes") as usize
+            }
             other => panic!("expected a failure, got {other:?}"),
         }
     }
@@ -753,15 +741,15 @@ fn send_after_ready_keeps_order_and_fails_alone() {
                     unsafe { fill.0.slice_mut(0, fill.0.len).copy_from_slice(&[1u8; 4000]) };
                     Ok(())
                 });
-                let h1 = unsafe { e.send_after(slow_buf, 1, 7, None, ready, noop()).unwrap() };
+                let h1 = unsafe { e.send(slow_buf, 1, 7, None, Some(ready), noop()).unwrap() };
                 assert!(t0.elapsed() < Duration::from_millis(50), "the caller does not wait for ready");
                 let failing = Box::new(|| Err(rustc10d::error::Error::io("no device copy")));
                 let mut lost = vec![9u32; 1000];
-                let h2 = unsafe { e.send_after(raw(&mut lost), 1, 7, None, failing, noop()).unwrap() };
-                let h3 = unsafe { e.send(raw(&mut fast), 1, 7, None, noop()).unwrap() };
+                let h2 = unsafe { e.send(raw(&mut lost), 1, 7, None, Some(failing), noop()).unwrap() };
+                let h3 = unsafe { e.send(raw(&mut fast), 1, 7, None, None, noop()).unwrap() };
                 wait_ok(h1);
                 match h2.wait(None) {
-                    Waited::Failed(msg) => assert!(msg.contains("no device copy"), "{msg}"),
+                    Waited::Failed(Error { message: msg, .. }) => assert!(msg.contains("no device copy"), "{msg}"),
                     other => panic!("a failed ready fails its send: {other:?}"),
                 }
                 wait_ok(h3);

@@ -107,3 +107,39 @@ def test_destroy_leaves_nothing_behind_and_releases_waiters(tmp_path, transport)
         assert all(c["destroy_seconds"] < 3 for c in cycles), cycles
     for c in results[0]["cycles"]:
         assert c["waiter"].get("raised") and c["waiter"]["seconds"] < 3, c["waiter"]
+
+
+def test_ranks_with_different_shared_settings_all_fail_init_naming_it(tmp_path):
+    results, procs = run("settings_differ", 3, tmp_path)
+    for rank in range(3):
+        first = results[rank]["first"]
+        assert first["raised"] and first["seconds"] < 10, (rank, first)
+        assert first["error"].startswith("ValueError: rustc10d: rank "), first["error"]
+        assert "disagree on segment_bytes (RUSTC10D_SEGMENT_BYTES)" in first["error"], first["error"]
+        assert "65536 on rank 1" in first["error"] or "65536 on rank" in first["error"], first["error"]
+
+
+def test_a_bad_setting_fails_its_rank_and_the_others_at_once(tmp_path):
+    results, procs = run("bad_setting", 3, tmp_path)
+    bad = results[1]["first"]
+    assert bad["raised"], bad
+    assert bad["error"] == (
+        'ValueError: rustc10d: rustc10d.Options(nsocks="0"): 0 is out of range (1 to 16)'
+    ), bad["error"]
+    for rank in (0, 2):
+        first = results[rank]["first"]
+        assert first["raised"] and first["seconds"] < 10, (rank, first)
+        assert "rank 1 could not join the group: rustc10d: rustc10d.Options(nsocks=" in first["error"], first
+
+
+def test_each_kind_of_failure_raises_the_exception_torch_would(tmp_path):
+    results, procs = run("error_kinds", 2, tmp_path)
+    r = results[0]
+    want = {
+        "bad input": "RuntimeError: rustc10d: broadcast: root rank 7 is out of range",
+        "unsupported": "NotImplementedError: rustc10d does not support ReduceOp.BAND on torch.float32 tensors",
+        "timeout": "DistBackendError: rustc10d: Timed out after 2000 ms: recv #0 from rank 1",
+        "peer lost": "DistNetworkError: rustc10d: recv #1 from rank 1",
+    }
+    for kind, start in want.items():
+        assert r[kind]["raised"] and r[kind]["error"].startswith(start), (kind, r[kind])

@@ -10,6 +10,7 @@ tensors::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import shlex
@@ -53,7 +54,44 @@ if _native.TORCH_VERSION != torch.__version__:
 
 __version__: str = _native.__version__
 BACKEND_NAME = "rustc10d"
-__all__ = ["BACKEND_NAME", "links", "register", "stats"]
+__all__ = ["BACKEND_NAME", "Options", "links", "register", "stats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Settings of one process group, for ``init_process_group(backend="rustc10d",
+    pg_options=rustc10d.Options(...))`` or ``new_group(..., pg_options=...)``. A field left
+    None takes its ``RUSTC10D_*`` environment variable, else the default; a given field wins
+    over the variable. Bad values fail ``init_process_group`` naming the setting. The first
+    four must be the same on every rank of a group: a difference fails init on every rank.
+    """
+
+    #: Bytes per message in the pipelined algorithms (RUSTC10D_SEGMENT_BYTES; 1 MiB). Shared.
+    segment_bytes: int | None = None
+    #: All-reduces up to this size use one direct exchange (RUSTC10D_SMALL_ALLREDUCE_BYTES; 16 KiB). Shared.
+    small_allreduce_bytes: int | None = None
+    #: Bytes of each shared-memory ring, a power of two (RUSTC10D_SHM_RING_BYTES; 1 MiB). Shared.
+    shm_ring_bytes: int | None = None
+    #: CUDA all_reduce/broadcast above this run in pieces of it; 0: whole (RUSTC10D_STAGE_PIECE_BYTES; 8 MiB). Shared.
+    stage_piece_bytes: int | None = None
+    #: "auto", "shm" or "tcp" between ranks of one host (RUSTC10D_TRANSPORT; "auto").
+    transport: str | None = None
+    #: TCP connections per peer, 1 to 16 (RUSTC10D_NSOCKS; 1).
+    nsocks: int | None = None
+    #: Microseconds a waiter polls before it sleeps (RUSTC10D_SPIN_US; 50).
+    spin_us: int | None = None
+    #: The interface whose address this rank advertises (RUSTC10D_SOCKET_IFNAME).
+    socket_ifname: str | None = None
+    #: Fault injection rules (RUSTC10D_FAULT; see the README).
+    fault: str | None = None
+    #: False refuses CUDA tensors (RUSTC10D_CUDA; True).
+    cuda: bool | None = None
+
+    def _given(self) -> dict[str, str]:
+        def text(v: object) -> str:
+            return str(int(v)) if isinstance(v, bool) else str(v)
+
+        return {f.name: text(getattr(self, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 def _millis(t: timedelta) -> int:
@@ -62,7 +100,11 @@ def _millis(t: timedelta) -> int:
 
 
 def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None):
-    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, _millis(opts.timeout), opts.group_id or "")
+    if backend_options is not None and not isinstance(backend_options, Options):
+        raise TypeError(f"rustc10d: pg_options must be rustc10d.Options, got {type(backend_options).__name__}")
+    given = backend_options._given() if backend_options is not None else {}
+    timeout = _millis(opts.timeout)
+    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given)
 
 
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]:

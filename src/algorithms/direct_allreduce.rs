@@ -2,22 +2,17 @@
 //! rank and reduces all of them locally, in rank order, so all ranks end
 //! bit-identical. One exchange instead of 2(W-1) ring steps.
 
+use super::call_check::{Agreement, Fingerprint};
 use super::{copy_buf, OpCtx, RawBuf};
-use crate::call_check::{Agreement, Fingerprint};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
 
-/// Messages up to this size (and groups up to SMALL_MAX_WORLD ranks) take the direct path.
-pub const ENV_SMALL_BYTES: &str = "RUSTC10D_SMALL_ALLREDUCE_BYTES";
-const DEFAULT_SMALL_BYTES: usize = 16 * 1024;
+/// Groups up to this size may take the direct path (each rank receives W-1 copies).
 const SMALL_MAX_WORLD: usize = 16;
 
-pub fn small_allreduce_bytes() -> usize {
-    std::env::var(ENV_SMALL_BYTES).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_SMALL_BYTES)
-}
-
-/// Whether `direct_allreduce` is the better algorithm for this op.
+/// Whether `direct_allreduce` is the better algorithm for this op
+/// (`threshold`: Config::small_allreduce_bytes).
 pub fn prefers_direct(bytes: usize, world: usize, threshold: usize) -> bool {
     bytes <= threshold && world <= SMALL_MAX_WORLD
 }

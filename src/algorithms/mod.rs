@@ -1,5 +1,6 @@
 //! Collective algorithms, written against `Transfers` (send/recv of byte
-//! ranges by rank). They know nothing of sockets or of torch.
+//! ranges by rank). They know nothing of sockets or of torch. `dispatch`
+//! chooses one per collective; `call_check` catches mismatched calls.
 
 // Segment loops index several parallel lists (offsets, posted receives) by
 // the segment number; iterator chains would hide that.
@@ -11,8 +12,10 @@ use std::time::Duration;
 
 mod alltoall;
 mod broadcast;
+pub mod call_check;
 mod direct;
 mod direct_allreduce;
+mod dispatch;
 mod monitored_barrier;
 mod ring_allgather;
 mod ring_allreduce;
@@ -22,26 +25,13 @@ mod ring_reduce_scatter;
 pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
 pub use direct::{direct_gather, direct_scatter};
-pub use direct_allreduce::{direct_allreduce, prefers_direct, small_allreduce_bytes, ENV_SMALL_BYTES};
+pub use direct_allreduce::{direct_allreduce, prefers_direct};
+pub use dispatch::{checks_inline, run};
 pub use monitored_barrier::monitored_barrier;
 pub use ring_allgather::ring_allgather;
 pub use ring_allreduce::ring_allreduce;
 pub use ring_reduce::ring_reduce;
 pub use ring_reduce_scatter::ring_reduce_scatter;
-
-/// Payload bytes per message in pipelined algorithms: large enough to amortise
-/// the 32-byte header and a syscall, small enough that send, receive and
-/// reduce of consecutive segments overlap.
-pub const ENV_SEGMENT_BYTES: &str = "RUSTC10D_SEGMENT_BYTES";
-const DEFAULT_SEGMENT_BYTES: usize = 1024 * 1024;
-
-pub fn segment_bytes() -> usize {
-    std::env::var(ENV_SEGMENT_BYTES)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or(DEFAULT_SEGMENT_BYTES)
-}
 
 /// What an algorithm needs to know about the op it runs.
 pub struct OpCtx<'a> {
@@ -51,10 +41,15 @@ pub struct OpCtx<'a> {
     pub timeout: Duration,
     /// "allreduce #4 on rank 1", for errors.
     pub what: String,
+    /// Payload bytes per message in pipelined algorithms: large enough to
+    /// amortise the 32-byte header and a syscall, small enough that send,
+    /// receive and reduce of consecutive segments overlap.
     pub segment_bytes: usize,
     /// All-reduces up to this size use the direct exchange.
     pub small_allreduce_bytes: usize,
     pub pool: &'a ScratchPool,
+    /// How long a wait polls before it sleeps.
+    pub spin: Duration,
     /// Which piece of a buffer run in pieces this is (0 otherwise): its
     /// messages get keys of their own.
     pub piece: u64,
@@ -75,7 +70,7 @@ impl<'a> OpCtx<'a> {
     /// Transfers for this op. Algorithms create them after any scratch memory,
     /// so that cleanup finishes before the scratch is freed.
     pub fn transfers(&self) -> Transfers<'_> {
-        Transfers::new(self.transport, self.timeout, self.what.clone())
+        Transfers::new(self.transport, self.timeout, self.what.clone(), self.spin)
     }
 }
 

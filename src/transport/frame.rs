@@ -4,8 +4,9 @@
 use crate::error::{Error, Result};
 
 /// Bumped whenever ranks of two versions could not understand each other
-/// (v2: ranks publish their host and shared-memory socket).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// (v2: ranks publish their host and shared-memory socket; v3: and the
+/// settings every rank must share).
+pub const PROTOCOL_VERSION: u32 = 3;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
 pub const HEADER_LEN: usize = 32;

@@ -9,6 +9,7 @@ use super::frame::{FrameHeader, Hello, Key, ABORT_MAX, HEADER_LEN, HELLO_LEN, KI
 use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Fold, Mailbox, PostedRecv, RecvBuf};
 use super::shm::{self, Segment, ShmConn};
 use super::{Ready, Transport};
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::status::Status;
 use std::io::{self, IoSlice, Read, Write};
@@ -54,7 +55,8 @@ pub struct ShmEndpoint {
 
 impl ShmEndpoint {
     /// Listen under a fresh random name; the name goes to peers via the Store.
-    pub fn bind() -> Result<(ShmEndpoint, String)> {
+    /// The segments this rank creates have rings of `ring_bytes`.
+    pub fn bind(ring_bytes: usize) -> Result<(ShmEndpoint, String)> {
         let mut r = [0u8; 16];
         if unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) } != r.len() as isize {
             return Err(Error::io("rustc10d: getrandom failed"));
@@ -64,7 +66,7 @@ impl ShmEndpoint {
             .map_err(|e| Error::io(e.to_string()))?;
         let listener = UnixListener::bind_addr(&addr)
             .map_err(|e| Error::io(format!("rustc10d: cannot listen on a Unix socket: {e}")))?;
-        Ok((ShmEndpoint { listener, ring_bytes: shm::ring_bytes() }, name))
+        Ok((ShmEndpoint { listener, ring_bytes }, name))
     }
 }
 
@@ -80,7 +82,10 @@ struct Inner {
     handshakes: AtomicUsize,
     /// Why this rank gave up on the group (an abort frame), once it has.
     gave_up: Mutex<Option<Vec<u8>>>,
+    /// Connections this rank opens to each peer it sends to (Config::nsocks).
     nsocks: usize,
+    /// How long a shared-memory wait polls before it sleeps.
+    spin: Duration,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -101,14 +106,6 @@ const EARLY_GRACE: Duration = Duration::from_millis(20);
 const EARLY_GRACE_MIN_BYTES: u64 = 256 * 1024;
 /// How long a failed write waits for the reader to learn why the peer left.
 const WHY_GRACE: Duration = Duration::from_millis(50);
-
-/// Connections a rank opens to each peer it sends to.
-pub const ENV_NSOCKS: &str = "RUSTC10D_NSOCKS";
-const DEFAULT_NSOCKS: usize = 1;
-
-fn nsocks() -> usize {
-    std::env::var(ENV_NSOCKS).ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_NSOCKS).clamp(1, 16)
-}
 
 /// Frames up to this size are written on the caller's thread when nothing is
 /// queued: a thread hand-off costs more than the write.
@@ -161,11 +158,13 @@ unsafe impl Send for SendReq {}
 impl Mesh {
     /// Start accepting on `listener`, connect to `eager` peers and wait until
     /// each of `expect` has connected to us, all before `deadline`.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         listener: TcpListener,
         local: Option<ShmEndpoint>,
         me: Hello,
         addrs: Vec<PeerAddr>,
+        cfg: &Config,
         eager: &[usize],
         expect: &[usize],
         deadline: Instant,
@@ -188,7 +187,8 @@ impl Mesh {
             stopping: AtomicBool::new(false),
             handshakes: AtomicUsize::new(0),
             gave_up: Mutex::new(None),
-            nsocks: nsocks(),
+            nsocks: cfg.nsocks,
+            spin: cfg.spin,
             threads: Mutex::new(Vec::new()),
         });
         let acceptor = inner.clone();
@@ -502,7 +502,7 @@ impl Inner {
         let mut ack = [0u8; 1];
         (&sock).read_exact(&mut ack).map_err(|e| fail(format!("no answer after sending the segment: {e}")))?;
         sock.timeouts(None).map_err(|e| fail(e.to_string()))?;
-        Ok(Conn::Shm(Arc::new(ShmConn::new(Arc::new(seg), true, sock, crate::status::spin_budget()))))
+        Ok(Conn::Shm(Arc::new(ShmConn::new(Arc::new(seg), true, sock, self.spin))))
     }
 
     /// The accepting side of `dial_shm`.
@@ -540,7 +540,7 @@ impl Inner {
             |sock| {
                 self.handshake_off_thread("a local process".into(), move |me| {
                     let (peer, seg) = me.accept_shm(&sock)?;
-                    Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, crate::status::spin_budget())))))
+                    Ok((peer, Conn::Shm(Arc::new(ShmConn::new(seg, false, sock, me.spin)))))
                 });
             },
         );

@@ -92,9 +92,40 @@ pub trait Transport: Send + Sync {
     fn link_kind(&self, peer: usize) -> Option<&'static str>;
 }
 
-/// How long cleanup after a failure waits for a transfer before it breaks
-/// the connection to free the buffer.
-const CLEANUP_GRACE: Duration = Duration::from_millis(500);
+/// How long a transfer that cannot be withdrawn (it is being filled or
+/// written right now) gets to finish before its connection is cut.
+const CUT_GRACE: Duration = Duration::from_millis(500);
+
+/// Give up on a transfer with `peer` (None: an any-source receive): withdraw
+/// it if it has not begun, finishing it with `reason`; otherwise give it
+/// CUT_GRACE to finish, then break the connection so that it does. Once this
+/// returns, the transfer no longer touches its buffer, or soon will not (an
+/// any-source receive being filled finishes on its own).
+pub fn withdraw(
+    transport: &dyn Transport,
+    peer: Option<usize>,
+    recv_key: Option<Key>,
+    status: &Arc<Status>,
+    reason: &Error,
+) {
+    if status.is_done() {
+        return;
+    }
+    let withdrawn = match (recv_key, peer) {
+        (Some(key), Some(peer)) => transport.cancel_recv(peer, key, status),
+        (Some(key), None) => transport.cancel_recv_any(key, status),
+        (None, _) => false,
+    };
+    if withdrawn {
+        status.finish(Err(reason.clone()));
+        return;
+    }
+    if status.wait(Some(Instant::now() + CUT_GRACE), Duration::ZERO).is_none() {
+        if let Some(peer) = peer {
+            transport.break_peer(peer, reason);
+        }
+    }
+}
 
 /// The transfers of one operation. It waits with the op's deadline and, when
 /// dropped (success or error), makes sure no transfer still touches the op's
@@ -104,6 +135,7 @@ pub struct Transfers<'t> {
     deadline: Instant,
     timeout: Duration,
     what: String,
+    spin: Duration,
     pending: Vec<Pending>,
 }
 
@@ -119,9 +151,10 @@ struct Pending {
 pub struct TransferId(usize);
 
 impl<'t> Transfers<'t> {
-    /// `what` names the op for errors, e.g. "allreduce #4 on rank 1".
-    pub fn new(transport: &'t dyn Transport, timeout: Duration, what: String) -> Self {
-        Transfers { transport, deadline: Instant::now() + timeout, timeout, what, pending: Vec::new() }
+    /// `what` names the op for errors, e.g. "allreduce #4 on rank 1"; waits
+    /// poll for `spin` before they sleep.
+    pub fn new(transport: &'t dyn Transport, timeout: Duration, what: String, spin: Duration) -> Self {
+        Transfers { transport, deadline: Instant::now() + timeout, timeout, what, spin, pending: Vec::new() }
     }
 
     /// # Safety
@@ -165,7 +198,7 @@ impl<'t> Transfers<'t> {
     /// Wait for one transfer, bounded by the op's deadline.
     pub fn wait(&self, id: TransferId) -> Result<()> {
         let p = &self.pending[id.0];
-        match p.status.wait(Some(self.deadline)) {
+        match p.status.wait(Some(self.deadline), self.spin) {
             Some(Ok(_)) => Ok(()),
             Some(Err(e)) => Err(Error::new(
                 e.kind,
@@ -191,21 +224,10 @@ impl<'t> Transfers<'t> {
 
 impl Drop for Transfers<'_> {
     fn drop(&mut self) {
+        let reason = Error::aborted(format!("rustc10d: {} was abandoned", self.what));
         for p in &self.pending {
-            if p.status.is_done() {
-                continue;
-            }
-            if let Some(key) = p.recv_key {
-                if self.transport.cancel_recv(p.peer, key, &p.status) {
-                    p.status.finish(Err(Error::aborted("cancelled")));
-                    continue;
-                }
-            }
-            if p.status.wait(Some(Instant::now() + CLEANUP_GRACE)).is_none() {
-                let reason = Error::aborted(format!("rustc10d: {} was abandoned", self.what));
-                self.transport.break_peer(p.peer, &reason);
-                p.status.wait(None);
-            }
+            withdraw(self.transport, Some(p.peer), p.recv_key, &p.status, &reason);
+            p.status.wait(None, Duration::ZERO);
         }
     }
 }

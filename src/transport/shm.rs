@@ -21,11 +21,6 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Bytes of each ring (a power of two; rounded up to one).
-pub const ENV_SHM_RING_BYTES: &str = "RUSTC10D_SHM_RING_BYTES";
-// 1 MiB measured better than 2-16 MiB on the 2-core machine (the rings stay in cache).
-const DEFAULT_RING_BYTES: usize = 1 << 20;
-
 /// Control block of a ring: one page, producer and consumer fields on their
 /// own cache lines.
 const CTL_BYTES: usize = 4096;
@@ -55,12 +50,6 @@ struct Ctl {
 }
 
 const _: () = assert!(std::mem::size_of::<Ctl>() <= CTL_BYTES);
-
-pub fn ring_bytes() -> usize {
-    let want =
-        std::env::var(ENV_SHM_RING_BYTES).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(DEFAULT_RING_BYTES);
-    want.clamp(64 << 10, 1 << 30).next_power_of_two()
-}
 
 /// A shared mapping of two rings; unmapped when the last user drops it.
 pub struct Segment {

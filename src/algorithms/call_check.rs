@@ -6,13 +6,14 @@
 //! collective from a mismatched call set. The smallest all-reduces check all
 //! peers' fingerprints alongside their data exchange instead (`Agreement`).
 
-use crate::algorithms::OpCtx;
+use super::{OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ops::{Collective, OpKind, Reduction};
 use crate::transport::{Key, TransferId, Transfers};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint {
-    pub op: &'static str,
+    pub op: OpKind,
     /// DType code, or NONE where the op does not interpret data.
     pub dtype: u8,
     /// ReduceOp code (PREMUL_SUM as 8), or NONE.
@@ -28,23 +29,33 @@ pub struct Fingerprint {
 impl Fingerprint {
     pub const NONE: u8 = u8::MAX;
     const LEN: usize = 32;
-    /// Ops by wire code; the index is what goes on the wire.
-    const OPS: [&'static str; 10] = [
-        "allreduce",
-        "reduce",
-        "broadcast",
-        "allgather",
-        "gather",
-        "scatter",
-        "reduce_scatter",
-        "alltoall",
-        "barrier",
-        "monitored_barrier",
-    ];
+
+    /// How this rank was called.
+    pub fn of(call: &Collective) -> Fingerprint {
+        const NONE: u8 = Fingerprint::NONE;
+        let reduce = |red: &Reduction| if red.premul.is_some() { 8 } else { red.op as u8 };
+        let total = |bufs: &[RawBuf]| bufs.iter().map(|b| b.len as u64).sum::<u64>();
+        let (dtype, op, root, bytes) = match call {
+            Collective::AllReduce { buf, red } => (red.dtype as u8, reduce(red), None, buf.len as u64),
+            Collective::Reduce { buf, root, red } => (red.dtype as u8, reduce(red), Some(*root), buf.len as u64),
+            Collective::Broadcast { buf, root } => (NONE, NONE, Some(*root), buf.len as u64),
+            Collective::AllGather { outputs, .. } => (NONE, NONE, None, total(outputs)),
+            Collective::Gather { input, root, .. } => (NONE, NONE, Some(*root), input.len as u64),
+            Collective::Scatter { output, root, .. } => (NONE, NONE, Some(*root), output.len as u64),
+            Collective::ReduceScatter { output, red, .. } => (red.dtype as u8, reduce(red), None, output.len as u64),
+            // Block sizes legitimately differ per rank.
+            Collective::AllToAll { .. } => (NONE, NONE, None, 0),
+            Collective::Barrier | Collective::MonitoredBarrier { .. } => (NONE, NONE, None, 0),
+            // Rows differ per rank; the size of a row of values may not.
+            Collective::AllReduceSparse { dtype, value_row, .. } => (*dtype as u8, 0, None, *value_row as u64),
+        };
+        let root = root.map_or(u32::MAX, |r| r as u32);
+        Fingerprint { op: call.kind(), dtype, reduce: op, root, bytes, piece: 0 }
+    }
 
     fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
-        b[0] = Self::OPS.iter().position(|&o| o == self.op).expect("known op") as u8;
+        b[0] = self.op.code();
         b[1] = self.dtype;
         b[2] = self.reduce;
         b[4..8].copy_from_slice(&self.root.to_le_bytes());
@@ -54,7 +65,7 @@ impl Fingerprint {
     }
 
     fn decode(b: &[u8; Self::LEN]) -> Result<Fingerprint> {
-        let op = *Self::OPS.get(b[0] as usize).ok_or_else(|| Error::io(format!("unknown op code {}", b[0])))?;
+        let op = OpKind::from_code(b[0]).ok_or_else(|| Error::io(format!("unknown op code {}", b[0])))?;
         Ok(Fingerprint {
             op,
             dtype: b[1],
@@ -67,7 +78,8 @@ impl Fingerprint {
 
     /// "allreduce(4096 bytes, dtype torch.float32, op SUM)".
     pub fn describe(&self) -> String {
-        let mut parts = vec![format!("{} bytes", self.bytes)];
+        let per = if self.op == OpKind::AllReduceSparse { " per row" } else { "" };
+        let mut parts = vec![format!("{} bytes{per}", self.bytes)];
         if self.dtype != Self::NONE {
             let name = crate::dtype::DType::from_code(self.dtype).map(|d| d.torch_name()).unwrap_or("?");
             parts.push(format!("dtype {name}"));
@@ -82,7 +94,7 @@ impl Fingerprint {
         if self.piece != 0 {
             parts.push(format!("staged in pieces of {} bytes", self.piece));
         }
-        format!("{}({})", self.op, parts.join(", "))
+        format!("{}({})", self.op.name(), parts.join(", "))
     }
 }
 
@@ -161,14 +173,14 @@ mod tests {
 
     #[test]
     fn roundtrip_and_description() {
-        let f = Fingerprint { op: "reduce", dtype: 0, reduce: 4, root: 2, bytes: 4096, piece: 1 << 20 };
+        let f = Fingerprint { op: OpKind::Reduce, dtype: 0, reduce: 4, root: 2, bytes: 4096, piece: 1 << 20 };
         assert_eq!(Fingerprint::decode(&f.encode()).unwrap(), f);
         assert_eq!(
             f.describe(),
             "reduce(4096 bytes, dtype torch.float32, op MAX, root 2, staged in pieces of 1048576 bytes)"
         );
         let b = Fingerprint {
-            op: "barrier",
+            op: OpKind::Barrier,
             dtype: Fingerprint::NONE,
             reduce: Fingerprint::NONE,
             root: u32::MAX,

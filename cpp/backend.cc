@@ -1,0 +1,614 @@
+// The torch side of rustc10d: a c10d::Backend whose every op translates its
+// tensors and options into a Call for the Rust engine, and a c10d::Work that
+// reports the engine's op. No algorithm, no setting and no socket lives here.
+#include "rustc10d/cpp/completion.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+namespace rustc10d {
+namespace {
+
+using c10d::OpType;
+using std::chrono::milliseconds;
+
+// Negative (kUnsetTimeout): the group's timeout.
+int64_t to_ms(milliseconds t) {
+  return t.count();
+}
+
+[[noreturn]] void raise(ErrorKind kind, const std::string& msg) {
+  std::rethrow_exception(error_of(kind, msg));
+}
+
+DType dtype_of(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kChar: return DType::Int8;
+    case at::kByte: return DType::UInt8;
+    case at::kShort: return DType::Int16;
+    case at::kInt: return DType::Int32;
+    case at::kLong: return DType::Int64;
+    case at::kBool: return DType::Bool;
+    default: return DType::Opaque;
+  }
+}
+
+TensorDesc desc_of(const at::Tensor& t) {
+  return TensorDesc{reinterpret_cast<size_t>(t.data_ptr()), t.nbytes(), dtype_of(t.scalar_type())};
+}
+
+// `n` equal consecutive blocks of a contiguous tensor's storage.
+std::vector<TensorDesc> split_desc(const TensorDesc& whole, size_t n, const char* op) {
+  TORCH_CHECK(n > 0 && whole.nbytes % n == 0, "rustc10d: ", op, ": a tensor of ", whole.nbytes,
+              " bytes does not split into ", n, " equal blocks");
+  std::vector<TensorDesc> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(TensorDesc{whole.ptr + i * (whole.nbytes / n), whole.nbytes / n, whole.dtype});
+  return out;
+}
+
+// Blocks of a contiguous tensor cut along dim 0 by `splits` (rows); empty: equal.
+std::vector<TensorDesc> split_rows(const at::Tensor& t, const TensorDesc& whole, const std::vector<int64_t>& splits,
+                                   size_t world, const char* op) {
+  if (splits.empty()) return split_desc(whole, world, op);
+  TORCH_CHECK(splits.size() == world, "rustc10d: ", op, ": expected ", world, " split sizes, got ", splits.size());
+  int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  int64_t total = 0;
+  for (auto s : splits) {
+    TORCH_CHECK(s >= 0, "rustc10d: ", op, ": negative split size ", s);
+    total += s;
+  }
+  TORCH_CHECK(total == rows, "rustc10d: ", op, ": split sizes sum to ", total, " but the tensor has ", rows, " rows");
+  size_t row_bytes = rows == 0 ? 0 : whole.nbytes / rows;
+  std::vector<TensorDesc> out;
+  size_t off = 0;
+  for (auto s : splits) {
+    out.push_back(TensorDesc{whole.ptr + off, static_cast<size_t>(s) * row_bytes, whole.dtype});
+    off += s * row_bytes;
+  }
+  return out;
+}
+
+std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (auto& l : lists) out.insert(out.end(), l.begin(), l.end());
+  return out;
+}
+
+rust::Vec<TensorDesc> rvec(const std::vector<TensorDesc>& v) {
+  rust::Vec<TensorDesc> out;
+  for (auto& d : v) out.push_back(d);
+  return out;
+}
+
+// What a Work keeps of its op's Completion, which the engine owns (and may
+// have finished and dropped by the time the Work is made).
+struct WorkState {
+  uint64_t key;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::vector<at::Tensor> outputs;
+  std::shared_ptr<OpTiming> timing;
+  std::shared_ptr<DeviceSync> cuda;
+};
+
+// The engine's op, as torch sees it.
+class RustWork final : public compat::Work {
+ public:
+  RustWork(int rank, OpType type, rust::Box<Op> op, WorkState s)
+      : compat::Work(rank, type, s.key),
+        op_(std::move(op)),
+        future_(std::move(s.future)),
+        outputs_(std::move(s.outputs)),
+        timing_(std::move(s.timing)),
+        cuda_(std::move(s.cuda)) {}
+
+  float getDuration() const override {
+    float ms = timing_->duration_ms;
+    TORCH_CHECK(ms >= 0, "rustc10d: getDuration(): the op has not completed successfully");
+    return ms;
+  }
+
+  // A CUDA op is complete once its results are back on the device.
+  bool isCompleted() override { return op_->is_done() && (!cuda_ || !isSuccess() || cuda_->done.query()); }
+
+  bool isSuccess() const override { return op_->is_done() && op_->error_message().empty(); }
+
+  std::exception_ptr exception() const override {
+    if (!op_->is_done() || op_->error_message().empty()) return nullptr;
+    return error_of(op_->error_kind(), std::string(op_->error_message()));
+  }
+
+  int sourceRank() const override {
+    TORCH_CHECK(op_->source_rank() != -1, "rustc10d: sourceRank() is only defined for send/recv work");
+    TORCH_CHECK(op_->source_rank() >= 0, "rustc10d: sourceRank(): this any-source recv has not matched yet; wait() first");
+    return static_cast<int>(op_->source_rank());
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  // torch's kNoTimeout (0 ms) means: until the op finishes or its own timeout.
+  // A CUDA op's wait returns once the network part is done and its copies
+  // back are queued: the caller's current stream waits for them, the host
+  // does not (synchronize() does).
+  bool wait(milliseconds timeout = kNoTimeout) override {
+    int64_t ms = timeout == kNoTimeout ? -1 : to_ms(timeout);
+    switch (op_->wait(ms)) {
+      case WaitOutcome::Done:
+        if (cuda_) cuda_->done.block(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
+        return true;
+      case WaitOutcome::Failed:
+        raise(op_->error_kind(), std::string(op_->error_message()));
+      default:
+        raise(ErrorKind::Timeout, c10::str("rustc10d: Timed out after ", ms, " ms in Work.wait; the ",
+                                           c10d::opTypeToString(opType_), " op is still running"));
+    }
+  }
+
+  void synchronize() override {
+    wait();
+    if (cuda_) cuda_->done.synchronize();
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  uint64_t getSequencenumber() const override { return op_->seq(); }
+
+ private:
+  rust::Box<Op> op_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<at::Tensor> outputs_;
+  std::shared_ptr<OpTiming> timing_;
+  std::shared_ptr<DeviceSync> cuda_;
+};
+
+// One op's translation: its tensors become descriptors of host memory (CPU
+// tensors as they are, or a contiguous copy; device tensors, and CPU tensors
+// under test staging, a pinned host copy the engine stages), its results
+// the future's value, and its options the Call.
+class OpBuilder {
+ public:
+  // `results`: what the op's future and Work carry.
+  OpBuilder(const char* op, OpKind kind, std::vector<at::Tensor> results, bool cuda_allowed, bool test_staging)
+      : op_(op), cuda_allowed_(cuda_allowed), test_staging_(test_staging) {
+    call.kind = kind;
+    call.root = -1;
+    call.reduce = ReduceOpCode::Sum;
+    call.timeout_ms = -1;
+    done_ = std::make_unique<Completion>();
+    done_->impl = std::make_unique<Completion::Impl>();
+    done_->impl->outputs = std::move(results);
+  }
+
+  // input: read by the op; output: read and written in place; result: only
+  // written, every byte of it (its old contents are never copied in).
+  TensorDesc input(const at::Tensor& t) { return stage(t, Access::kRead); }
+  TensorDesc output(const at::Tensor& t) { return stage(t, Access::kReadWrite); }
+  TensorDesc result(const at::Tensor& t) { return stage(t, Access::kWrite); }
+  template <typename Ts>
+  std::vector<TensorDesc> inputs(const Ts& ts) { return stage_all(ts, Access::kRead); }
+  template <typename Ts>
+  std::vector<TensorDesc> results(const Ts& ts) { return stage_all(ts, Access::kWrite); }
+
+  void reduce_op(const c10d::ReduceOp& op) {
+    TORCH_CHECK(op.op_ <= c10d::ReduceOp::PREMUL_SUM, "rustc10d: ", op_, " does not support this reduce op");
+    call.reduce = static_cast<ReduceOpCode>(op.op_);
+    if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+      auto* s = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK(s && !s->tensor_factor.defined(), "rustc10d: ", op_,
+                  " supports PREMUL_SUM with a Python scalar factor only");
+      call.premul = s->double_factor;
+    }
+  }
+
+  Completion::Impl& impl() { return *done_->impl; }
+  const char* name() const { return op_; }
+
+  // The engine's half (`key` identifies it to completion hooks), and what
+  // its Work keeps.
+  std::pair<std::unique_ptr<Completion>, WorkState> finish(std::shared_ptr<compat::CompletionHooks> hooks,
+                                                           uint64_t key) {
+    auto& d = *done_->impl;
+    // A CUDA future's value becomes usable on a stream only after the copies back.
+    d.future = d.cuda ? c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                                   std::vector<c10::Device>{d.cuda->device})
+                      : c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    d.hooks = std::move(hooks);
+    d.key = key;
+    WorkState state{key, d.future, d.outputs, d.timing, d.cuda};
+    return {std::move(done_), std::move(state)};
+  }
+
+  Call call;
+
+ private:
+  enum class Access { kRead, kReadWrite, kWrite };
+
+  TensorDesc stage(const at::Tensor& t, Access access) {
+    TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", t.layout(),
+                " tensors; pass a dense (strided) tensor");
+    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "rustc10d: ", op_, " does not support tensors on ",
+                t.device(), "; pass CPU or CUDA tensors");
+    if (!device_) device_ = t.device();
+    TORCH_CHECK(t.device() == *device_, "rustc10d: ", op_, " got tensors on ", *device_, " and on ", t.device(),
+                "; all tensors of one op must be on the same device");
+    auto& d = *done_->impl;
+    if (t.device().is_cuda() || test_staging_) return stage_device(t, access);
+    at::Tensor host = t.is_contiguous()           ? t
+                      : access == Access::kWrite ? at::empty(t.sizes(), t.options())
+                                                  : t.contiguous();
+    d.keep_alive.push_back(host);
+    if (access != Access::kRead && !host.is_same(t)) d.copy_back.emplace_back(t, host);
+    return desc_of(host);
+  }
+
+  // A pinned host copy the engine works on, moved by its staging.
+  TensorDesc stage_device(const at::Tensor& t, Access access) {
+    auto& d = *done_->impl;
+    if (t.device().is_cuda()) {
+      TORCH_CHECK(cuda_allowed_, "rustc10d: ", op_, " got a tensor on ", t.device(),
+                  ", but CUDA tensors are turned off by RUSTC10D_CUDA=0; unset it to stage them through host memory");
+      if (!d.cuda) {
+        d.cuda = std::make_shared<DeviceSync>(t.device());
+        d.cuda->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
+      }
+    }
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
+    d.staged.push_back(Staged{t, host});
+    auto desc = desc_of(host);
+    call.staged.push_back(StagedDesc{desc, access != Access::kWrite, access != Access::kRead, t.is_contiguous()});
+    return desc;
+  }
+
+  template <typename Ts>
+  std::vector<TensorDesc> stage_all(const Ts& ts, Access access) {
+    std::vector<TensorDesc> out;
+    for (const auto& t : ts) out.push_back(stage(t, access));
+    return out;
+  }
+
+  const char* op_;
+  bool cuda_allowed_;
+  bool test_staging_;
+  std::optional<c10::Device> device_;
+  std::unique_ptr<Completion> done_;
+};
+
+class RustBackend final : public compat::Backend<RustBackend> {
+ public:
+  RustBackend(rust::Box<Group> group, int rank, int size)
+      : compat::Backend<RustBackend>(rank, size),
+        group_(std::move(group)),
+        cuda_allowed_(group_->cuda_allowed()),
+        test_staging_(group_->test_staging()) {}
+
+  ~RustBackend() override { stop(); }
+
+  // destroy_process_group() and abort: fail what is pending, close sockets, join threads.
+  void shutdown() override { stop(); }
+  void abort() override { stop(); }
+
+  const std::string getBackendName() const override { return "rustc10d"; }
+  bool supportsCoalescing() const override { return true; }
+  uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
+  void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
+  void setTimeout(milliseconds timeout) override { group_->set_timeout(to_ms(timeout)); }
+
+  // Every op issued until endCoalescing() is waited for by its Work.
+  void startCoalescing() override {
+    try {
+      group_->start_coalescing();
+    } catch (const rust::Error& e) {
+      throw c10::Error(here(__func__), e.what());
+    }
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    coalescing_ = false;
+    auto b = builder("coalesced", OpKind::Barrier, std::move(coalesced_));
+    auto [done, state] = b.finish(hooks_, next_key_++);
+    return work(OpType::COALESCED, group_->end_coalescing(std::move(done)), std::move(state));
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1 && tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors, opts);
+    return dense_allreduce(tensors, opts, "allreduce", OpType::ALLREDUCE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    return dense_allreduce(tensors, opts, "allreduce_coalesced", OpType::ALLREDUCE_COALESCED);
+  }
+
+  // SUM of sparse COO tensors: the engine gathers every rank's rows, torch adds them up.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    auto& t = single(tensors, "allreduce_sparse");
+    TORCH_CHECK(t.layout() == at::kSparse && t.device().is_cpu(),
+                "rustc10d: allreduce_sparse takes a sparse COO tensor on the CPU");
+    TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, "rustc10d: allreduce on sparse tensors supports SUM only");
+    auto input = t.coalesce();
+    auto indices = input.indices().t().contiguous();  // [nnz, sparse_dim]
+    auto values = input.values().contiguous();         // [nnz, dense...]
+    auto b = builder("allreduce_sparse", OpKind::AllReduceSparse, {t});
+    b.impl().sparse = t;
+    b.call.inputs = rvec({b.input(indices), b.input(values)});
+    b.call.index_row = static_cast<size_t>(input.sparse_dim()) * sizeof(int64_t);
+    int64_t per_row = 1;
+    for (int64_t d = 1; d < values.dim(); ++d) per_row *= values.size(d);
+    b.call.value_row = static_cast<size_t>(per_row * values.element_size());
+    b.call.timeout_ms = to_ms(opts.timeout);
+    return submit(b, OpType::_ALLREDUCE_SPARSE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    auto& t = single(tensors, "reduce");
+    auto b = builder("reduce", OpKind::Reduce, {t});
+    b.call.outputs = rvec({b.output(t)});
+    b.reduce_op(opts.reduceOp);
+    return rooted(b, opts.rootRank, opts.timeout, OpType::REDUCE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    auto& t = single(tensors, "broadcast");
+    auto b = builder("broadcast", OpKind::Broadcast, {t});
+    b.call.outputs = rvec({b.output(t)});
+    return rooted(b, opts.rootRank, opts.timeout, OpType::BROADCAST);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    auto& in = single(inputs, "allgather");
+    TORCH_CHECK(outputs.size() == 1, "rustc10d: allgather takes one output list, got ", outputs.size());
+    auto b = builder("allgather", OpKind::AllGather, outputs[0]);
+    b.call.inputs = rvec({b.input(in)});
+    b.call.outputs = rvec(b.results(outputs[0]));
+    return timed(b, opts.timeout, OpType::ALLGATHER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    auto b = builder("all_gather_into_tensor", OpKind::AllGather, {output});
+    b.call.inputs = rvec({b.input(input)});
+    b.call.outputs = rvec(split_desc(b.result(output), getSize(), b.name()));
+    return timed(b, opts.timeout, OpType::_ALLGATHER_BASE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    // outputs[r][j] is rank r's copy of input j; the engine wants them by input.
+    TORCH_CHECK(outputs.size() == static_cast<size_t>(getSize()), "rustc10d: allgather_coalesced expects ",
+                getSize(), " output lists, got ", outputs.size());
+    std::vector<at::Tensor> by_input;
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      for (auto& per_rank : outputs) {
+        TORCH_CHECK(per_rank.size() == inputs.size(), "rustc10d: allgather_coalesced: each output list needs ",
+                    inputs.size(), " tensors");
+        by_input.push_back(per_rank[j]);
+      }
+    }
+    auto b = builder("allgather_coalesced", OpKind::AllGather, flatten(outputs));
+    b.call.inputs = rvec(b.inputs(inputs));
+    b.call.outputs = rvec(b.results(by_input));
+    return timed(b, opts.timeout, OpType::ALLGATHER_COALESCED);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    auto b = builder("allgather_into_tensor_coalesced", OpKind::AllGather, outputs);
+    b.call.inputs = rvec(b.inputs(inputs));
+    std::vector<TensorDesc> os;
+    for (auto& o : outputs) {
+      auto blocks = split_desc(b.result(o), getSize(), b.name());
+      os.insert(os.end(), blocks.begin(), blocks.end());
+    }
+    b.call.outputs = rvec(os);
+    return timed(b, opts.timeout, compat::kAllgatherIntoTensorCoalesced);
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    auto& in = single(inputs, "gather");
+    bool root = opts.rootRank == getRank();
+    auto results = root && !outputs.empty() ? outputs[0] : std::vector<at::Tensor>{};
+    auto b = builder("gather", OpKind::Gather, results);
+    b.call.inputs = rvec({b.input(in)});
+    b.call.outputs = rvec(b.results(results));
+    return rooted(b, opts.rootRank, opts.timeout, OpType::GATHER);
+  }
+
+  // torch's gather_into_tensor, where it has one (see compat::Backend).
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
+    bool root = opts.rootRank == getRank();
+    auto b = builder("gather_into_tensor", OpKind::Gather, root ? std::vector<at::Tensor>{output} : std::vector<at::Tensor>{});
+    b.call.inputs = rvec({b.input(input)});
+    if (root) b.call.outputs = rvec(split_desc(b.result(output), getSize(), b.name()));
+    return rooted(b, opts.rootRank, opts.timeout, OpType::GATHER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    auto& out = single(outputs, "scatter");
+    bool root = opts.rootRank == getRank();
+    auto b = builder("scatter", OpKind::Scatter, {out});
+    if (root && !inputs.empty()) b.call.inputs = rvec(b.inputs(inputs[0]));
+    b.call.outputs = rvec({b.result(out)});
+    return rooted(b, opts.rootRank, opts.timeout, OpType::SCATTER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    auto& out = single(outputs, "reduce_scatter");
+    TORCH_CHECK(inputs.size() == 1, "rustc10d: reduce_scatter takes one input list, got ", inputs.size());
+    auto b = builder("reduce_scatter", OpKind::ReduceScatter, {out});
+    b.call.inputs = rvec(b.inputs(inputs[0]));
+    b.call.outputs = rvec({b.result(out)});
+    b.reduce_op(opts.reduceOp);
+    return timed(b, opts.timeout, OpType::REDUCE_SCATTER);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    auto b = builder("reduce_scatter_tensor", OpKind::ReduceScatter, {output});
+    b.call.inputs = rvec(split_desc(b.input(input), getSize(), b.name()));
+    b.call.outputs = rvec({b.result(output)});
+    b.reduce_op(opts.reduceOp);
+    return timed(b, opts.timeout, OpType::_REDUCE_SCATTER_BASE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    auto b = builder("reduce_scatter_tensor_coalesced", OpKind::ReduceScatter, outputs);
+    std::vector<TensorDesc> is;
+    for (auto& i : inputs) {
+      auto blocks = split_desc(b.input(i), getSize(), b.name());
+      is.insert(is.end(), blocks.begin(), blocks.end());
+    }
+    b.call.inputs = rvec(is);
+    b.call.outputs = rvec(b.results(outputs));
+    b.reduce_op(opts.reduceOp);
+    return timed(b, opts.timeout, compat::kReduceScatterTensorCoalesced);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override {
+    auto b = builder("all_to_all_single", OpKind::AllToAll, {output});
+    size_t w = getSize();
+    b.call.inputs = rvec(split_rows(input, b.input(input), inputSplits, w, b.name()));
+    b.call.outputs = rvec(split_rows(output, b.result(output), outputSplits, w, b.name()));
+    return timed(b, opts.timeout, OpType::ALLTOALL_BASE);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    auto b = builder("all_to_all", OpKind::AllToAll, outputs);
+    b.call.inputs = rvec(b.inputs(inputs));
+    b.call.outputs = rvec(b.results(outputs));
+    return timed(b, opts.timeout, OpType::ALLTOALL);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    auto b = builder("barrier", OpKind::Barrier, {});
+    return timed(b, opts.timeout, OpType::BARRIER);
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
+    auto b = builder("monitored_barrier", OpKind::MonitoredBarrier, {});
+    b.call.wait_all = waitAllRanks;
+    timed(b, opts.timeout, OpType::BARRIER)->wait();
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    auto& t = single(tensors, "send");
+    auto b = builder("send", OpKind::Send, {t});
+    b.call.inputs = rvec({b.input(t)});
+    return p2p(b, dst, tag, OpType::SEND);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    auto& t = single(tensors, "recv");
+    auto b = builder("recv", OpKind::Recv, {t});
+    b.call.outputs = rvec({b.result(t)});
+    return p2p(b, src, tag, OpType::RECV);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    auto& t = single(tensors, "recv");
+    auto b = builder("recv", OpKind::Recv, {t});
+    b.call.outputs = rvec({b.result(t)});
+    return p2p(b, -1, tag, OpType::RECVANYSOURCE);
+  }
+
+ private:
+  static at::Tensor& single(std::vector<at::Tensor>& tensors, const char* op) {
+    TORCH_CHECK(tensors.size() == 1, "rustc10d: ", op, " takes exactly one tensor, got ", tensors.size());
+    return tensors[0];
+  }
+
+  OpBuilder builder(const char* op, OpKind kind, std::vector<at::Tensor> results) {
+    return OpBuilder(op, kind, std::move(results), cuda_allowed_, test_staging_);
+  }
+
+  // One collective per tensor, one Work for all of them.
+  c10::intrusive_ptr<c10d::Work> dense_allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts,
+                                                 const char* name, OpType type) {
+    auto b = builder(name, OpKind::AllReduce, tensors);
+    std::vector<TensorDesc> ds;
+    for (auto& t : tensors) ds.push_back(b.output(t));
+    b.call.outputs = rvec(ds);
+    b.reduce_op(opts.reduceOp);
+    return timed(b, opts.timeout, type);
+  }
+
+  c10::intrusive_ptr<c10d::Work> timed(OpBuilder& b, milliseconds timeout, OpType type) {
+    b.call.timeout_ms = to_ms(timeout);
+    return submit(b, type);
+  }
+
+  c10::intrusive_ptr<c10d::Work> rooted(OpBuilder& b, int64_t root, milliseconds timeout, OpType type) {
+    b.call.root = root;
+    return timed(b, timeout, type);
+  }
+
+  c10::intrusive_ptr<c10d::Work> p2p(OpBuilder& b, int peer, int tag, OpType type) {
+    b.call.root = peer;
+    b.call.tag = tag;
+    return submit(b, type);
+  }
+
+  // Hand the call to the engine; an op refused at once raises here.
+  c10::intrusive_ptr<c10d::Work> submit(OpBuilder& b, OpType type) {
+    auto call = std::move(b.call);
+    if (coalescing_) coalesced_.insert(coalesced_.end(), b.impl().outputs.begin(), b.impl().outputs.end());
+    auto [done, state] = b.finish(hooks_, next_key_++);
+    return work(type, group_->submit(call, std::move(done)), std::move(state));
+  }
+
+  c10::intrusive_ptr<c10d::Work> work(OpType type, rust::Box<Op> op, WorkState state) {
+    if (op->failed_at_issue()) raise(op->error_kind(), std::string(op->error_message()));
+    return c10::make_intrusive<RustWork>(getRank(), type, std::move(op), std::move(state));
+  }
+
+  void stop() {
+    // Engine threads may be finishing futures whose callbacks need the GIL.
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      group_->shutdown();
+    } else {
+      group_->shutdown();
+    }
+  }
+
+  rust::Box<Group> group_;
+  bool cuda_allowed_;
+  bool test_staging_;
+  std::atomic<uint64_t> next_key_{1};
+  bool coalescing_ = false;
+  std::vector<at::Tensor> coalesced_;  // the results of the ops issued while coalescing
+};
+
+}  // namespace
+
+size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size) {
+  c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<RustBackend>(std::move(group), rank, size);
+  return reinterpret_cast<size_t>(py::cast(backend).release().ptr());
+}
+
+}  // namespace rustc10d

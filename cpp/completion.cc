@@ -1,0 +1,209 @@
+// The engine's calls into torch: finishing an op (its future, its Work's
+// state, completion hooks), the device primitives its staging uses, and the
+// Store. What to stage and when is decided in Rust (src/engine/staging.rs).
+#include "rustc10d/cpp/completion.h"
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+namespace rustc10d {
+
+using std::chrono::milliseconds;
+
+c10::SourceLocation here(const char* fn) {
+  return c10::SourceLocation{fn, __FILE__, static_cast<uint32_t>(__LINE__)};
+}
+
+// Bad input is a RuntimeError (as TORCH_CHECK makes it in torch's own
+// backends), something not implemented a NotImplementedError, a lost or
+// unreachable peer a DistNetworkError, any other failure of the op (a
+// timeout, a mismatch, a broken group) a DistBackendError.
+std::exception_ptr error_of(ErrorKind kind, const std::string& msg) {
+  switch (kind) {
+    case ErrorKind::InvalidArgument:
+      return std::make_exception_ptr(c10::Error(here(__func__), msg));
+    case ErrorKind::Unsupported:
+      return std::make_exception_ptr(c10::NotImplementedError(here(__func__), msg));
+    case ErrorKind::PeerLost:
+    case ErrorKind::Io:
+      return std::make_exception_ptr(c10::DistNetworkError(here(__func__), msg));
+    default:
+      return std::make_exception_ptr(c10::DistBackendError(here(__func__), msg));
+  }
+}
+
+// ---------------------------------------------------------------- the Store
+
+struct StoreRef::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+StoreRef::~StoreRef() = default;
+
+void store_set(const StoreRef& s, rust::Str key, rust::Slice<const uint8_t> value) {
+  s.impl->store->set(std::string(key), std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+rust::Vec<uint8_t> store_get(const StoreRef& s, rust::Str key, int64_t timeout_ms) {
+  std::string k(key);
+  s.impl->store->wait({k}, milliseconds(timeout_ms));
+  rust::Vec<uint8_t> out;
+  for (auto b : s.impl->store->get(k)) out.push_back(b);
+  return out;
+}
+
+int64_t store_add(const StoreRef& s, rust::Str key, int64_t delta) {
+  return s.impl->store->add(std::string(key), delta);
+}
+
+rust::String store_host(const StoreRef& s) {
+  c10::intrusive_ptr<c10d::Store> store = s.impl->store;
+  if (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get())) {
+    store = prefixed->getUnderlyingNonPrefixStore();
+  }
+  if (auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get())) {
+    return rust::String(tcp->getHost());
+  }
+  return rust::String();
+}
+
+std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
+  auto ref = std::make_unique<StoreRef>();
+  ref->impl = std::make_unique<StoreRef::Impl>();
+  auto handle = py::handle(reinterpret_cast<PyObject*>(pyobject));
+  ref->impl->store = handle.cast<c10::intrusive_ptr<c10d::Store>>();
+  return ref;
+}
+
+// ---------------------------------------------------------------- devices
+
+namespace {
+
+// One stream per device for the process: a later op's copies to the host
+// then queue behind an earlier op's copies back.
+c10::Stream stream_for(c10::Device d) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, c10::Stream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(d.index());
+  if (it == streams.end()) {
+    auto s = c10::impl::getDeviceGuardImpl(d.type())->getStreamFromGlobalPool(d, /*isHighPriority=*/false);
+    it = streams.emplace(d.index(), s).first;
+  }
+  return it->second;
+}
+
+// Bytes [start, start + len) of a tensor; the whole tensor (strided) when
+// that is all of it, so non-contiguous tensors are copied whole.
+at::Tensor bytes_of(const at::Tensor& t, size_t start, size_t len) {
+  if (start == 0 && len == t.nbytes()) return t;
+  TORCH_CHECK(t.is_contiguous(), "rustc10d: a byte range of a non-contiguous tensor");
+  return t.reshape({-1}).view(at::kByte).narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(len));
+}
+
+}  // namespace
+
+Completion::~Completion() = default;
+
+DeviceSync::DeviceSync(c10::Device d) : device(d), stream(stream_for(d)) {}
+
+void DeviceSync::record_use(const at::Tensor& t) const {
+  if (t.defined() && t.storage().data_ptr().get()) {
+    c10::impl::getDeviceGuardImpl(device.type())->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+  }
+}
+
+// Without a device (RUSTC10D_TEST_STAGING: host memory stands in for the
+// device), copies happen at once and there are no events.
+uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len) {
+  auto& d = *done.impl;
+  TORCH_CHECK(buffer < d.staged.size(), "rustc10d: no staged buffer ", buffer);
+  auto& [device, host] = d.staged[buffer];
+  if (!d.cuda) {
+    bytes_of(host, start, len).copy_(bytes_of(device, start, len));
+    return 0;
+  }
+  c10::StreamGuard guard(d.cuda->stream);
+  d.cuda->ready.block(d.cuda->stream);
+  bytes_of(host, start, len).copy_(bytes_of(device, start, len), /*non_blocking=*/true);
+  d.cuda->record_use(device);
+  d.events.emplace_back(c10::DeviceType::CUDA);
+  d.events.back().record(d.cuda->stream);
+  return d.events.size() - 1;
+}
+
+void wait_event(const Completion& done, uint64_t event) {
+  auto& d = *done.impl;
+  if (!d.cuda) return;
+  TORCH_CHECK(event < d.events.size(), "rustc10d: no device copy ", event);
+  d.events[event].synchronize();
+}
+
+void to_device(const Completion& done, size_t buffer, size_t start, size_t len) {
+  auto& d = *done.impl;
+  TORCH_CHECK(buffer < d.staged.size(), "rustc10d: no staged buffer ", buffer);
+  auto& [device, host] = d.staged[buffer];
+  if (!d.cuda) {
+    bytes_of(device, start, len).copy_(bytes_of(host, start, len));
+    return;
+  }
+  c10::StreamGuard guard(d.cuda->stream);
+  bytes_of(device, start, len).copy_(bytes_of(host, start, len), /*non_blocking=*/true);
+  d.cuda->record_use(device);
+}
+
+// ---------------------------------------------------------------- finishing
+
+void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error) noexcept {
+  auto& d = *done->impl;
+  try {
+    if (!error.empty()) {
+      d.future->setError(error_of(kind, std::string(error)));
+      return;
+    }
+    for (auto& [user, copy] : d.copy_back) user.copy_(copy);
+    // A CUDA future's value is usable on a stream once our stream's copies
+    // back are done: its events are recorded on the current stream.
+    std::optional<c10::StreamGuard> on_our_stream;
+    if (d.cuda) {
+      on_our_stream.emplace(d.cuda->stream);
+      d.cuda->done.record(d.cuda->stream);
+    }
+    std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - d.timing->start;
+    d.timing->duration_ms = took.count();
+    d.future->markCompleted(c10::IValue(d.outputs));
+    d.hooks->fire(d.key, took.count());
+  } catch (...) {
+    if (!d.future->completed()) d.future->setError(std::current_exception());
+  }
+}
+
+// Every rank's rows, added up by torch: rows with equal indices sum.
+void complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
+                     rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept {
+  auto& t = done->impl->sparse;
+  try {
+    int64_t total = 0;
+    for (auto r : rows) total += static_cast<int64_t>(r);
+    auto idx = at::empty({total, t.sparse_dim()}, at::kLong);
+    auto val_shape = t.sizes().slice(t.sparse_dim()).vec();
+    val_shape.insert(val_shape.begin(), total);
+    auto val = at::empty(val_shape, t.values().options());
+    TORCH_CHECK(idx.nbytes() == indices.size() && val.nbytes() == values.size(),
+                "rustc10d: a sparse all-reduce gathered rows of the wrong size");
+    if (!indices.empty()) std::memcpy(idx.data_ptr(), indices.data(), indices.size());
+    if (!values.empty()) std::memcpy(val.data_ptr(), values.data(), values.size());
+    t.copy_(at::sparse_coo_tensor(idx.t(), val, t.sizes()).coalesce());
+  } catch (const std::exception& e) {
+    complete(std::move(done), ErrorKind::Io, e.what());
+    return;
+  }
+  complete(std::move(done), ErrorKind::Io, "");
+}
+
+}  // namespace rustc10d

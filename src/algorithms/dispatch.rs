@@ -1,0 +1,150 @@
+//! Which algorithm runs each collective, and the work around them that is
+//! not an algorithm of its own: barrier, PREMUL_SUM's scaling, the two rounds
+//! of a sparse all-reduce.
+
+use super::call_check::Fingerprint;
+use super::{
+    copy_buf, direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
+    ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, OpCtx, RawBuf, Scratch,
+};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::ops::{Collective, Reduction, SparseGathered};
+use crate::reduce::scale;
+use std::sync::Mutex;
+
+/// Whether `part` checks the call alongside its one exchange, with every
+/// rank, rather than with its ring neighbour before it starts: the smallest
+/// all-reduces and barriers. PREMUL_SUM scales the caller's buffer first, so
+/// it checks before.
+pub fn checks_inline(ctx: &OpCtx, part: &Collective) -> bool {
+    let direct = |bytes| prefers_direct(bytes, ctx.transport.size(), ctx.small_allreduce_bytes);
+    match part {
+        Collective::AllReduce { buf, red } => red.premul.is_none() && direct(buf.len),
+        Collective::Barrier => direct(1),
+        _ => false,
+    }
+}
+
+/// Run one collective whose call has been checked (or, with `check`, is
+/// checked alongside its exchange: see `checks_inline`).
+pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Result<()> {
+    match part {
+        Collective::AllReduce { buf, red } => {
+            let op = premultiply(buf, red);
+            all_reduce(ctx, *buf, red.dtype, op, check)
+        }
+        Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
+            let op = premultiply(buf, red);
+            ring_reduce(ctx, *buf, *root, red.dtype, op)
+        }
+        Collective::Reduce { buf, root, red } => {
+            // Not the root: the caller's buffer must stay as it was.
+            let mut copy = Scratch::new(0);
+            let input = premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red);
+            ring_reduce(ctx, input[0], *root, red.dtype, red.op)
+        }
+        Collective::Broadcast { buf, root } => ring_broadcast(ctx, *buf, *root),
+        Collective::AllGather { input, outputs } => ring_allgather(ctx, *input, outputs),
+        Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
+        Collective::Scatter { inputs, output, root } => direct_scatter(ctx, inputs, *output, *root),
+        Collective::ReduceScatter { inputs, output, red } => {
+            let mut copy = Scratch::new(0);
+            let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
+            ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op)
+        }
+        Collective::AllToAll { inputs, outputs } => pairwise_alltoall(ctx, inputs, outputs),
+        // An all-reduce of one byte: nobody finishes before everybody has arrived.
+        Collective::Barrier => {
+            let mut one = Scratch::new(1);
+            let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
+            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, check)
+        }
+        Collective::MonitoredBarrier { wait_all, timeout } => {
+            monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
+        }
+        Collective::AllReduceSparse { indices, values, index_row, value_row, out, .. } => {
+            sparse_allreduce(ctx, (*indices, *index_row), (*values, *value_row), out)
+        }
+    }
+}
+
+/// Small messages: one direct exchange; large ones: the bandwidth-optimal ring.
+fn all_reduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, check: Option<&Fingerprint>) -> Result<()> {
+    if prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) {
+        direct_allreduce(ctx, buf, dtype, op, check)
+    } else {
+        debug_assert!(check.is_none(), "the ring checks the call before it starts");
+        ring_allreduce(ctx, buf, dtype, op)
+    }
+}
+
+/// PREMUL_SUM on a buffer the op overwrites anyway: scale it in place, then sum.
+fn premultiply(buf: &RawBuf, red: &Reduction) -> ReduceOp {
+    if let Some(f) = red.premul {
+        scale(red.dtype, unsafe { buf.slice_mut(0, buf.len) }, f);
+    }
+    red.op
+}
+
+/// PREMUL_SUM on inputs the caller keeps: scaled copies of `blocks` in `scratch`
+/// (taken from the pool here); without PREMUL_SUM the blocks themselves.
+fn premultiplied_copies<'a>(
+    scratch: &mut Scratch<'a>,
+    ctx: &OpCtx<'a>,
+    blocks: &[RawBuf],
+    red: &Reduction,
+) -> Vec<RawBuf> {
+    let Some(factor) = red.premul else { return blocks.to_vec() };
+    *scratch = ctx.scratch(blocks.iter().map(|b| b.len).sum());
+    let mut at = scratch.raw().ptr;
+    blocks
+        .iter()
+        .map(|b| {
+            let dst = RawBuf::new(at, b.len);
+            unsafe {
+                copy_buf(dst, *b);
+                scale(red.dtype, dst.slice_mut(0, dst.len), factor);
+                at = at.add(b.len);
+            }
+            dst
+        })
+        .collect()
+}
+
+/// SUM of sparse tensors, as Gloo does it: every rank learns every rank's
+/// row count, then gathers every rank's rows (indices, then values); the
+/// caller adds up rows with equal indices. The three rounds are pieces of
+/// one op, with keys of their own.
+fn sparse_allreduce(
+    ctx: &OpCtx,
+    (indices, index_row): (RawBuf, usize),
+    (values, value_row): (RawBuf, usize),
+    out: &Mutex<SparseGathered>,
+) -> Result<()> {
+    let world = ctx.transport.size();
+    let round = |piece: u64| OpCtx { piece, what: format!("{} (sparse round {piece})", ctx.what), ..*ctx };
+    let mut rows = vec![0u64; world];
+    let mine = [(indices.len / index_row) as u64];
+    let as_buf = |v: &mut [u64]| RawBuf::new(v.as_mut_ptr().cast(), v.len() * 8);
+    let counts: Vec<RawBuf> = rows.chunks_mut(1).map(as_buf).collect();
+    ring_allgather(&round(0), RawBuf::new(mine.as_ptr() as *mut u8, 8), &counts)?;
+    let gather = |piece: u64, input: RawBuf, row: usize| -> Result<Vec<u8>> {
+        let mut all = vec![0u8; rows.iter().sum::<u64>() as usize * row];
+        let mut at = 0;
+        let blocks: Vec<RawBuf> = rows
+            .iter()
+            .map(|&n| {
+                let b = RawBuf::new(unsafe { all.as_mut_ptr().add(at) }, n as usize * row);
+                at += n as usize * row;
+                b
+            })
+            .collect();
+        ring_allgather(&round(piece), input, &blocks)?;
+        Ok(all)
+    };
+    let gathered_indices = gather(1, indices, index_row)?;
+    let gathered_values = gather(2, values, value_row)?;
+    *out.lock().unwrap() = SparseGathered { rows, indices: gathered_indices, values: gathered_values };
+    Ok(())
+}

@@ -1,0 +1,176 @@
+//! What the engine's worker thread does with each job: stage its tensors in,
+//! run its collectives in order (fault injection, the broken-group check, the
+//! call check and the algorithm), stage results out, count, and finish.
+
+use super::staging::{run_in_pieces, Staging};
+use super::Shared;
+use crate::algorithms::{self, call_check::Fingerprint, OpCtx};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fault::{Action, ENV_FAULT};
+use crate::ops::Collective;
+use crate::status::Status;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Collectives issued together (several for the coalesced calls), run back
+/// to back; part i has sequence number `first_seq + i`.
+pub(super) struct Job {
+    pub first_seq: u64,
+    pub parts: Vec<Collective>,
+    pub timeout: Duration,
+    pub staging: Option<Staging>,
+    pub status: Arc<Status>,
+}
+
+impl Shared {
+    pub(super) fn run(&self, mut job: Job) {
+        let result = self.run_job(&mut job);
+        job.status.finish(result.map(|()| 0));
+    }
+
+    fn run_job(&self, job: &mut Job) -> Result<()> {
+        let pieces = job.staging.as_ref().and_then(|s| s.pieces_for(&job.parts));
+        if let (Some(staging), None) = (&mut job.staging, pieces) {
+            staging.all_in().map_err(|e| self.staging_failed(job.first_seq, &job.parts, e))?;
+        }
+        match (pieces, &mut job.staging) {
+            (Some(bytes), Some(staging)) => {
+                let part = &job.parts[0];
+                let fingerprint = Fingerprint { piece: bytes as u64, ..Fingerprint::of(part) };
+                self.run_part(job.first_seq, part, job.timeout, fingerprint, |ctx| {
+                    // Checked once for all pieces (the piece size is part of the call).
+                    algorithms::call_check::agree(ctx, &fingerprint)?;
+                    let deadline = Instant::now() + ctx.timeout;
+                    run_in_pieces(staging, part, bytes, |i, piece| {
+                        // Each piece is a collective of its own, with keys of its own.
+                        let piece_ctx = OpCtx {
+                            timeout: deadline.saturating_duration_since(Instant::now()),
+                            what: format!("{} (piece {i})", ctx.what),
+                            piece: i as u64,
+                            ..*ctx
+                        };
+                        algorithms::run(&piece_ctx, piece, None)
+                    })
+                })
+            }
+            _ => {
+                for (i, part) in job.parts.iter().enumerate() {
+                    let seq = job.first_seq + i as u64;
+                    let fingerprint = Fingerprint::of(part);
+                    self.run_part(seq, part, job.timeout, fingerprint, |ctx| {
+                        // The smallest all-reduces and barriers check the call
+                        // alongside their one exchange; the rest before they start.
+                        let inline = algorithms::checks_inline(ctx, part);
+                        if !inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
+                            algorithms::call_check::agree(ctx, &fingerprint)?;
+                        }
+                        algorithms::run(ctx, part, inline.then_some(&fingerprint))
+                    })?;
+                }
+                let staging = job.staging.as_mut().map_or(Ok(()), Staging::all_out);
+                staging.map_err(|e| self.staging_failed(job.first_seq, &job.parts, e))
+            }
+        }
+    }
+
+    /// Run one collective: refuse it on a stopped or broken group, apply
+    /// RUSTC10D_FAULT, run `body`, count it, and break the group if it failed.
+    fn run_part(
+        &self,
+        seq: u64,
+        part: &Collective,
+        timeout: Duration,
+        fingerprint: Fingerprint,
+        body: impl FnOnce(&OpCtx) -> Result<()>,
+    ) -> Result<()> {
+        let kind = part.kind();
+        let what = format!("{} #{seq} on rank {}", kind.name(), self.transport.rank());
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(Error::aborted(format!("rustc10d: {what} was cancelled: the process group was shut down")));
+        }
+        let broken = self.broken.lock().unwrap().clone();
+        if let Some(cause) = broken {
+            return Err(Error::new(
+                cause.kind,
+                format!(
+                    "rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}",
+                    cause.message
+                ),
+            ));
+        }
+        let start = Instant::now();
+        let ctx = OpCtx {
+            transport: &*self.transport,
+            seq,
+            timeout,
+            what,
+            segment_bytes: self.segment_bytes,
+            small_allreduce_bytes: self.small_allreduce_bytes,
+            pool: &self.pool,
+            spin: self.spin,
+            piece: 0,
+        };
+        debug_assert_eq!(fingerprint.op, kind);
+        let r = match self.faults.hit(self.transport.rank(), kind, seq) {
+            // An injected failure behaves like a real one: the group breaks.
+            Some(Action::Fail) => {
+                Err(Error::io(format!("rustc10d: {} failed: fault injected by {ENV_FAULT}", ctx.what)))
+            }
+            fault => {
+                match fault {
+                    Some(Action::Stall(d)) => std::thread::sleep(d),
+                    Some(Action::Drop) => self.drop_all(&format!("connections dropped by {ENV_FAULT}")),
+                    _ => {}
+                }
+                // A bug must not leave the op's Work waiting forever: it fails
+                // the op (and breaks the group) like any other failure.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))).unwrap_or_else(|panic| {
+                    let why = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned());
+                    Err(Error::io(format!("rustc10d: {} hit an internal error: {}", ctx.what, why.unwrap_or_default())))
+                })
+            }
+        };
+        self.stats.record(kind, part.bytes(), start.elapsed(), r.is_ok());
+        if let Err(e) = &r {
+            if part.failure_breaks_group() && !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
+                self.break_group(e);
+            }
+        }
+        r
+    }
+
+    /// A device copy failed: the peers are in the op, so the group breaks.
+    fn staging_failed(&self, first_seq: u64, parts: &[Collective], e: Error) -> Error {
+        let name = parts.first().map_or("op", |p| p.kind().name());
+        let e = Error::new(
+            e.kind,
+            format!(
+                "rustc10d: {name} #{first_seq} on rank {} could not stage its tensors: {}",
+                self.transport.rank(),
+                e.message
+            ),
+        );
+        self.break_group(&e);
+        e
+    }
+
+    fn drop_all(&self, why: &str) {
+        let me = self.transport.rank();
+        for peer in (0..self.transport.size()).filter(|&p| p != me) {
+            self.transport.break_peer(peer, &Error::peer_lost(why.to_string()));
+        }
+    }
+
+    /// A collective failed: the ranks no longer agree on where they are. Close
+    /// every connection so that peers blocked in this or later collectives
+    /// fail within moments instead of at their timeout; the failure spreads
+    /// around the ring the same way.
+    pub(super) fn break_group(&self, cause: &Error) {
+        self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());
+        self.transport.abort_all(cause);
+    }
+}

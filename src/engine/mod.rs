@@ -1,0 +1,220 @@
+//! The progress engine of one process group: it orders ops and owns them
+//! until they finish. Collectives run one at a time on a worker thread in
+//! issue order (the same order on every rank; job.rs); point-to-point ops go
+//! straight to the transport, so they never queue behind collectives
+//! (p2p.rs). A handle only observes its op (handle.rs). Which algorithm runs
+//! a collective is `algorithms::run`'s business, moving device tensors in
+//! and out staging.rs's.
+
+mod handle;
+mod job;
+mod p2p;
+mod staging;
+
+pub use handle::{OpHandle, Waited};
+pub use staging::{Device, Event, StagedBuffer, Staging};
+
+use crate::algorithms::ScratchPool;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::fault::Faults;
+use crate::ops::{Collective, OpKind};
+use crate::stats::Stats;
+use crate::status::{Callback, Status};
+use crate::transport::Transport;
+use job::Job;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub struct Engine {
+    shared: Arc<Shared>,
+    queue: Mutex<Option<Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    /// Between start_coalescing and end_coalescing: the ops issued meanwhile.
+    coalescing: Mutex<Option<Vec<Arc<Status>>>>,
+}
+
+struct Shared {
+    transport: Arc<dyn Transport>,
+    timeout_ms: AtomicU64,
+    segment_bytes: usize,
+    small_allreduce_bytes: usize,
+    spin: Duration,
+    next_seq: AtomicU64,
+    stopping: AtomicBool,
+    /// Set by the first collective that fails: later ones fail at once with it,
+    /// since the ranks can no longer be assumed to agree on the sequence.
+    broken: Mutex<Option<Error>>,
+    faults: Arc<Faults>,
+    stats: Arc<Stats>,
+    pool: ScratchPool,
+    sends: AtomicU64,
+    recvs: AtomicU64,
+}
+
+impl Engine {
+    /// An engine over `transport`, with the group's settings and default timeout.
+    pub fn new(transport: Arc<dyn Transport>, cfg: &Config, timeout: Duration) -> Result<Engine> {
+        let shared = Arc::new(Shared {
+            transport,
+            timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
+            segment_bytes: cfg.segment_bytes,
+            small_allreduce_bytes: cfg.small_allreduce_bytes,
+            spin: cfg.spin,
+            next_seq: AtomicU64::new(0),
+            stopping: AtomicBool::new(false),
+            broken: Mutex::new(None),
+            faults: cfg.faults.clone(),
+            stats: Arc::default(),
+            pool: ScratchPool::default(),
+            sends: AtomicU64::new(0),
+            recvs: AtomicU64::new(0),
+        });
+        let (tx, rx) = channel::<Job>();
+        let s = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name("rustc10d-engine".into())
+            .spawn(move || {
+                for job in rx {
+                    s.run(job);
+                }
+            })
+            .map_err(|e| Error::io(format!("rustc10d: could not start the engine thread: {e}")))?;
+        Ok(Engine {
+            shared,
+            queue: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+            coalescing: Mutex::new(None),
+        })
+    }
+
+    /// The group's per-op counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.shared.stats.clone()
+    }
+
+    /// How bytes reach `peer` ("shm" or "tcp"), once connected.
+    pub fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.shared.transport.link_kind(peer)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shared.transport.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.shared.transport.size()
+    }
+
+    /// Queue collectives that run back to back as one op (several parts for
+    /// the coalesced variants); `done` runs once all have finished. With
+    /// `staging`, the buffers are the host copies of device tensors: they are
+    /// brought in and out on the engine thread (a failure there fails the job
+    /// and breaks the group: the peers are in the op).
+    ///
+    /// # Safety
+    /// Every buffer must stay valid until `done` has run; the caller must not
+    /// touch output buffers, nor change input buffers, before that (inputs
+    /// with staging need to be valid only once it has brought them in).
+    pub unsafe fn submit(
+        &self,
+        parts: Vec<Collective>,
+        timeout: Option<Duration>,
+        staging: Option<Staging>,
+        done: Callback,
+    ) -> Result<OpHandle> {
+        let (rank, world) = (self.rank(), self.size());
+        parts.iter().try_for_each(|p| p.check(rank, world))?;
+        let queue = self.queue.lock().unwrap();
+        let Some(tx) = queue.as_ref() else {
+            return Err(Error::aborted("rustc10d: the process group was shut down"));
+        };
+        let first_seq = self.shared.next_seq.fetch_add(parts.len().max(1) as u64, Ordering::SeqCst);
+        let status = self.issued(Status::with_callback(done));
+        let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
+        let job = Job { first_seq, parts, timeout, staging, status: status.clone() };
+        if let Err(e) = tx.send(job) {
+            e.0.status.finish(Err(Error::aborted("rustc10d: the engine has stopped")));
+        }
+        Ok(OpHandle { status, seq: first_seq, source_rank: -1, expiry: None, spin: self.shared.spin })
+    }
+
+    /// Ops issued from now on are also waited for by `end_coalescing`'s op.
+    pub fn start_coalescing(&self) -> Result<()> {
+        let mut c = self.coalescing.lock().unwrap();
+        if c.is_some() {
+            return Err(Error::invalid("rustc10d: startCoalescing() called twice without endCoalescing()"));
+        }
+        *c = Some(Vec::new());
+        Ok(())
+    }
+
+    /// One op that finishes once every op issued since `start_coalescing`
+    /// has (with the first failure, if any); `done` runs then.
+    pub fn end_coalescing(&self, done: Callback) -> Result<OpHandle> {
+        let ops = self.coalescing.lock().unwrap().take();
+        let ops = ops.ok_or_else(|| Error::invalid("rustc10d: endCoalescing() without startCoalescing()"))?;
+        let seq = self.shared.next_seq.load(Ordering::SeqCst);
+        let status = Status::all(&ops, done);
+        Ok(OpHandle { status, seq, source_rank: -1, expiry: None, spin: self.shared.spin })
+    }
+
+    /// Note an op for a coalescing batch, if one is open.
+    fn issued(&self, status: Arc<Status>) -> Arc<Status> {
+        if let Some(ops) = self.coalescing.lock().unwrap().as_mut() {
+            ops.push(status.clone());
+        }
+        status
+    }
+
+    /// Collectives issued so far (the group's sequence number).
+    pub fn sequence_number(&self) -> u64 {
+        self.shared.next_seq.load(Ordering::SeqCst)
+    }
+
+    /// The default timeout of later ops.
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.shared.timeout_ms.store(timeout.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Fail what is pending, close connections, stop the worker. Idempotent.
+    pub fn shutdown(&self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        self.shared.transport.shutdown();
+        drop(self.queue.lock().unwrap().take());
+        if let Some(w) = self.worker.lock().unwrap().take() {
+            let _ = w.join();
+        }
+    }
+
+    fn check_peer(&self, op: OpKind, peer: usize) -> Result<()> {
+        let name = op.name();
+        if peer >= self.size() {
+            return Err(Error::invalid(format!(
+                "rustc10d: {name}: peer rank {peer} is out of range for a group of size {}",
+                self.size()
+            )));
+        }
+        if peer == self.rank() {
+            return Err(Error::unsupported(format!(
+                "rustc10d: {name} to or from the own rank ({peer}) is not supported"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Shared {
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::SeqCst))
+    }
+}

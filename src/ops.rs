@@ -1,0 +1,338 @@
+//! What a caller asks of a group: the kinds of op, one collective call with
+//! its buffers, and how values combine; and the checks that refuse a bad call
+//! before anything is sent. No I/O.
+
+use crate::algorithms::RawBuf;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Every kind of op, by the name errors, statistics and RUSTC10D_FAULT use.
+/// The discriminant is the op's code (in call fingerprints and at the FFI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum OpKind {
+    AllReduce,
+    Reduce,
+    Broadcast,
+    AllGather,
+    Gather,
+    Scatter,
+    ReduceScatter,
+    AllToAll,
+    Barrier,
+    MonitoredBarrier,
+    AllReduceSparse,
+    Send,
+    Recv,
+}
+
+impl OpKind {
+    /// In code order.
+    pub const ALL: [OpKind; 13] = [
+        OpKind::AllReduce,
+        OpKind::Reduce,
+        OpKind::Broadcast,
+        OpKind::AllGather,
+        OpKind::Gather,
+        OpKind::Scatter,
+        OpKind::ReduceScatter,
+        OpKind::AllToAll,
+        OpKind::Barrier,
+        OpKind::MonitoredBarrier,
+        OpKind::AllReduceSparse,
+        OpKind::Send,
+        OpKind::Recv,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "allreduce",
+            OpKind::Reduce => "reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllGather => "allgather",
+            OpKind::Gather => "gather",
+            OpKind::Scatter => "scatter",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllToAll => "alltoall",
+            OpKind::Barrier => "barrier",
+            OpKind::MonitoredBarrier => "monitored_barrier",
+            OpKind::AllReduceSparse => "allreduce_sparse",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+        }
+    }
+
+    /// The kind of that name; an unknown name is an error listing the known ones.
+    pub fn parse(name: &str) -> std::result::Result<OpKind, String> {
+        OpKind::ALL.into_iter().find(|k| k.name() == name).ok_or_else(|| {
+            let known: Vec<_> = OpKind::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown op {name:?} (known: {}, or any)", known.join(", "))
+        })
+    }
+
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<OpKind> {
+        OpKind::ALL.get(code as usize).copied()
+    }
+}
+
+/// How values combine: a reduce op on a dtype, with PREMUL_SUM's factor if any.
+#[derive(Clone, Copy, Debug)]
+pub struct Reduction {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// PREMUL_SUM: every contribution is multiplied by this before summing.
+    pub premul: Option<f64>,
+}
+
+impl Reduction {
+    pub fn new(dtype: DType, op: ReduceOp) -> Reduction {
+        Reduction { dtype, op, premul: None }
+    }
+
+    fn check(&self) -> Result<()> {
+        self.op.check(self.dtype)?;
+        if self.premul.is_some() && !self.dtype.is_float() {
+            return Err(Error::unsupported(format!(
+                "rustc10d does not support ReduceOp.PREMUL_SUM on {} tensors",
+                self.dtype.torch_name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The result of a sparse all-reduce, filled by the op: every rank's rows.
+#[derive(Debug, Default)]
+pub struct SparseGathered {
+    /// Rows each rank contributed, by rank.
+    pub rows: Vec<u64>,
+    pub indices: Vec<u8>,
+    pub values: Vec<u8>,
+}
+
+/// One collective call. Buffers are the caller's (see `Engine::submit`).
+pub enum Collective {
+    AllReduce {
+        buf: RawBuf,
+        red: Reduction,
+    },
+    /// In place at the root; other ranks' buffers are left as they were.
+    Reduce {
+        buf: RawBuf,
+        root: usize,
+        red: Reduction,
+    },
+    Broadcast {
+        buf: RawBuf,
+        root: usize,
+    },
+    /// `outputs[i]` receives rank i's input; sizes may differ per rank.
+    AllGather {
+        input: RawBuf,
+        outputs: Vec<RawBuf>,
+    },
+    /// `outputs` only at the root.
+    Gather {
+        input: RawBuf,
+        outputs: Vec<RawBuf>,
+        root: usize,
+    },
+    /// `inputs` only at the root.
+    Scatter {
+        inputs: Vec<RawBuf>,
+        output: RawBuf,
+        root: usize,
+    },
+    /// `inputs[i]` is this rank's contribution to rank i's `output`.
+    ReduceScatter {
+        inputs: Vec<RawBuf>,
+        output: RawBuf,
+        red: Reduction,
+    },
+    /// `inputs[i]` goes to rank i, `outputs[i]` comes from rank i.
+    AllToAll {
+        inputs: Vec<RawBuf>,
+        outputs: Vec<RawBuf>,
+    },
+    Barrier,
+    /// `timeout`: how long rank 0 waits for the others (None: the op's).
+    MonitoredBarrier {
+        wait_all: bool,
+        timeout: Option<Duration>,
+    },
+    /// SUM of sparse COO tensors, as Gloo does it: every rank's rows (indices
+    /// and values, `index_row` and `value_row` bytes each) gathered into
+    /// `out`; the caller adds up rows with equal indices.
+    AllReduceSparse {
+        indices: RawBuf,
+        values: RawBuf,
+        index_row: usize,
+        value_row: usize,
+        dtype: DType,
+        out: Arc<Mutex<SparseGathered>>,
+    },
+}
+
+impl Collective {
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Collective::AllReduce { .. } => OpKind::AllReduce,
+            Collective::Reduce { .. } => OpKind::Reduce,
+            Collective::Broadcast { .. } => OpKind::Broadcast,
+            Collective::AllGather { .. } => OpKind::AllGather,
+            Collective::Gather { .. } => OpKind::Gather,
+            Collective::Scatter { .. } => OpKind::Scatter,
+            Collective::ReduceScatter { .. } => OpKind::ReduceScatter,
+            Collective::AllToAll { .. } => OpKind::AllToAll,
+            Collective::Barrier => OpKind::Barrier,
+            Collective::MonitoredBarrier { .. } => OpKind::MonitoredBarrier,
+            Collective::AllReduceSparse { .. } => OpKind::AllReduceSparse,
+        }
+    }
+
+    /// The bytes the call passed (statistics).
+    pub fn bytes(&self) -> u64 {
+        let total = |bufs: &[RawBuf]| bufs.iter().map(|b| b.len as u64).sum::<u64>();
+        match self {
+            Collective::AllReduce { buf, .. } | Collective::Reduce { buf, .. } | Collective::Broadcast { buf, .. } => {
+                buf.len as u64
+            }
+            Collective::AllGather { outputs, .. } => total(outputs),
+            Collective::Gather { input, .. } => input.len as u64,
+            Collective::Scatter { output, .. } | Collective::ReduceScatter { output, .. } => output.len as u64,
+            Collective::AllToAll { inputs, .. } => total(inputs),
+            Collective::Barrier | Collective::MonitoredBarrier { .. } => 0,
+            Collective::AllReduceSparse { indices, values, .. } => (indices.len + values.len) as u64,
+        }
+    }
+
+    /// A failed monitored barrier only reports who is missing; anything else
+    /// leaves the ranks out of step.
+    pub fn failure_breaks_group(&self) -> bool {
+        !matches!(self, Collective::MonitoredBarrier { .. })
+    }
+
+    /// Refuse what cannot work before anything goes on the wire.
+    pub fn check(&self, rank: usize, world: usize) -> Result<()> {
+        let name = self.kind().name();
+        let bad = |msg: String| Err(Error::invalid(format!("rustc10d: {name}: {msg}")));
+        let root_ok = |root: usize| {
+            if root < world {
+                Ok(())
+            } else {
+                bad(format!("root rank {root} is out of range for a group of size {world}"))
+            }
+        };
+        let whole = |b: &RawBuf, red: &Reduction| {
+            if b.len.is_multiple_of(red.dtype.size()) {
+                Ok(())
+            } else {
+                bad(format!("{} bytes is not a whole number of {} elements", b.len, red.dtype.torch_name()))
+            }
+        };
+        let blocks = |what: &str, bufs: &[RawBuf], want: usize| {
+            if bufs.len() != world {
+                return bad(format!("expected {world} {what} (one per rank), got {}", bufs.len()));
+            }
+            match bufs.iter().position(|b| b.len != want) {
+                Some(i) => bad(format!("{what} {i} has {} bytes, expected {want} like the others", bufs[i].len)),
+                None => Ok(()),
+            }
+        };
+        match self {
+            Collective::AllReduce { buf, red } => {
+                red.check()?;
+                whole(buf, red)
+            }
+            Collective::Reduce { buf, root, red } => {
+                red.check()?;
+                root_ok(*root)?;
+                whole(buf, red)
+            }
+            Collective::Broadcast { root, .. } => root_ok(*root),
+            Collective::AllGather { input, outputs } => {
+                // Blocks may differ per rank (all-gather-v); ours must fit our input.
+                if outputs.len() != world {
+                    return bad(format!("expected {world} outputs (one per rank), got {}", outputs.len()));
+                }
+                if outputs[rank].len != input.len {
+                    return bad(format!(
+                        "output {rank} has {} bytes but the input has {}",
+                        outputs[rank].len, input.len
+                    ));
+                }
+                Ok(())
+            }
+            Collective::Gather { input, outputs, root } => {
+                root_ok(*root)?;
+                if rank == *root {
+                    blocks("outputs", outputs, input.len)
+                } else {
+                    Ok(())
+                }
+            }
+            Collective::Scatter { inputs, output, root } => {
+                root_ok(*root)?;
+                if rank == *root {
+                    blocks("inputs", inputs, output.len)
+                } else {
+                    Ok(())
+                }
+            }
+            Collective::ReduceScatter { inputs, output, red } => {
+                red.check()?;
+                whole(output, red)?;
+                blocks("inputs", inputs, output.len)
+            }
+            Collective::AllToAll { inputs, outputs } => {
+                if inputs.len() != world || outputs.len() != world {
+                    return bad(format!(
+                        "expected {world} input and output blocks, got {} and {}",
+                        inputs.len(),
+                        outputs.len()
+                    ));
+                }
+                Ok(())
+            }
+            Collective::Barrier | Collective::MonitoredBarrier { .. } => Ok(()),
+            Collective::AllReduceSparse { indices, values, index_row, value_row, .. } => {
+                let rows = |b: &RawBuf, row: usize| b.len.checked_div(row).filter(|_| b.len.is_multiple_of(row));
+                let agree = match (rows(indices, *index_row), rows(values, *value_row)) {
+                    (Some(i), Some(v)) => i == v,
+                    // Values with an empty dense part: any number of rows of 0 bytes.
+                    (Some(_), None) => *value_row == 0 && values.len == 0,
+                    _ => false,
+                };
+                if !agree {
+                    return bad(format!(
+                        "{} index bytes in rows of {index_row} and {} value bytes in rows of {value_row} do not agree",
+                        indices.len, values.len
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_names_round_trip_and_unknown_ones_are_listed() {
+        for (i, k) in OpKind::ALL.into_iter().enumerate() {
+            assert_eq!(k.code() as usize, i);
+            assert_eq!(OpKind::parse(k.name()), Ok(k));
+            assert_eq!(OpKind::from_code(k.code()), Some(k));
+        }
+        let err = OpKind::parse("allreduse").unwrap_err();
+        assert!(err.contains("unknown op \"allreduse\"") && err.contains("reduce_scatter"), "{err}");
+    }
+}
