@@ -6,7 +6,7 @@ use crate::config::{Config, TransportMode};
 use crate::error::{Error, Result};
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
 use crate::transport::mesh::{Mesh, PeerAddr, ShmEndpoint};
-use crate::transport::shm;
+use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::sync::{Condvar, Mutex};
@@ -104,7 +104,7 @@ fn shm_endpoint(cfg: &Config, rank: usize) -> Result<Option<(ShmEndpoint, String
     if cfg.transport == TransportMode::Tcp {
         return Ok(None);
     }
-    let probe = shm::Segment::create(64 << 10).and_then(|_| ShmEndpoint::bind(cfg.shm_ring_bytes));
+    let probe = ring::Segment::create(64 << 10).and_then(|_| ShmEndpoint::bind(cfg.shm_ring_bytes));
     match (probe, cfg.transport) {
         (Ok(ep), _) => Ok(Some(ep)),
         (Err(e), TransportMode::Shm) => Err(e.context(format!(
@@ -137,7 +137,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         Some((ep, name)) => (Some(ep), Some(name)),
         None => (None, None),
     };
-    let host = shm::host_key().unwrap_or_else(|| "unknown".into());
+    let host = fdpass::host_key().unwrap_or_else(|| "unknown".into());
     let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared() };
     store.set(&keys.addr(rank), mine.encode().as_bytes())?;
     let addrs = (0..size)

@@ -11,6 +11,12 @@ use std::time::{Duration, Instant};
 /// Runs once, on the thread that finishes the operation.
 pub type Callback = Box<dyn FnOnce(&Result<i64>) + Send>;
 
+/// What a waiting thread does while it polls (`Transport::polling`): make
+/// progress without blocking. Dropped when it stops polling.
+pub trait Polling {
+    fn poll(&self);
+}
+
 #[derive(Default)]
 pub struct Status {
     /// The op, named in every error ("recv #3 from rank 1 (...) ..."):
@@ -130,10 +136,29 @@ impl Status {
     /// whole round trip. Yields while polling, so it never holds a core from
     /// the threads doing the work.
     pub fn wait(&self, deadline: Option<Instant>, spin: Duration) -> Option<Result<i64>> {
+        self.wait_polling(deadline, spin, None)
+    }
+
+    /// `wait`, making progress with `polling` while it polls (to read the
+    /// awaited message itself rather than wait for another thread to hand
+    /// it over); `polling` ends (is dropped) before the wait sleeps.
+    pub fn wait_polling(
+        &self,
+        deadline: Option<Instant>,
+        spin: Duration,
+        polling: Option<Box<dyn Polling + '_>>,
+    ) -> Option<Result<i64>> {
         let spin_until = Instant::now() + spin;
         while !self.done.load(Ordering::Acquire) && Instant::now() < spin_until.min(deadline.unwrap_or(spin_until)) {
+            if let Some(p) = &polling {
+                p.poll();
+                if self.done.load(Ordering::Acquire) {
+                    break;
+                }
+            }
             std::thread::yield_now();
         }
+        drop(polling);
         let mut st = self.state.lock().unwrap();
         loop {
             if let Some(r) = &st.result {

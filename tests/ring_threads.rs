@@ -763,3 +763,24 @@ fn send_after_ready_keeps_order_and_fails_alone() {
         });
     }
 }
+
+/// Many large all-reduces back to back keep every connection full, so that
+/// the sending thread and the reactor flush the same queue at once: none may
+/// be left waiting for room it never watches for (a lost wake-up hangs here
+/// until the timeout instead).
+#[test]
+fn back_to_back_large_allreduces_never_stall() {
+    for mode in BOTH {
+        let cfg = Config { transport: mode, segment_bytes: 256 << 10, ..Config::default() };
+        let engines = group_with(4, Duration::from_secs(30), cfg);
+        let t0 = Instant::now();
+        on_all(&engines, |rank, e| {
+            let mut v = vec![1.0f32 + rank as f32; 2 << 20];
+            for _ in 0..12 {
+                wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Max));
+            }
+            assert!(v.iter().all(|&x| x == 4.0));
+        });
+        assert!(t0.elapsed() < Duration::from_secs(25), "{mode:?}: {:?}", t0.elapsed());
+    }
+}

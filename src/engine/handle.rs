@@ -81,7 +81,8 @@ impl OpHandle {
             Ok(_) => Waited::Done,
             Err(e) => Waited::Failed(e),
         };
-        if let Some(r) = self.status.wait(bound, self.spin) {
+        let polling = self.expiry.as_ref().and_then(|e| e.transport.polling(e.peer));
+        if let Some(r) = self.status.wait_polling(bound, self.spin, polling) {
             return outcome(r);
         }
         match &self.expiry {

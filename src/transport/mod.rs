@@ -3,17 +3,25 @@
 //! One `Mesh` carries frames over TCP to other hosts and through shared memory
 //! to ranks on the same host.
 
+mod accept;
 pub mod conn;
+mod dial;
+pub mod fdpass;
 pub mod frame;
+mod link;
 pub mod mailbox;
 pub mod mesh;
-pub mod shm;
+pub mod peer;
+pub mod reactor;
+mod reader;
+pub mod ring;
+mod writer;
 
 pub use frame::Key;
 pub use mailbox::Fold;
 
 use crate::error::{Error, Result};
-use crate::status::Status;
+use crate::status::{Polling, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,6 +95,13 @@ pub trait Transport: Send + Sync {
 
     /// Close every connection; all pending transfers fail. Idempotent.
     fn shutdown(&self);
+
+    /// A thread that waits for a transfer with `peer` (None: any peer) and
+    /// polls meanwhile makes progress with it through this; dropping it says
+    /// the thread stops polling (None: nothing to poll).
+    fn polling(&self, _peer: Option<usize>) -> Option<Box<dyn Polling + '_>> {
+        None
+    }
 
     /// How bytes reach `peer` now: "shm", "tcp", or None before the first connection.
     fn link_kind(&self, peer: usize) -> Option<&'static str>;
@@ -198,7 +213,7 @@ impl<'t> Transfers<'t> {
     /// Wait for one transfer, bounded by the op's deadline.
     pub fn wait(&self, id: TransferId) -> Result<()> {
         let p = &self.pending[id.0];
-        match p.status.wait(Some(self.deadline), self.spin) {
+        match p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer))) {
             Some(Ok(_)) => Ok(()),
             Some(Err(e)) => Err(Error::new(
                 e.kind,

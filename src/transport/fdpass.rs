@@ -1,0 +1,148 @@
+//! What ranks on one host pass each other besides bytes: file descriptors
+//! over a Unix socket (SCM_RIGHTS), eventfds to wake each other, and the key
+//! that says two ranks share a host.
+
+use crate::error::{Error, Result};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// Most descriptors one message carries.
+const MAX_FDS: usize = 4;
+
+/// A one-byte message with room for MAX_FDS descriptors in its control data, for `f`.
+fn with_fd_msg<R>(byte: u8, f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
+    let mut byte = [byte];
+    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    f(&mut msg)
+}
+
+fn cmsg_len(n: usize) -> usize {
+    unsafe { libc::CMSG_LEN((n * std::mem::size_of::<RawFd>()) as u32) as usize }
+}
+
+/// Send `fds` (at most MAX_FDS) with one byte of payload over `sock`.
+pub fn send_fds(sock: &impl AsRawFd, fds: &[RawFd]) -> io::Result<()> {
+    assert!(fds.len() <= MAX_FDS);
+    with_fd_msg(1, |msg| {
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = cmsg_len(fds.len()) as _;
+            let data = libc::CMSG_DATA(cmsg) as *mut RawFd;
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), *fd);
+            }
+            msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) as _;
+        }
+        loop {
+            let n = unsafe { libc::sendmsg(sock.as_raw_fd(), msg, libc::MSG_NOSIGNAL) };
+            if n == 1 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if n < 0 && e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(if n < 0 { e } else { io::ErrorKind::WriteZero.into() });
+        }
+    })
+}
+
+/// Receive exactly `count` descriptors sent by `send_fds` (WouldBlock on a
+/// non-blocking socket with nothing yet).
+pub fn recv_fds(sock: &impl AsRawFd, count: usize) -> io::Result<Vec<OwnedFd>> {
+    with_fd_msg(0, |msg| {
+        let n = loop {
+            let n = unsafe { libc::recvmsg(sock.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) };
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            break n;
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let cmsg = unsafe { libc::CMSG_FIRSTHDR(msg) };
+        if n != 1 || cmsg.is_null() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "expected file descriptors"));
+        }
+        let (level, kind, len) = unsafe { ((*cmsg).cmsg_level, (*cmsg).cmsg_type, (*cmsg).cmsg_len as usize) };
+        let got = (len.saturating_sub(cmsg_len(0))) / std::mem::size_of::<RawFd>();
+        let data = unsafe { libc::CMSG_DATA(cmsg) as *const RawFd };
+        // Own whatever arrived, so that a wrong count closes them all.
+        let fds: Vec<OwnedFd> = (0..got.min(MAX_FDS))
+            .map(|i| unsafe { OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))) })
+            .collect();
+        if level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS || fds.len() != count {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("expected {count} file descriptors")));
+        }
+        Ok(fds)
+    })
+}
+
+/// A non-blocking eventfd: one rank writes to it to wake the other.
+pub fn eventfd() -> Result<OwnedFd> {
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(Error::io(format!("rustc10d: eventfd failed: {}", io::Error::last_os_error())));
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Wake whoever watches the eventfd `fd`.
+pub fn notify(fd: &OwnedFd) {
+    let one = 1u64;
+    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+/// Reset an eventfd after a wake-up.
+pub fn drain(fd: &OwnedFd) {
+    let mut count = 0u64;
+    unsafe { libc::read(fd.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+}
+
+/// Which ranks share this host: the boot (so two containers of one machine
+/// match only if they share memory through this kernel) and the network
+/// namespace (so namespaced "hosts" in tests, and the abstract Unix socket
+/// names we use, agree).
+pub fn host_key() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let netns = std::fs::metadata("/proc/self/ns/net").ok().map(|m| std::os::unix::fs::MetadataExt::ino(&m))?;
+    Some(format!("{}-{netns}", boot.trim()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn descriptors_travel_over_a_unix_socket_and_a_wrong_count_is_refused() {
+        let (s1, s2) = UnixStream::pair().unwrap();
+        let (a, b) = (eventfd().unwrap(), eventfd().unwrap());
+        send_fds(&s1, &[a.as_raw_fd(), b.as_raw_fd()]).unwrap();
+        let got = recv_fds(&s2, 2).unwrap();
+        notify(&got[0]);
+        let mut count = 0u64;
+        assert_eq!(unsafe { libc::read(a.as_raw_fd(), (&mut count as *mut u64).cast(), 8) }, 8, "the same eventfd");
+        send_fds(&s1, &[a.as_raw_fd()]).unwrap();
+        assert!(recv_fds(&s2, 2).is_err());
+        (&s1).write_all(&[1]).unwrap();
+        assert!(recv_fds(&s2, 1).is_err(), "a plain byte carries none");
+    }
+
+    #[test]
+    fn host_key_is_stable() {
+        assert_eq!(host_key(), host_key());
+        assert!(host_key().is_some());
+    }
+}

@@ -1,0 +1,385 @@
+//! One connection of the mesh with a peer: its reading and its queue of
+//! frames to write, driven by the reactor when the connection is ready, and
+//! by waiting threads that poll it (a thread waiting for a message reads it
+//! itself rather than waiting for a hand-off). What happens to the peer when
+//! the connection ends is the peer state machine's business (peer.rs),
+//! through `Core::peer_event`.
+
+use super::conn::{Conn, Watch};
+use super::frame::{FrameHeader, Key, HEADER_LEN};
+use super::mesh::Core;
+use super::peer::{ConnId, Event};
+use super::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
+use super::reader::{Reader, Stop};
+use super::writer::{finish_written, Flushed, Outbox, SendReq};
+use crate::error::{Error, Result};
+use std::io::{self, IoSlice};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+pub struct Link {
+    pub id: ConnId,
+    pub peer: usize,
+    pub conn: Conn,
+    reader: Mutex<Reader>,
+    outbox: Mutex<Outbox>,
+    /// The descriptors registered with the reactor, and their tokens.
+    watched: Mutex<Vec<(Token, RawFd, Watch)>>,
+    /// What the data descriptor is watched for; changed only under this
+    /// lock (room: under the outbox lock too, so that it follows the flush
+    /// that decided it).
+    interest: Mutex<Interest>,
+    /// Reading is paused: a large message waits for its receive.
+    paused: AtomicBool,
+    /// Threads polling it while they wait: meanwhile the reactor does not ask
+    /// the peer to wake it (shared memory), since they read what arrives.
+    pollers: AtomicUsize,
+    /// Shared memory: the reactor polls it for a while after it was busy
+    /// (`spin`), instead of asking the peer to wake it.
+    spinning: AtomicBool,
+    spin: Duration,
+    ended: AtomicBool,
+    /// Why it was closed: sends queued after that fail with it at once.
+    closed: Mutex<Option<Error>>,
+    core: Weak<Core>,
+    reactor: Arc<Reactor>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Interest {
+    read: bool,
+    /// TCP: threads poll the socket, so the reactor need not wake for it.
+    polled: bool,
+    /// TCP only: shared memory waits for room through the ring and eventfd.
+    room: bool,
+}
+
+impl Interest {
+    fn events(self) -> u32 {
+        (if self.read && !self.polled { READABLE } else { 0 }) | if self.room { WRITABLE } else { 0 }
+    }
+}
+
+/// A shared-memory link the reactor polls for a while (see `Link::spin`).
+struct Spinning(Arc<Link>);
+
+impl Spinner for Spinning {
+    fn spin(&self) -> bool {
+        let link = &self.0;
+        if link.paused.load(Ordering::Acquire) || link.ended.load(Ordering::Acquire) {
+            return false;
+        }
+        match link.reader.try_lock() {
+            Ok(reader) => link.read_with(reader, false),
+            Err(_) => true, // somebody else is reading: it is busy
+        }
+    }
+
+    fn spun(&self) {
+        let link = &self.0;
+        link.spinning.store(false, Ordering::Release);
+        // Polling threads read what comes; else wait to be woken, unless it came already.
+        if link.pollers.load(Ordering::Acquire) == 0 && !link.conn.reader_waits() {
+            link.read();
+        }
+    }
+}
+
+/// Registered per descriptor: which one of the link's it is.
+struct Watcher(Arc<Link>, Watch);
+
+impl Source for Watcher {
+    fn ready(&self, events: u32) {
+        let link = &self.0;
+        match self.1 {
+            Watch::Data => {
+                link.conn.woke();
+                if events & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR | libc::EPOLLRDHUP) as u32 != 0 {
+                    link.read();
+                }
+                link.write();
+            }
+            Watch::Liveness => {
+                // Nothing is sent on it after the handshake: any event is the end.
+                link.conn.peer_gone();
+            }
+        }
+    }
+}
+
+impl Link {
+    pub fn new(core: &Arc<Core>, id: ConnId, peer: usize, conn: Conn) -> Arc<Link> {
+        Arc::new(Link {
+            id,
+            peer,
+            conn,
+            reader: Mutex::default(),
+            outbox: Mutex::default(),
+            watched: Mutex::default(),
+            interest: Mutex::new(Interest { read: true, polled: false, room: false }),
+            paused: AtomicBool::new(false),
+            pollers: AtomicUsize::new(0),
+            spinning: AtomicBool::new(false),
+            spin: core.spin,
+            ended: AtomicBool::new(false),
+            closed: Mutex::new(None),
+            core: Arc::downgrade(core),
+            reactor: core.reactor.clone(),
+        })
+    }
+
+    /// Register with the reactor and read what is there.
+    pub fn start(self: &Arc<Self>) -> Result<()> {
+        // Sends may have queued already: watch for what they need.
+        let interest = self.interest.lock().unwrap();
+        for (fd, watch) in self.conn.watched() {
+            let events = if watch == Watch::Data { interest.events() } else { READABLE };
+            let token = self.reactor.register(fd, events, Arc::new(Watcher(self.clone(), watch)))?;
+            self.watched.lock().unwrap().push((token, fd, watch));
+        }
+        drop(interest);
+        let l = self.clone();
+        self.reactor.defer(Box::new(move || l.read()));
+        Ok(())
+    }
+
+    /// Queue a frame and write what the connection takes now.
+    pub fn send(self: &Arc<Self>, req: SendReq) {
+        {
+            let mut outbox = self.outbox.lock().unwrap();
+            if let Some(why) = self.closed.lock().unwrap().clone() {
+                drop(outbox);
+                req.status.finish(Err(why));
+                return;
+            }
+            outbox.push(req);
+        }
+        self.write();
+    }
+
+    /// A thread starts polling (see `pollers`): the peer need not wake the reactor.
+    pub fn poll_begin(&self) {
+        if self.pollers.fetch_add(1, Ordering::AcqRel) == 0 {
+            match self.conn {
+                Conn::Shm(_) => self.conn.reader_polled(),
+                Conn::Tcp(_) => self.set_interest(|i| i.polled = true),
+            }
+        }
+    }
+
+    /// A thread stops polling: the reactor waits for the peer again, unless
+    /// something arrived meanwhile, which it then reads.
+    pub fn poll_end(self: &Arc<Self>) {
+        if self.pollers.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        match self.conn {
+            // Level-triggered: what arrived meanwhile wakes the reactor at once.
+            Conn::Tcp(_) => self.set_interest(|i| i.polled = false),
+            Conn::Shm(_) => self.wait_or_spin(),
+        }
+    }
+
+    /// Shared memory, nothing more to read: the reactor polls for a while
+    /// (the next message of a busy connection is near), or waits to be woken.
+    fn wait_or_spin(self: &Arc<Self>) {
+        if self.spin > Duration::ZERO {
+            if !self.spinning.swap(true, Ordering::AcqRel) {
+                self.reactor.spin(Arc::new(Spinning(self.clone())), self.spin);
+            }
+        } else if !self.conn.reader_waits() {
+            let l = self.clone();
+            self.reactor.defer(Box::new(move || l.read()));
+        }
+    }
+
+    /// Read what has arrived, if no other thread is reading (a waiter polls).
+    pub fn poll(self: &Arc<Self>) {
+        if !self.paused.load(Ordering::Acquire) {
+            if let Ok(reader) = self.reader.try_lock() {
+                self.read_with(reader, false);
+            }
+        }
+    }
+
+    /// Read until the connection has nothing more; wait for the reactor then.
+    fn read(self: &Arc<Self>) {
+        if self.ended.load(Ordering::Acquire) {
+            return;
+        }
+        let reader = self.reader.lock().unwrap();
+        self.read_with(reader, true);
+    }
+
+    /// Whether anything was read.
+    fn read_with(self: &Arc<Self>, mut reader: std::sync::MutexGuard<'_, Reader>, arm: bool) -> bool {
+        let Some(core) = self.core.upgrade() else { return false };
+        let slot = &core.peers[self.peer];
+        let before = reader.reads;
+        let stop = reader.pump(&self.conn, self.peer, &slot.mailbox, &core.any);
+        let progressed = reader.reads != before;
+        drop(reader);
+        match stop {
+            // Shared memory: a polling thread reads what comes; else the
+            // reactor polls for a while, then waits to be woken.
+            Ok(Stop::Drained) if arm && self.conn.is_shm() && self.pollers.load(Ordering::Acquire) == 0 => {
+                self.wait_or_spin()
+            }
+            Ok(Stop::Drained) => {}
+            Ok(Stop::Early(left)) => self.pause(left),
+            Ok(Stop::Reason(why)) => {
+                let why = Error::peer_lost(format!("{} {}", core.describe(self.peer), why.message));
+                core.peer_event(self.peer, Event::Reason { conn: self.id, why });
+                self.end();
+            }
+            Ok(Stop::End) => {
+                self.end();
+                core.peer_event(self.peer, Event::Ended { conn: self.id, error: None });
+            }
+            Err(e) => {
+                self.end();
+                let error = Error::peer_lost(format!("lost connection to {}: {e}", core.describe(self.peer)));
+                core.peer_event(self.peer, Event::Ended { conn: self.id, error: Some(error) });
+            }
+        }
+        progressed
+    }
+
+    /// Stop reading until a receive is posted (`resume`) or `left` passes.
+    fn pause(self: &Arc<Self>, left: Duration) {
+        self.paused.store(true, Ordering::Release);
+        self.set_interest(|i| i.read = false);
+        let l = self.clone();
+        self.reactor.after(left, Box::new(move || l.resume()));
+    }
+
+    /// Go on reading after a pause (a receive was posted, or the grace is over).
+    pub fn resume(self: &Arc<Self>) {
+        if self.paused.swap(false, Ordering::AcqRel) {
+            self.set_interest(|i| i.read = true);
+            self.read();
+        }
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Acquire)
+    }
+
+    /// Write what the connection takes; wait for room, or run a send's ready first.
+    pub fn write(self: &Arc<Self>) {
+        let mut done = Vec::new();
+        let flushed = {
+            let mut outbox = self.outbox.lock().unwrap();
+            let flushed = loop {
+                match outbox.flush(&self.conn, &mut done) {
+                    Flushed::Full if !self.conn.writer_waits() => continue,
+                    f => break f,
+                }
+            };
+            // Under the outbox lock: another flush cannot slip in between
+            // this one's result and the interest it sets.
+            let full = matches!(flushed, Flushed::Full);
+            if matches!(self.conn, Conn::Tcp(_)) {
+                self.set_interest(|i| i.room = full);
+            }
+            flushed
+        };
+        finish_written(done);
+        match flushed {
+            Flushed::All | Flushed::Waiting | Flushed::Full => {}
+            Flushed::Ready(ready) => {
+                let l = self.clone();
+                let run = move || {
+                    let result = ready();
+                    let reactor = l.reactor.clone();
+                    reactor.defer(Box::new(move || l.readied(result)));
+                };
+                if let Err(e) = self.reactor.run_blocking(Box::new(run)) {
+                    self.readied(Err(e));
+                }
+            }
+            Flushed::Failed(e) => {
+                if let Some(core) = self.core.upgrade() {
+                    core.peer_event(self.peer, Event::WriteFailed { conn: self.id, error: Error::io(e.to_string()) });
+                }
+            }
+        }
+    }
+
+    fn readied(self: &Arc<Self>, result: Result<()>) {
+        let failed = self.outbox.lock().unwrap().readied(result);
+        if let Some((req, e)) = failed {
+            req.status.finish(Err(e));
+        }
+        self.write();
+    }
+
+    fn set_interest(&self, change: impl FnOnce(&mut Interest)) {
+        let mut interest = self.interest.lock().unwrap();
+        let before = *interest;
+        change(&mut interest);
+        if *interest != before {
+            for &(token, fd, watch) in self.watched.lock().unwrap().iter() {
+                if watch == Watch::Data {
+                    self.reactor.modify(token, fd, interest.events());
+                }
+            }
+        }
+    }
+
+    /// Tell the peer why this rank gives up: written between frames, within
+    /// `grace` (a frame half written is finished first, if it can be).
+    pub fn tell(&self, why: &[u8], grace: Duration) {
+        let deadline = Instant::now() + grace;
+        let mut outbox = self.outbox.lock().unwrap();
+        let mut done = Vec::new();
+        while outbox.mid_frame() && Instant::now() < deadline {
+            if let Flushed::Failed(_) = outbox.flush(&self.conn, &mut done) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if outbox.mid_frame() {
+            return;
+        }
+        let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
+        let (mut written, total) = (0, HEADER_LEN + why.len());
+        while written < total && Instant::now() < deadline {
+            let r = if written < HEADER_LEN {
+                self.conn.write(&[IoSlice::new(&header[written..]), IoSlice::new(why)])
+            } else {
+                self.conn.write(&[IoSlice::new(&why[written - HEADER_LEN..])])
+            };
+            match r {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Close the connection and stop watching it; queued and later sends fail with `why`.
+    pub fn close(&self, why: &Error) {
+        self.conn.shutdown();
+        self.end();
+        let queued = {
+            let mut outbox = self.outbox.lock().unwrap();
+            self.closed.lock().unwrap().get_or_insert_with(|| why.clone());
+            outbox.take_all()
+        };
+        for req in queued {
+            req.status.finish(Err(why.clone()));
+        }
+    }
+
+    fn end(&self) {
+        if self.ended.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for (token, fd, _) in self.watched.lock().unwrap().drain(..) {
+            self.reactor.deregister(token, fd);
+        }
+    }
+}

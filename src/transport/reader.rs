@@ -1,0 +1,264 @@
+//! Reading frames off one connection as bytes arrive, never blocking: a
+//! frame's header says where its payload goes (straight into a posted
+//! receive, folded into it or not; into memory until its receive is posted;
+//! nowhere, for a size mismatch), and every read continues where the last
+//! one stopped.
+
+use super::conn::Conn;
+use super::frame::{FrameHeader, Key, ABORT_MAX, HEADER_LEN, KIND_ABORT};
+use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
+use crate::error::Error;
+use std::io;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Most memory reserved ahead for one message that arrives before its receive.
+const EARLY_RESERVE_MAX: u64 = 64 << 20;
+
+/// A large message that arrives before its receive waits this long for it
+/// before it is read into memory: the copy out of memory later costs as much
+/// as the transfer, and the receive is usually posted within microseconds
+/// (a ping-pong's echo). Frames behind it on the connection wait too, so the
+/// grace is short: programs that post receives out of order still progress.
+pub const EARLY_GRACE: Duration = Duration::from_millis(20);
+const EARLY_GRACE_MIN_BYTES: u64 = 256 * 1024;
+
+/// Pieces a folded receive reads at a time: small enough to stay in cache
+/// between the read and the fold.
+const FOLD_PIECE: usize = 64 * 1024;
+
+/// Where one connection's reading stands.
+#[derive(Default)]
+pub struct Reader {
+    state: State,
+    /// 8-byte aligned: folds view the bytes as any dtype.
+    bounce: Vec<u64>,
+    /// Reads that returned bytes, ever (a poller tells progress by it).
+    pub reads: u64,
+}
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Start,
+    Header {
+        buf: [u8; HEADER_LEN],
+        got: usize,
+    },
+    /// A header whose message has no receive yet, waiting up to EARLY_GRACE.
+    Early {
+        key: Key,
+        len: u64,
+        since: Instant,
+    },
+    Body {
+        len: u64,
+        got: u64,
+        into: Into,
+    },
+    Reason {
+        buf: Vec<u8>,
+        got: usize,
+    },
+}
+
+enum Into {
+    Posted(PostedRecv),
+    /// Bytes not yet folded wait in the bounce buffer (`pending` of them).
+    Folded(PostedRecv, usize),
+    Early(Key, Vec<u8>),
+    Drain(PostedRecv),
+}
+
+/// Why a pump stopped.
+#[derive(Debug, PartialEq)]
+pub enum Stop {
+    /// Nothing more to read for now.
+    Drained,
+    /// A large message waits for its receive: read no further until one is
+    /// posted or the grace (this much longer) passes.
+    Early(Duration),
+    /// The peer said why it gives up; it closes the connection next.
+    Reason(Error),
+    /// The connection ended, cleanly between frames.
+    End,
+}
+
+impl Reader {
+    /// Read and deliver what `conn` has, for `peer`'s `mailbox`. An error
+    /// (the connection failed, or ended within a frame) has already failed
+    /// the receive being filled.
+    pub fn pump(
+        &mut self,
+        conn: &Conn,
+        peer: usize,
+        mailbox: &Mutex<Mailbox>,
+        any: &Mutex<AnyPosted>,
+    ) -> io::Result<Stop> {
+        loop {
+            match self.step(conn, peer, mailbox, any) {
+                Ok(None) => {
+                    self.reads += 1;
+                    continue;
+                }
+                Ok(Some(stop)) => return Ok(stop),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Stop::Drained),
+                Err(e) => {
+                    if let State::Body { into: Into::Posted(p) | Into::Folded(p, _) | Into::Drain(p), .. } =
+                        std::mem::take(&mut self.state)
+                    {
+                        p.status.finish(Err(Error::peer_lost(e.to_string())));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn step(
+        &mut self,
+        conn: &Conn,
+        peer: usize,
+        mailbox: &Mutex<Mailbox>,
+        any: &Mutex<AnyPosted>,
+    ) -> io::Result<Option<Stop>> {
+        let Reader { state, bounce, .. } = self;
+        match state {
+            State::Start => {
+                let mut buf = [0u8; HEADER_LEN];
+                let got = read_some(conn, &mut buf)?;
+                if got == 0 {
+                    return Ok(Some(Stop::End));
+                }
+                *state = State::Header { buf, got };
+            }
+            State::Header { buf, got } => {
+                if *got < HEADER_LEN {
+                    let n = read_some(conn, &mut buf[*got..])?;
+                    if n == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    *got += n;
+                    return Ok(None);
+                }
+                let header =
+                    FrameHeader::decode(buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
+                if header.key.kind == KIND_ABORT {
+                    if header.len > ABORT_MAX {
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "oversized abort frame"));
+                    }
+                    *state = State::Reason { buf: vec![0; header.len as usize], got: 0 };
+                } else {
+                    *state = State::Early { key: header.key, len: header.len, since: Instant::now() };
+                }
+            }
+            State::Early { key, len, since } => {
+                let (key, len) = (*key, *len);
+                let into = match mailbox.lock().unwrap().on_header(key, len, any) {
+                    Delivery::Direct(p) if p.buf.fold.is_some() => Into::Folded(p, 0),
+                    Delivery::Direct(p) => Into::Posted(p),
+                    Delivery::Mismatch(p) => Into::Drain(p),
+                    Delivery::Stash => {
+                        let waited = since.elapsed();
+                        if len >= EARLY_GRACE_MIN_BYTES && waited < EARLY_GRACE {
+                            return Ok(Some(Stop::Early(EARLY_GRACE - waited)));
+                        }
+                        // The length is the peer's word: reserve only so much ahead.
+                        Into::Early(key, Vec::with_capacity(len.min(EARLY_RESERVE_MAX) as usize))
+                    }
+                };
+                *state = State::Body { len, got: 0, into };
+            }
+            State::Body { len, got, into } => {
+                if *got < *len {
+                    let n = fill(bounce, conn, *len, *got, into)?;
+                    if n == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    *got += n as u64;
+                    return Ok(None);
+                }
+                let State::Body { len, into, .. } = std::mem::take(state) else { unreachable!() };
+                match into {
+                    Into::Posted(p) => p.complete(len as usize, peer),
+                    Into::Folded(p, pending) => {
+                        fold_pending(bounce, &p, len as usize, pending);
+                        p.complete(len as usize, peer);
+                    }
+                    Into::Early(key, data) => mailbox.lock().unwrap().stash(key, data, any),
+                    Into::Drain(p) => fail_mismatch(p, len),
+                }
+            }
+            State::Reason { buf, got } => {
+                if *got < buf.len() {
+                    let n = read_some(conn, &mut buf[*got..])?;
+                    if n == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    *got += n;
+                    return Ok(None);
+                }
+                let why = String::from_utf8_lossy(buf).into_owned();
+                *state = State::Start;
+                return Ok(Some(Stop::Reason(Error::peer_lost(format!("gave up on the group: {why}")))));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Read more of a body (`got` of `len` so far) into where it goes.
+fn fill(bounce: &mut Vec<u64>, conn: &Conn, len: u64, got: u64, into: &mut Into) -> io::Result<usize> {
+    let left = (len - got) as usize;
+    match into {
+        Into::Posted(p) => {
+            let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(got as usize), left) };
+            read_some(conn, dst)
+        }
+        Into::Early(_, data) => {
+            let at = data.len();
+            data.resize(at + left.min(1 << 20), 0);
+            let n = read_some(conn, &mut data[at..]);
+            data.truncate(at + *n.as_ref().unwrap_or(&0));
+            n
+        }
+        Into::Drain(_) => {
+            let mut sink = [0u8; 64 << 10];
+            read_some(conn, &mut sink[..left.min(64 << 10)])
+        }
+        Into::Folded(p, pending) => {
+            let fold = p.buf.fold.as_ref().expect("a folded receive");
+            let piece = (FOLD_PIECE / fold.unit).max(1) * fold.unit;
+            bounce.resize(piece.div_ceil(8), 0);
+            let want = piece.min(*pending + left) - *pending;
+            let n = read_some(conn, &mut u64_bytes(bounce)[*pending..*pending + want])?;
+            *pending += n;
+            // Fold whole pieces (whole elements) as they complete.
+            if *pending == piece {
+                let at = got as usize + n - *pending;
+                let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(at), piece) };
+                fold.apply(dst, &u64_bytes(bounce)[..piece]);
+                *pending = 0;
+            }
+            Ok(n)
+        }
+    }
+}
+
+/// Fold the last, short piece of a folded body.
+fn fold_pending(bounce: &mut [u64], p: &PostedRecv, len: usize, pending: usize) {
+    if pending == 0 {
+        return;
+    }
+    let fold = p.buf.fold.as_ref().expect("a folded receive");
+    let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(len - pending), pending) };
+    fold.apply(dst, &u64_bytes(bounce)[..pending]);
+}
+
+/// One read, retried when interrupted.
+fn read_some(conn: &Conn, buf: &mut [u8]) -> io::Result<usize> {
+    if buf.is_empty() {
+        return Ok(0);
+    }
+    conn.read(buf)
+}

@@ -1,0 +1,358 @@
+//! The shared memory of a connection between two ranks on one host: two
+//! single-producer, single-consumer byte rings in one sealed memfd, one ring
+//! each way. Reads and writes never block: an empty or full ring says
+//! WouldBlock, and a side about to wait says so in the ring (`sleeps`) so
+//! that the other side wakes it after its next write or read (`conn.rs` does
+//! the waking, with an eventfd). Whoever publishes progress then reads the
+//! flag, and whoever sets the flag then re-checks progress: one of them
+//! always sees the other.
+
+use crate::error::{Error, Result};
+use std::io::{self, IoSlice};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Control block of a ring: one page, producer and consumer fields on their
+/// own cache lines.
+const CTL_BYTES: usize = 4096;
+const MAGIC: u64 = 0x5243_3130_5348_4d32; // "RC10SHM2"
+
+#[repr(C)]
+struct Ctl {
+    magic: AtomicU64,
+    capacity: AtomicU64,
+    closed: AtomicU32,
+    _p0: [u8; 64 - 20],
+    /// Bytes written so far (the producer's).
+    head: AtomicU64,
+    /// The producer waits for space: wake it after a read.
+    writer_sleeps: AtomicU32,
+    _p1: [u8; 64 - 12],
+    /// Bytes read so far (the consumer's).
+    tail: AtomicU64,
+    /// The consumer waits for data: wake it after a write.
+    reader_sleeps: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Ctl>() <= CTL_BYTES);
+
+/// A shared mapping of two rings; unmapped when the last user drops it.
+pub struct Segment {
+    base: *mut u8,
+    len: usize,
+    capacity: usize,
+}
+// The rings inside are only touched through atomics and the SPSC protocol.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    fn bytes_for(capacity: usize) -> usize {
+        2 * (CTL_BYTES + capacity)
+    }
+
+    /// A new anonymous, sealed segment with two empty rings of `capacity` bytes.
+    pub fn create(capacity: usize) -> Result<(Segment, OwnedFd)> {
+        assert!(capacity.is_power_of_two());
+        let fd = unsafe { libc::memfd_create(c"rustc10d".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(os_error("memfd_create"));
+        }
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let len = Self::bytes_for(capacity);
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(os_error("ftruncate"));
+        }
+        // A peer can neither shrink it under us (SIGBUS) nor change the seals.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(os_error("sealing the segment"));
+        }
+        let seg = Segment::map(fd.as_raw_fd(), len, capacity)?;
+        for side in 0..2 {
+            let ctl = seg.ctl(side);
+            ctl.capacity.store(capacity as u64, Ordering::Relaxed);
+            ctl.magic.store(MAGIC, Ordering::Release);
+        }
+        Ok((seg, fd))
+    }
+
+    /// Map a segment a peer created, after checking it is what it claims.
+    pub fn open(fd: &OwnedFd) -> Result<Segment> {
+        let raw = fd.as_raw_fd();
+        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::io("rustc10d: the shared-memory segment a peer sent is not sealed"));
+        }
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(raw, &mut st) } != 0 {
+            return Err(os_error("fstat"));
+        }
+        let len = st.st_size as usize;
+        if len < CTL_BYTES {
+            return Err(Error::io("rustc10d: malformed shared-memory segment from a peer"));
+        }
+        // Read the capacity from the first control block, then check it all.
+        let probe = Segment::map(raw, CTL_BYTES, 0)?;
+        let (magic, capacity) =
+            (probe.ctl(0).magic.load(Ordering::Acquire), probe.ctl(0).capacity.load(Ordering::Relaxed) as usize);
+        drop(probe);
+        if magic != MAGIC || !capacity.is_power_of_two() || Self::bytes_for(capacity) != len {
+            return Err(Error::io("rustc10d: malformed shared-memory segment from a peer"));
+        }
+        Segment::map(raw, len, capacity)
+    }
+
+    fn map(fd: RawFd, len: usize, capacity: usize) -> Result<Segment> {
+        let base = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        if base == libc::MAP_FAILED {
+            return Err(os_error("mmap"));
+        }
+        Ok(Segment { base: base.cast(), len, capacity })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Ring `side` (0: written by the dialling rank, 1: by the accepting one).
+    pub fn ring(&self, side: usize) -> Ring<'_> {
+        Ring { seg: self, side }
+    }
+
+    fn ring_base(&self, side: usize) -> *mut u8 {
+        unsafe { self.base.add(side * (CTL_BYTES + self.capacity)) }
+    }
+
+    fn ctl(&self, side: usize) -> &Ctl {
+        unsafe { &*(self.ring_base(side) as *const Ctl) }
+    }
+
+    fn data(&self, side: usize) -> *mut u8 {
+        unsafe { self.ring_base(side).add(CTL_BYTES) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// One direction of a segment. At most one thread writes and one reads at a
+/// time (the connection serialises each side with a lock).
+pub struct Ring<'a> {
+    seg: &'a Segment,
+    side: usize,
+}
+
+impl Ring<'_> {
+    fn ctl(&self) -> &Ctl {
+        self.seg.ctl(self.side)
+    }
+
+    /// No more bytes go in; the consumer still drains what is there.
+    pub fn close(&self) {
+        self.ctl().closed.store(1, Ordering::SeqCst);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.ctl().closed.load(Ordering::Acquire) != 0
+    }
+
+    /// Bytes ready to read, checked against a peer that scribbles on the positions.
+    fn filled(&self, tail: u64) -> io::Result<usize> {
+        let n = self.ctl().head.load(Ordering::Acquire).wrapping_sub(tail);
+        if n > self.seg.capacity as u64 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "corrupt shared-memory ring"));
+        }
+        Ok(n as usize)
+    }
+
+    /// Whether a read would find something (bytes, or the end).
+    pub fn readable(&self) -> bool {
+        let tail = self.ctl().tail.load(Ordering::Relaxed);
+        self.filled(tail).map_or(true, |n| n > 0) || self.is_closed()
+    }
+
+    /// Copy out what is there: WouldBlock when empty, Ok(0) once closed and drained.
+    pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let c = self.ctl();
+        let cap = self.seg.capacity;
+        let tail = c.tail.load(Ordering::Relaxed);
+        let filled = match self.filled(tail)? {
+            // Bytes written just before the close still count.
+            0 if self.is_closed() => match self.filled(tail)? {
+                0 => return Ok(0),
+                n => n,
+            },
+            0 => return Err(io::ErrorKind::WouldBlock.into()),
+            n => n,
+        };
+        let n = filled.min(buf.len());
+        let at = (tail as usize) & (cap - 1);
+        let first = n.min(cap - at);
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.seg.data(self.side).add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.seg.data(self.side), buf.as_mut_ptr().add(first), n - first);
+        }
+        c.tail.store(tail + n as u64, Ordering::SeqCst);
+        Ok(n)
+    }
+
+    /// Whether a write would find room (or the end).
+    pub fn writable(&self) -> bool {
+        self.room() > 0 || self.is_closed()
+    }
+
+    fn room(&self) -> usize {
+        let c = self.ctl();
+        let used = c.head.load(Ordering::Relaxed).wrapping_sub(c.tail.load(Ordering::Acquire)) as usize;
+        self.seg.capacity - used.min(self.seg.capacity)
+    }
+
+    /// Copy in as much of `bufs` as fits: WouldBlock when full, BrokenPipe once closed.
+    pub fn write(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        if self.is_closed() {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
+            return Ok(0);
+        }
+        let room = self.room();
+        if room == 0 {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let c = self.ctl();
+        let cap = self.seg.capacity;
+        let head = c.head.load(Ordering::Relaxed);
+        let mut pos = head;
+        let mut left = room.min(total);
+        for b in bufs {
+            let mut src: &[u8] = b;
+            while left > 0 && !src.is_empty() {
+                let at = (pos as usize) & (cap - 1);
+                let n = src.len().min(left).min(cap - at);
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.seg.data(self.side).add(at), n) };
+                src = &src[n..];
+                pos += n as u64;
+                left -= n;
+            }
+        }
+        c.head.store(pos, Ordering::SeqCst);
+        Ok((pos - head) as usize)
+    }
+
+    /// The consumer is about to wait: true if it really must (nothing to read).
+    pub fn reader_waits(&self) -> bool {
+        announce(&self.ctl().reader_sleeps, || !self.readable())
+    }
+
+    pub fn reader_woke(&self) {
+        self.ctl().reader_sleeps.store(0, Ordering::Relaxed);
+    }
+
+    /// The producer is about to wait: true if it really must (no room).
+    pub fn writer_waits(&self) -> bool {
+        announce(&self.ctl().writer_sleeps, || !self.writable())
+    }
+
+    pub fn writer_woke(&self) {
+        self.ctl().writer_sleeps.store(0, Ordering::Relaxed);
+    }
+
+    /// After a write: whether the consumer waits to be woken.
+    pub fn reader_asleep(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.ctl().reader_sleeps.load(Ordering::SeqCst) != 0
+    }
+
+    /// After a read: whether the producer waits to be woken.
+    pub fn writer_asleep(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.ctl().writer_sleeps.load(Ordering::SeqCst) != 0
+    }
+}
+
+/// Set `flag`, then re-check: keep it set (and wait) only if `must_wait` still holds.
+fn announce(flag: &AtomicU32, must_wait: impl Fn() -> bool) -> bool {
+    flag.store(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    if must_wait() {
+        return true;
+    }
+    flag.store(0, Ordering::Relaxed);
+    false
+}
+
+fn os_error(what: &str) -> Error {
+    Error::io(format!("rustc10d: {what} failed: {}", io::Error::last_os_error()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rings(capacity: usize) -> (Segment, Segment) {
+        let (seg, fd) = Segment::create(capacity).unwrap();
+        let other = Segment::open(&fd).unwrap();
+        (seg, other)
+    }
+
+    #[test]
+    fn bytes_arrive_in_order_across_wraps_without_blocking() {
+        let (a, b) = rings(64 << 10);
+        let data: Vec<u8> = (0..1_000_003u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let (w, r) = (a.ring(0), b.ring(0));
+        let (mut sent, mut got) = (0, Vec::new());
+        let mut buf = vec![0u8; 40_961];
+        while got.len() < data.len() {
+            // Header and payload in one call, like frames.
+            let chunk = &data[sent..(sent + 40_961).min(data.len())];
+            let (h, p) = chunk.split_at(chunk.len().min(32));
+            match w.write(&[IoSlice::new(h), IoSlice::new(p)]) {
+                Ok(n) => sent += n,
+                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+            }
+            match r.read(&mut buf) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+            }
+        }
+        assert!(got == data);
+        assert_eq!(r.read(&mut buf).unwrap_err().kind(), io::ErrorKind::WouldBlock, "empty, not ended");
+        w.close();
+        assert_eq!(r.read(&mut buf).unwrap(), 0, "EOF after close and drain");
+        assert_eq!(w.write(&[IoSlice::new(&[1])]).unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    #[test]
+    fn a_waiting_side_is_seen_by_the_other() {
+        let (a, b) = rings(64 << 10);
+        let (w, r) = (a.ring(1), b.ring(1));
+        assert!(r.reader_waits(), "empty: the reader waits");
+        w.write(&[IoSlice::new(b"hello")]).unwrap();
+        assert!(w.reader_asleep(), "the writer sees it must wake the reader");
+        r.reader_woke();
+        assert!(!r.reader_waits(), "data is there: no wait");
+        assert!(!w.reader_asleep());
+        let full = vec![0u8; 64 << 10];
+        w.write(&[IoSlice::new(&full)]).unwrap();
+        assert!(w.writer_waits(), "full: the writer waits");
+        r.read(&mut [0u8; 100]).unwrap();
+        assert!(r.writer_asleep(), "the reader sees it must wake the writer");
+    }
+
+    #[test]
+    fn segments_are_checked() {
+        let raw = unsafe { libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC) };
+        let plain = unsafe { OwnedFd::from_raw_fd(raw) };
+        assert!(Segment::open(&plain).is_err(), "an unsealed memfd is refused");
+    }
+}
