@@ -46,7 +46,7 @@ print("|".join(ext.library_paths()))
             panic!("rustc10d: unexpected torch probe output: {text}");
         };
 
-        let mut b = cxx_build::bridge("src/ffi.rs");
+        let mut b = cxx_build::bridge("src/ffi/mod.rs");
         let include_dirs: Vec<&str> = includes.split('|').collect();
         let mut features = Vec::new();
         for (feature, has) in probe_torch_features(&include_dirs) {

@@ -5,7 +5,7 @@
 #pragma once
 #include "rustc10d/cpp/shim.h"
 #include "rustc10d/cpp/torch_compat.h"
-#include "rustc10d/src/ffi.rs.h"
+#include "rustc10d/src/ffi/mod.rs.h"
 
 #include <ATen/core/ivalue.h>
 #include <atomic>

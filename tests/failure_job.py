@@ -170,8 +170,21 @@ def error_kinds(store, rank, world):
     report(**kinds)
 
 
+def options_apply(store, rank, world):
+    """rustc10d.Options given to init_process_group and to new_group set each group's
+    settings (here the transport: TCP for the world, shared memory for a subgroup); anything
+    but rustc10d.Options is refused."""
+    init(store, rank, world, options=rustc10d.Options(transport="tcp", spin_us=0))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    group = dist.new_group(list(range(world)), pg_options=rustc10d.Options(transport="shm"))
+    dist.all_reduce(t, group=group)
+    wrong = timed_failure(lambda: dist.new_group(list(range(world)), pg_options=object()))
+    report(world_links=rustc10d.links(), group_links=rustc10d.links(group), sum=t.tolist(), wrong=wrong)
+
+
 SCENARIOS = {f.__name__: f for f in (sigkill, injected, dropped, recv_times_out, stall_times_out, mismatch,
-                                      destroy_cleans_up, settings_differ, bad_setting, error_kinds)}
+                                      destroy_cleans_up, settings_differ, bad_setting, error_kinds, options_apply)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

@@ -143,3 +143,13 @@ def test_each_kind_of_failure_raises_the_exception_torch_would(tmp_path):
     }
     for kind, start in want.items():
         assert r[kind]["raised"] and r[kind]["error"].startswith(start), (kind, r[kind])
+
+
+def test_options_set_each_groups_settings(tmp_path):
+    results, procs = run("options_apply", 2, tmp_path)
+    for rank in range(2):
+        r = results[rank]
+        peer = str(1 - rank)  # JSON keys are strings
+        assert r["world_links"] == {peer: "tcp"} and r["group_links"] == {peer: "shm"}, r
+        assert r["sum"] == [4.0] * 4, r
+        assert r["wrong"]["error"] == "TypeError: rustc10d: pg_options must be rustc10d.Options, got object", r

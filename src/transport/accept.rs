@@ -11,7 +11,7 @@ use super::conn::{Conn, ShmConn};
 use super::dial::HANDSHAKE_TIMEOUT;
 use super::fdpass::{eventfd, recv_fds, send_fds};
 use super::frame::{Hello, HELLO_LEN};
-use super::mesh::Core;
+use super::mesh_core::Core;
 use super::reactor::{Source, Token, READABLE};
 use super::ring::Segment;
 use crate::error::{Error, Result};

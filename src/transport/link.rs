@@ -7,7 +7,7 @@
 
 use super::conn::{Conn, Watch};
 use super::frame::{FrameHeader, Key, HEADER_LEN};
-use super::mesh::Core;
+use super::mesh_core::Core;
 use super::peer::{ConnId, Event};
 use super::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
 use super::reader::{Reader, Stop};

@@ -11,6 +11,7 @@ pub mod frame;
 mod link;
 pub mod mailbox;
 pub mod mesh;
+mod mesh_core;
 pub mod peer;
 pub mod reactor;
 mod reader;

@@ -1,0 +1,136 @@
+//! The engine behind a torch Backend, and an op behind a torch Work, as the
+//! shim calls them.
+
+use super::bridge::{self, Call, OpKind, WaitOutcome};
+use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
+use super::{Group, Op};
+use crate::engine::{OpHandle, StagedBuffer, Staging, Waited};
+use crate::error::Result;
+use crate::ops::{self, SparseGathered};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+impl Group {
+    pub(crate) fn staging(&self, call: &Call, done: &cxx::UniquePtr<bridge::Completion>) -> Option<Staging> {
+        let completion = done.as_ref()? as *const bridge::Completion;
+        (!call.staged.is_empty()).then(|| Staging {
+            buffers: call
+                .staged
+                .iter()
+                .map(|s| StagedBuffer {
+                    host: buf(&s.host),
+                    copy_in: s.copy_in,
+                    copy_out: s.copy_out,
+                    contiguous: s.contiguous,
+                })
+                .collect(),
+            device: Box::new(ShimDevice(completion)),
+            piece_bytes: self.cfg.stage_piece_bytes,
+        })
+    }
+
+    // Safety of the raw buffers: the Completion owns the tensors and is
+    // dropped only when the engine finishes the op.
+    pub(crate) fn issue(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Result<OpHandle> {
+        let staging = self.staging(call, &done);
+        let e = &self.engine;
+        match op_kind(call.kind)? {
+            ops::OpKind::Send => {
+                let ready = staging.map(|s| s.send_in()).transpose()?;
+                let ready = ready.map(|wait| -> crate::transport::Ready {
+                    Box::new(move || wait().map_err(|e| e.context("rustc10d: send could not stage its tensor")))
+                });
+                let dst = rank(call.root, "destination")?;
+                let input = first(&call.inputs, "input")?;
+                unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, finish_with(done, None, None)) }
+            }
+            ops::OpKind::Recv => {
+                // A negative source: any source (torch's recvAnysource).
+                let src = if call.root < 0 { None } else { Some(rank(call.root, "source")?) };
+                let out = first(&call.outputs, "output")?;
+                unsafe { e.recv(out, src, call.tag, timeout(call.timeout_ms), finish_with(done, None, staging)) }
+            }
+            _ => {
+                let sparse = Arc::new(Mutex::new(SparseGathered::default()));
+                let parts = collectives(call, &sparse)?;
+                let is_sparse = call.kind == OpKind::AllReduceSparse;
+                // A monitored barrier's timeout is rank 0's wait; the op runs with the group's.
+                let op_timeout = if call.kind == OpKind::MonitoredBarrier { None } else { timeout(call.timeout_ms) };
+                let done = finish_with(done, is_sparse.then_some(sparse), None);
+                unsafe { e.submit(parts, op_timeout, staging, done) }
+            }
+        }
+    }
+
+    pub(crate) fn submit(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
+        Box::new(match self.issue(call, done) {
+            Ok(handle) => Op { handle, at_issue: false },
+            Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
+        })
+    }
+
+    pub(crate) fn start_coalescing(&self) -> Result<()> {
+        self.engine.start_coalescing()
+    }
+
+    pub(crate) fn end_coalescing(&self, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
+        Box::new(match self.engine.end_coalescing(finish_with(done, None, None)) {
+            Ok(handle) => Op { handle, at_issue: false },
+            Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
+        })
+    }
+
+    pub(crate) fn sequence_number(&self) -> u64 {
+        self.engine.sequence_number()
+    }
+
+    pub(crate) fn set_timeout(&self, timeout_ms: i64) {
+        self.engine.set_timeout(Duration::from_millis(timeout_ms.max(0) as u64));
+    }
+
+    pub(crate) fn shutdown(&self) {
+        self.engine.shutdown();
+    }
+
+    pub(crate) fn cuda_allowed(&self) -> bool {
+        self.cfg.cuda
+    }
+
+    pub(crate) fn test_staging(&self) -> bool {
+        self.cfg.test_staging
+    }
+}
+
+impl Op {
+    pub(crate) fn is_done(&self) -> bool {
+        self.handle.is_done()
+    }
+
+    pub(crate) fn failed_at_issue(&self) -> bool {
+        self.at_issue
+    }
+
+    pub(crate) fn wait(&self, timeout_ms: i64) -> WaitOutcome {
+        match self.handle.wait(timeout(timeout_ms)) {
+            Waited::Done => WaitOutcome::Done,
+            Waited::Failed(_) => WaitOutcome::Failed,
+            Waited::TimedOut => WaitOutcome::TimedOut,
+        }
+    }
+
+    pub(crate) fn error_kind(&self) -> bridge::ErrorKind {
+        self.handle.error().map_or(bridge::ErrorKind::Io, |e| e.kind.into())
+    }
+
+    pub(crate) fn error_message(&self) -> String {
+        self.handle.error().map(|e| e.message).unwrap_or_default()
+    }
+
+    pub(crate) fn source_rank(&self) -> i64 {
+        self.handle.source_rank()
+    }
+
+    pub(crate) fn seq(&self) -> u64 {
+        self.handle.seq()
+    }
+}

@@ -1,0 +1,245 @@
+//! The cxx bridge: typed all the way. The C++ shim translates tensors and
+//! options into a `Call` and submits it; the engine calls back to finish ops,
+//! to move staged tensors with the shim's device primitives, and to use the
+//! Store. Enums are shared with C++ with the core's own values.
+
+mod group;
+mod translate;
+
+use crate::config::Config;
+use crate::dtype;
+use crate::engine::{Engine, OpHandle};
+use crate::error::{self, Error, Result};
+use crate::ops;
+use crate::rendezvous::Store;
+use std::time::Duration;
+
+#[cxx::bridge(namespace = "rustc10d")]
+pub mod bridge {
+    /// Element type; `Opaque`: one an op only moves (never reduces).
+    #[repr(u8)]
+    enum DType {
+        Float32,
+        Float64,
+        Float16,
+        BFloat16,
+        Int8,
+        UInt8,
+        Int16,
+        Int32,
+        Int64,
+        Bool,
+        Opaque = 255,
+    }
+
+    /// c10d's RedOpType, same values.
+    #[repr(u8)]
+    enum ReduceOpCode {
+        Sum,
+        Avg,
+        Product,
+        Min,
+        Max,
+        BAnd,
+        BOr,
+        BXor,
+        PremulSum,
+    }
+
+    #[repr(u8)]
+    enum OpKind {
+        AllReduce,
+        Reduce,
+        Broadcast,
+        AllGather,
+        Gather,
+        Scatter,
+        ReduceScatter,
+        AllToAll,
+        Barrier,
+        MonitoredBarrier,
+        AllReduceSparse,
+        Send,
+        Recv,
+    }
+
+    #[repr(u8)]
+    enum WaitOutcome {
+        Done,
+        Failed,
+        TimedOut,
+    }
+
+    /// What went wrong; it picks the Python exception the shim raises.
+    #[repr(u8)]
+    enum ErrorKind {
+        InvalidArgument,
+        Unsupported,
+        Timeout,
+        PeerLost,
+        Io,
+        Aborted,
+        Mismatch,
+    }
+
+    /// A contiguous byte range of host memory (a CPU tensor's storage, or a
+    /// device tensor's host copy).
+    struct TensorDesc {
+        ptr: usize,
+        nbytes: usize,
+        dtype: DType,
+    }
+
+    /// A device tensor the op works on through `host`, its pinned host copy.
+    struct StagedDesc {
+        host: TensorDesc,
+        /// The op reads it: bring it to the host first.
+        copy_in: bool,
+        /// The op writes it: copy it back once the op has succeeded.
+        copy_out: bool,
+        /// Byte ranges of the host copy are byte ranges of the device tensor.
+        contiguous: bool,
+    }
+
+    /// One call of a torch.distributed op, as descriptors. Per kind:
+    /// AllReduce: `outputs` (in place), one collective each. Reduce,
+    /// Broadcast: `outputs[0]`. AllGather: `inputs`, and `outputs` W blocks
+    /// per input. Gather: `inputs[0]`, W `outputs` at the root. Scatter: W
+    /// `inputs` at the root, `outputs[0]`. ReduceScatter: W `inputs` blocks
+    /// per output. AllToAll: W of each. AllReduceSparse: `inputs` = indices,
+    /// values. Send: `inputs[0]`; Recv: `outputs[0]`.
+    struct Call {
+        kind: OpKind,
+        inputs: Vec<TensorDesc>,
+        outputs: Vec<TensorDesc>,
+        /// The root of a rooted collective; the peer of a send or receive (-1: any source).
+        root: i64,
+        tag: i64,
+        reduce: ReduceOpCode,
+        /// PREMUL_SUM's factor.
+        premul: f64,
+        /// Monitored barrier: report every missing rank.
+        wait_all: bool,
+        /// Sparse all-reduce: bytes per row of indices and of values.
+        index_row: usize,
+        value_row: usize,
+        /// Negative: the group's timeout. A monitored barrier's is rank 0's wait.
+        timeout_ms: i64,
+        staged: Vec<StagedDesc>,
+    }
+
+    extern "Rust" {
+        type Group;
+        type Op;
+
+        /// Hand a call to the engine. An op refused at once (bad input) comes
+        /// back failed, with `failed_at_issue`.
+        fn submit(self: &Group, call: &Call, done: UniquePtr<Completion>) -> Box<Op>;
+        fn start_coalescing(self: &Group) -> Result<()>;
+        /// One op for every op issued since start_coalescing.
+        fn end_coalescing(self: &Group, done: UniquePtr<Completion>) -> Box<Op>;
+        fn sequence_number(self: &Group) -> u64;
+        fn set_timeout(self: &Group, timeout_ms: i64);
+        fn shutdown(self: &Group);
+        /// Config::cuda: CUDA tensors are accepted.
+        fn cuda_allowed(self: &Group) -> bool;
+        /// Config::test_staging: CPU tensors are staged like CUDA tensors.
+        fn test_staging(self: &Group) -> bool;
+
+        fn is_done(self: &Op) -> bool;
+        fn failed_at_issue(self: &Op) -> bool;
+        fn wait(self: &Op, timeout_ms: i64) -> WaitOutcome;
+        fn error_kind(self: &Op) -> ErrorKind;
+        fn error_message(self: &Op) -> String;
+        fn source_rank(self: &Op) -> i64;
+        fn seq(self: &Op) -> u64;
+    }
+
+    unsafe extern "C++" {
+        include!("rustc10d/cpp/shim.h");
+        type StoreRef;
+        type Completion;
+
+        fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
+        fn store_get(store: &StoreRef, key: &str, timeout_ms: i64) -> Result<Vec<u8>>;
+        fn store_add(store: &StoreRef, key: &str, delta: i64) -> Result<i64>;
+        fn store_host(store: &StoreRef) -> String;
+        fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
+
+        /// Finish the op: its future, its Work, its tensors (error empty: success).
+        fn complete(done: UniquePtr<Completion>, kind: ErrorKind, error: &str);
+        /// Finish a sparse all-reduce: every rank's rows, to be added up.
+        fn complete_sparse(done: UniquePtr<Completion>, rows: &[u64], indices: &[u8], values: &[u8]);
+
+        /// Device primitives on staged buffer `buffer` (by index into Call::staged).
+        /// Queue bytes [start, start + len) to the host after the caller's
+        /// queued work; the event marks it done.
+        fn to_host(done: &Completion, buffer: usize, start: usize, len: usize) -> Result<u64>;
+        fn wait_event(done: &Completion, event: u64) -> Result<()>;
+        /// Queue bytes [start, start + len) back to the device.
+        fn to_device(done: &Completion, buffer: usize, start: usize, len: usize) -> Result<()>;
+
+        fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
+    }
+}
+
+use bridge::{OpKind, ReduceOpCode};
+
+// Torch's Store and the tensors a Completion holds are safe to use and
+// release from any thread.
+unsafe impl Send for bridge::Completion {}
+unsafe impl Send for bridge::StoreRef {}
+unsafe impl Sync for bridge::StoreRef {}
+
+pub use bridge::{backend_to_python, store_from_python, store_host, StoreRef};
+
+impl Store for StoreRef {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        bridge::store_set(self, key, value).map_err(|e| Error::io(format!("store set {key}: {e}")))
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        bridge::store_get(self, key, timeout.as_millis() as i64)
+            .map_err(|e| Error::timeout(format!("store get {key}: {e}")))
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        bridge::store_add(self, key, delta).map_err(|e| Error::io(format!("store add {key}: {e}")))
+    }
+}
+
+/// A process group's engine and the settings the shim asks about.
+pub struct Group {
+    pub engine: Engine,
+    pub cfg: Config,
+}
+
+pub struct Op {
+    handle: OpHandle,
+    /// Refused at once (bad input): the shim raises instead of returning a Work.
+    at_issue: bool,
+}
+
+impl From<error::ErrorKind> for bridge::ErrorKind {
+    fn from(k: error::ErrorKind) -> Self {
+        use error::ErrorKind as K;
+        match k {
+            K::InvalidArgument => Self::InvalidArgument,
+            K::Unsupported => Self::Unsupported,
+            K::Timeout => Self::Timeout,
+            K::PeerLost => Self::PeerLost,
+            K::Io => Self::Io,
+            K::Aborted => Self::Aborted,
+            K::Mismatch => Self::Mismatch,
+        }
+    }
+}
+
+// The shared enums carry the core's values (checked when the shim is built).
+const _: () = {
+    use dtype::{DType as D, ReduceOp as R};
+    use ops::OpKind as K;
+    assert!(bridge::DType::Float32.repr == D::F32 as u8 && bridge::DType::Bool.repr == D::Bool as u8);
+    assert!(bridge::DType::BFloat16.repr == D::BF16 as u8 && bridge::DType::Int64.repr == D::I64 as u8);
+    assert!(ReduceOpCode::Sum.repr == R::Sum as u8 && ReduceOpCode::BXor.repr == R::BXor as u8);
+    assert!(OpKind::AllReduce.repr == K::AllReduce as u8 && OpKind::Recv.repr == K::Recv as u8);
+    assert!(OpKind::AllReduceSparse.repr == K::AllReduceSparse as u8);
+};

@@ -1,0 +1,177 @@
+//! From a `Call` to the engine's terms: descriptors into buffers and
+//! collectives, results back into the shim's completion, and the shim's
+//! device primitives as the engine's `Device`.
+
+use super::bridge::{self, Call, OpKind, ReduceOpCode};
+use crate::algorithms::RawBuf;
+use crate::dtype;
+use crate::engine::{Device, Event, Staging};
+use crate::error::{Error, Result};
+use crate::ops::{self, Collective, Reduction, SparseGathered};
+use crate::status::Callback;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub(super) fn dtype_of(d: bridge::DType) -> Result<dtype::DType> {
+    dtype::DType::ALL
+        .get(d.repr as usize)
+        .copied()
+        .ok_or_else(|| Error::unsupported("rustc10d does not support reductions on this dtype yet"))
+}
+
+pub(super) fn op_kind(k: OpKind) -> Result<ops::OpKind> {
+    ops::OpKind::from_code(k.repr).ok_or_else(|| Error::invalid(format!("rustc10d: unknown op kind {}", k.repr)))
+}
+
+/// A timeout from torch's options: negative is unset (torch's kUnsetTimeout,
+/// the group's timeout applies); zero is a real, zero timeout.
+pub(super) fn timeout(ms: i64) -> Option<Duration> {
+    u64::try_from(ms).ok().map(Duration::from_millis)
+}
+
+pub(super) fn buf(t: &bridge::TensorDesc) -> RawBuf {
+    RawBuf::new(t.ptr as *mut u8, t.nbytes)
+}
+
+pub(super) fn bufs(ts: &[bridge::TensorDesc]) -> Vec<RawBuf> {
+    ts.iter().map(buf).collect()
+}
+
+pub(super) fn rank(r: i64, what: &str) -> Result<usize> {
+    usize::try_from(r).map_err(|_| Error::invalid(format!("rustc10d: {what} rank {r} is negative")))
+}
+
+pub(super) fn reduction(t: &bridge::TensorDesc, call: &Call) -> Result<Reduction> {
+    let dtype = dtype_of(t.dtype)?;
+    if call.reduce == ReduceOpCode::PremulSum {
+        return Ok(Reduction { dtype, op: dtype::ReduceOp::Sum, premul: Some(call.premul) });
+    }
+    Ok(Reduction::new(dtype, dtype::ReduceOp::from_code(call.reduce.repr)?))
+}
+
+/// Cut a flat list into `parts` equal groups (one per coalesced tensor).
+pub(super) fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>> {
+    if parts == 0 || !ts.len().is_multiple_of(parts) {
+        return Err(Error::invalid(format!("rustc10d: {} tensors do not split into {parts} calls", ts.len())));
+    }
+    Ok(ts.chunks(ts.len() / parts).map(bufs).collect())
+}
+
+pub(super) fn first(ts: &[bridge::TensorDesc], what: &str) -> Result<RawBuf> {
+    ts.first().map(buf).ok_or_else(|| Error::invalid(format!("rustc10d: the call has no {what} tensor")))
+}
+
+/// A reduction reduces tensors of one dtype.
+pub(super) fn same_dtype(kind: ops::OpKind, ts: impl IntoIterator<Item = bridge::DType>) -> Result<()> {
+    let mut ts = ts.into_iter();
+    let first = ts.next();
+    if ts.any(|d| Some(d) != first) {
+        return Err(Error::invalid(format!("rustc10d: {}: all tensors must have the same dtype", kind.name())));
+    }
+    Ok(())
+}
+
+/// The collectives of a call (see `Call`'s layouts).
+pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> Result<Vec<Collective>> {
+    let (ins, outs) = (&call.inputs[..], &call.outputs[..]);
+    let root = || rank(call.root, "root");
+    let kind = op_kind(call.kind)?;
+    if matches!(kind, ops::OpKind::AllReduce | ops::OpKind::ReduceScatter) {
+        same_dtype(kind, ins.iter().chain(outs).map(|t| t.dtype))?;
+    }
+    Ok(match kind {
+        ops::OpKind::AllReduce => outs
+            .iter()
+            .map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, call)? }))
+            .collect::<Result<_>>()?,
+        ops::OpKind::Reduce => {
+            let t = outs.first().ok_or_else(|| Error::invalid("rustc10d: reduce takes one tensor"))?;
+            vec![Collective::Reduce { buf: buf(t), root: root()?, red: reduction(t, call)? }]
+        }
+        ops::OpKind::Broadcast => vec![Collective::Broadcast { buf: first(outs, "output")?, root: root()? }],
+        ops::OpKind::AllGather => ins
+            .iter()
+            .zip(per_part(outs, ins.len())?)
+            .map(|(i, outputs)| Collective::AllGather { input: buf(i), outputs })
+            .collect(),
+        ops::OpKind::Gather => {
+            vec![Collective::Gather { input: first(ins, "input")?, outputs: bufs(outs), root: root()? }]
+        }
+        ops::OpKind::Scatter => {
+            vec![Collective::Scatter { inputs: bufs(ins), output: first(outs, "output")?, root: root()? }]
+        }
+        ops::OpKind::ReduceScatter => outs
+            .iter()
+            .zip(per_part(ins, outs.len())?)
+            .map(|(o, inputs)| Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, call)? }))
+            .collect::<Result<_>>()?,
+        ops::OpKind::AllToAll => vec![Collective::AllToAll { inputs: bufs(ins), outputs: bufs(outs) }],
+        ops::OpKind::Barrier => vec![Collective::Barrier],
+        ops::OpKind::MonitoredBarrier => {
+            vec![Collective::MonitoredBarrier { wait_all: call.wait_all, timeout: timeout(call.timeout_ms) }]
+        }
+        ops::OpKind::AllReduceSparse => {
+            let [indices, values] = ins else {
+                return Err(Error::invalid("rustc10d: a sparse all-reduce takes indices and values"));
+            };
+            vec![Collective::AllReduceSparse {
+                indices: buf(indices),
+                values: buf(values),
+                index_row: call.index_row,
+                value_row: call.value_row,
+                dtype: dtype_of(values.dtype).unwrap_or(dtype::DType::U8),
+                out: sparse.clone(),
+            }]
+        }
+        ops::OpKind::Send | ops::OpKind::Recv => unreachable!("point-to-point calls are not collectives"),
+    })
+}
+
+/// Finishing an op completes its torch future (and releases its tensors);
+/// a sparse all-reduce hands over what it gathered, a staged receive first
+/// queues its result back to the device.
+pub(super) fn finish_with(
+    done: cxx::UniquePtr<bridge::Completion>,
+    sparse: Option<Arc<Mutex<SparseGathered>>>,
+    staged_out: Option<Staging>,
+) -> Callback {
+    Box::new(move |r: &Result<i64>| {
+        let r = match (r, staged_out) {
+            (Ok(_), Some(mut staging)) => staging.all_out().map(|()| 0),
+            (r, _) => r.clone(),
+        };
+        match (r, sparse) {
+            (Ok(_), Some(out)) => {
+                let out = std::mem::take(&mut *out.lock().unwrap());
+                bridge::complete_sparse(done, &out.rows, &out.indices, &out.values)
+            }
+            (Ok(_), None) => bridge::complete(done, bridge::ErrorKind::Io, ""),
+            (Err(e), _) => bridge::complete(done, e.kind.into(), &e.message),
+        }
+    })
+}
+
+/// The shim's device primitives for one op's staged buffers.
+pub(super) struct ShimDevice(pub(super) *const bridge::Completion);
+
+// The Completion lives in the op's callback, which runs only after staging is
+// done with (for a send: after its ready).
+unsafe impl Send for ShimDevice {}
+
+impl ShimDevice {
+    fn call<T>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
+        f(unsafe { &*self.0 }).map_err(|e| Error::io(e.what().to_string()))
+    }
+}
+
+impl Device for ShimDevice {
+    fn to_host(&mut self, index: usize, start: usize, len: usize) -> Result<Event> {
+        self.call(|c| bridge::to_host(c, index, start, len))
+    }
+    fn wait(&mut self, event: Event) -> Result<()> {
+        self.call(|c| bridge::wait_event(c, event))
+    }
+    fn to_device(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
+        self.call(|c| bridge::to_device(c, index, start, len))
+    }
+}

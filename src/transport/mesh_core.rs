@@ -1,0 +1,239 @@
+//! What every part of one group's mesh shares: the peers (each with its
+//! mailbox, its state machine and its connections), the reactor, and the
+//! carrying out of the peer state machine's actions. Links, the listening
+//! side and the Mesh reach each other through it.
+
+use super::accept::Listening;
+use super::conn::Conn;
+use super::dial::Dialler;
+use super::frame::Hello;
+use super::link::Link;
+use super::mailbox::{AnyPosted, Mailbox};
+use super::mesh::PeerAddr;
+use super::peer::{Action, ConnId, Event, Peer};
+use super::reactor::{Membership, Reactor, Token};
+use crate::error::{Error, Result};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a failed write waits for the peer's reason to give up to arrive.
+const WHY_GRACE: Duration = Duration::from_millis(50);
+/// How long telling a peer why this rank gives up may take.
+pub const TELL_GRACE: Duration = Duration::from_millis(100);
+
+/// What every part of the mesh shares.
+pub struct Core {
+    pub(super) me: Hello,
+    pub(super) addrs: Vec<PeerAddr>,
+    pub peers: Vec<PeerSlot>,
+    /// Receives posted for any peer (recv with src=None).
+    pub any: Mutex<AnyPosted>,
+    pub reactor: Arc<Reactor>,
+    /// Keeps the reactor running until this group shuts down.
+    pub(super) membership: Mutex<Option<Membership>>,
+    pub handshakes: AtomicUsize,
+    pub(super) listeners: Mutex<Vec<(Token, Arc<Listening>)>>,
+    pub(super) next_conn: AtomicU64,
+    pub(super) stopping: AtomicBool,
+    /// Why this rank gave up on the group (what it tells peers), once it has.
+    pub(super) gave_up: Mutex<Option<Vec<u8>>>,
+    pub(super) tcp_addr: SocketAddr,
+    pub(super) ring_bytes: Option<usize>,
+    pub(super) nsocks: usize,
+    /// How long a busy shared-memory connection is polled before waiting.
+    pub spin: Duration,
+}
+
+pub struct PeerSlot {
+    pub mailbox: Mutex<Mailbox>,
+    pub(super) state: Mutex<Peer>,
+    /// Notified when a connection is adopted or the peer is lost.
+    pub(super) linked: Condvar,
+    pub(super) links: Mutex<Vec<Arc<Link>>>,
+}
+
+pub(super) fn describe(addrs: &[PeerAddr], peer: usize) -> String {
+    let a = &addrs[peer];
+    match a.shm {
+        Some(_) => format!("rank {peer} ({}, shared memory)", a.tcp),
+        None => format!("rank {peer} ({})", a.tcp),
+    }
+}
+
+impl Core {
+    pub fn rank(&self) -> usize {
+        self.me.rank as usize
+    }
+
+    pub fn hello(&self) -> &Hello {
+        &self.me
+    }
+
+    pub fn describe(&self, peer: usize) -> String {
+        describe(&self.addrs, peer)
+    }
+
+    /// The connection to send to `peer` on (`lane` picks one of several),
+    /// dialling the peer first if there is none.
+    pub(super) fn lane(self: &Arc<Self>, peer: usize, lane: usize, deadline: Instant) -> Result<Arc<Link>> {
+        if peer == self.rank() || peer >= self.peers.len() {
+            return Err(Error::invalid(format!("rank {} cannot send to rank {peer}", self.rank())));
+        }
+        let slot = &self.peers[peer];
+        loop {
+            {
+                let state = slot.state.lock().unwrap();
+                if let Some(err) = state.lost() {
+                    return Err(err.clone());
+                }
+                if let Some(&id) = state.lanes().get(lane % state.lanes().len().max(1)) {
+                    let links = slot.links.lock().unwrap();
+                    if let Some(l) = links.iter().find(|l| l.id == id) {
+                        return Ok(l.clone());
+                    }
+                }
+            }
+            let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
+            match (&self.addrs[peer].shm, self.ring_bytes) {
+                (Some(name), Some(ring_bytes)) => {
+                    let conn = dialler.shm(name, ring_bytes)?;
+                    self.adopt(peer, conn);
+                }
+                _ => {
+                    for _ in 0..self.nsocks {
+                        let conn = dialler.tcp(self.addrs[peer].tcp, || self.stopping.load(Ordering::SeqCst))?;
+                        self.adopt(peer, conn);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Take a connection that passed its handshake into service.
+    pub fn adopt(self: &Arc<Self>, peer: usize, conn: Conn) {
+        let id = self.next_conn.fetch_add(1, Ordering::SeqCst);
+        let lanes = if conn.is_shm() { 1 } else { self.nsocks };
+        if self.stopping.load(Ordering::SeqCst) {
+            return conn.shutdown();
+        }
+        // Adopted before it reads, so that its end always comes after.
+        let link = Link::new(self, id, peer, conn);
+        self.peers[peer].links.lock().unwrap().push(link.clone());
+        self.peer_event(peer, Event::Adopted { conn: id, lanes });
+        if self.link(peer, id).is_some() {
+            if let Err(e) = link.start() {
+                let error = Error::peer_lost(format!("lost connection to {}: {}", self.describe(peer), e.message));
+                self.peer_event(peer, Event::Ended { conn: id, error: Some(error) });
+            }
+        }
+    }
+
+    /// Feed the peer's state machine and carry out what it says.
+    pub fn peer_event(self: &Arc<Self>, peer: usize, event: Event) {
+        let slot = &self.peers[peer];
+        let ended = match &event {
+            Event::Reason { conn, .. } | Event::Ended { conn, .. } => Some(*conn),
+            _ => None,
+        };
+        let gave_up = self.gave_up.lock().unwrap().is_some() || self.stopping.load(Ordering::SeqCst);
+        let actions = slot.state.lock().unwrap().on(event, gave_up);
+        let take = |conn: ConnId| {
+            let mut links = slot.links.lock().unwrap();
+            links.iter().position(|l| l.id == conn).map(|i| links.remove(i))
+        };
+        // Links that ended or are closed now: their queued sends fail, with the peer's loss if it is lost.
+        let mut closed: Vec<Arc<Link>> = ended.and_then(take).into_iter().collect();
+        let mut lost = None;
+        for action in actions {
+            match action {
+                Action::Send(_) => {}
+                Action::TellWhy(conn) => {
+                    let why = self.gave_up.lock().unwrap().clone().unwrap_or_default();
+                    if let Some(l) = self.link(peer, conn) {
+                        l.tell(&why, TELL_GRACE);
+                    }
+                }
+                Action::Close(conn) => {
+                    if let Some(link) = take(conn) {
+                        link.conn.shutdown();
+                        closed.push(link);
+                    }
+                }
+                Action::Lost(err) => {
+                    let waiting = slot.mailbox.lock().unwrap().close(err.clone());
+                    // A peer that closes while we expect nothing from it has just left the group.
+                    if !self.stopping.load(Ordering::SeqCst) {
+                        if waiting > 0 {
+                            tracing::warn!("rustc10d: rank {}: {}", self.rank(), err.message);
+                        } else {
+                            tracing::debug!("rustc10d: rank {}: {}", self.rank(), err.message);
+                        }
+                    }
+                    lost = Some(err);
+                }
+                Action::Await(error) => {
+                    let core = self.clone();
+                    self.reactor.after(WHY_GRACE, Box::new(move || core.peer_event(peer, Event::Awaited { error })));
+                }
+            }
+        }
+        let reason =
+            lost.unwrap_or_else(|| Error::peer_lost(format!("the connection to {} was closed", self.describe(peer))));
+        for link in closed {
+            link.close(&reason);
+        }
+        slot.linked.notify_all();
+    }
+
+    pub(super) fn link(&self, peer: usize, conn: ConnId) -> Option<Arc<Link>> {
+        self.peers[peer].links.lock().unwrap().iter().find(|l| l.id == conn).cloned()
+    }
+
+    pub(super) fn wait_linked(&self, peer: usize, deadline: Instant) -> Result<()> {
+        let slot = &self.peers[peer];
+        let mut state = slot.state.lock().unwrap();
+        while !state.is_linked() {
+            if let Some(e) = state.lost() {
+                return Err(e.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::timeout(format!(
+                    "rustc10d: Timed out: rank {} was waiting for {} to connect",
+                    self.rank(),
+                    self.describe(peer)
+                )));
+            }
+            state = slot.linked.wait_timeout(state, deadline - now).unwrap().0;
+        }
+        Ok(())
+    }
+
+    /// Go on reading a peer's connections that wait for a receive.
+    pub(super) fn resume(&self, peer: usize) {
+        let paused: Vec<_> = self.peers[peer].links.lock().unwrap().iter().filter(|l| l.is_paused()).cloned().collect();
+        for link in paused {
+            self.reactor.defer(Box::new(move || link.resume()));
+        }
+    }
+
+    pub(super) fn give_up(self: &Arc<Self>, peer: usize, why: &Error) {
+        self.peer_event(peer, Event::GiveUp { why: why.clone() });
+    }
+
+    pub(super) fn shutdown(self: &Arc<Self>) {
+        if self.stopping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        for (token, listening) in self.listeners.lock().unwrap().drain(..) {
+            self.reactor.deregister(token, listening.0.fd());
+        }
+        let err = Error::aborted("rustc10d: the process group was shut down");
+        for peer in (0..self.peers.len()).filter(|&p| p != self.rank()) {
+            self.give_up(peer, &err);
+        }
+        drop(self.membership.lock().unwrap().take());
+    }
+}
