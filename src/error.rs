@@ -18,6 +18,8 @@ pub enum ErrorKind {
     Aborted,
     /// Ranks called different collectives (op, dtype, size, root or reduce op).
     Mismatch,
+    /// The system refused something the engine needs (a thread).
+    Resource,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,6 +55,9 @@ impl Error {
     }
     pub fn aborted(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Aborted, message)
+    }
+    pub fn resource(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Resource, message)
     }
 
     /// Prefix the message with the context of the op that hit it.

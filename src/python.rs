@@ -48,7 +48,7 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
         ErrorKind::Unsupported => PyNotImplementedError::new_err(e.message),
         ErrorKind::Timeout => dist("DistStoreError"),
         ErrorKind::PeerLost | ErrorKind::Io => dist("DistNetworkError"),
-        ErrorKind::Aborted | ErrorKind::Mismatch => dist("DistBackendError"),
+        ErrorKind::Aborted | ErrorKind::Mismatch | ErrorKind::Resource => dist("DistBackendError"),
     }
 }
 

@@ -6,6 +6,7 @@ use crate::config::{Config, TransportMode};
 use crate::error::{Error, Result};
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
 use crate::transport::mesh::{Mesh, PeerAddr, ShmEndpoint};
+use crate::transport::reactor::Reactor;
 use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
@@ -126,14 +127,21 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         return Err(Error::invalid(format!("rustc10d: rank {rank} is out of range for world size {size}")));
     }
     let deadline = Instant::now() + me.timeout;
-    let ip = choose_local_ip(cfg.socket_ifname.as_deref(), me.store_host.as_deref())?;
-    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-        .map_err(|e| Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {e}")))?;
-    let addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
-
     let keys = Keys::join(store, size)?;
     let token = agree_on_token(store, &keys, rank, me.timeout)?;
-    let (local, shm_name) = match shm_endpoint(cfg, rank)? {
+    // What this rank sets up by itself; if any of it fails, the others are
+    // told at once instead of waiting for an address until their timeout.
+    let local_setup = || -> Result<_> {
+        let ip = choose_local_ip(cfg.socket_ifname.as_deref(), me.store_host.as_deref())?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
+        // Holding a membership keeps the I/O thread, started here, until the mesh holds its own.
+        let io = Reactor::join()?;
+        Ok((listener, addr, io, shm_endpoint(cfg, rank)?))
+    };
+    let (listener, addr, _io, shm) = local_setup().inspect_err(|why| refuse_in(store, &keys, rank, why))?;
+    let (local, shm_name) = match shm {
         Some((ep, name)) => (Some(ep), Some(name)),
         None => (None, None),
     };
@@ -163,8 +171,12 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
 /// so that they fail at once with `why` rather than at their timeout. Best effort.
 pub fn refuse(store: &dyn Store, me: &Member, why: &Error) {
     if let Ok(keys) = Keys::join(store, me.size.max(1)) {
-        let _ = store.set(&keys.addr(me.rank), format!("v{PROTOCOL_VERSION} refused {}", why.message).as_bytes());
+        refuse_in(store, &keys, me.rank, why);
     }
+}
+
+fn refuse_in(store: &dyn Store, keys: &Keys, rank: usize, why: &Error) {
+    let _ = store.set(&keys.addr(rank), format!("v{PROTOCOL_VERSION} refused {}", why.message).as_bytes());
 }
 
 /// The Store keys of one incarnation of the group.
@@ -216,7 +228,7 @@ fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout
     })?;
     let text = String::from_utf8_lossy(&raw);
     if let Some(why) = text.strip_prefix(&format!("v{PROTOCOL_VERSION} refused ")) {
-        return Err(Error::invalid(format!("rustc10d: rank {peer} could not join the group: {why}")));
+        return Err(Error::aborted(format!("rustc10d: rank {peer} could not join the group: {why}")));
     }
     let version = text.split(' ').next().unwrap_or("");
     if version != format!("v{PROTOCOL_VERSION}") {

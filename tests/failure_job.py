@@ -155,6 +155,15 @@ def bad_setting(store, rank, world):
     report(first=timed_failure(lambda: init(store, rank, world, options=options)))
 
 
+def no_threads(store, rank, world):
+    """Rank 1 cannot start a thread (as when a container's pids limit is reached): Rust's
+    threads ask for a stack larger than the address space, so creating one fails with EAGAIN.
+    It must raise, not panic, and tell the others at once."""
+    if rank == 1:
+        os.environ["RUST_MIN_STACK"] = str(1 << 50)  # read at this process's first Rust thread
+    report(first=timed_failure(lambda: init(store, rank, world, seconds=30)))
+
+
 def error_kinds(store, rank, world):
     """Each kind of failure reaches Python as the exception torch's own backends raise."""
     init(store, rank, world, seconds=2)
@@ -184,7 +193,8 @@ def options_apply(store, rank, world):
 
 
 SCENARIOS = {f.__name__: f for f in (sigkill, injected, dropped, recv_times_out, stall_times_out, mismatch,
-                                      destroy_cleans_up, settings_differ, bad_setting, error_kinds, options_apply)}
+                                      destroy_cleans_up, settings_differ, bad_setting, no_threads, error_kinds,
+                                      options_apply)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

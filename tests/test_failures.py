@@ -132,6 +132,19 @@ def test_a_bad_setting_fails_its_rank_and_the_others_at_once(tmp_path):
         assert "rank 1 could not join the group: rustc10d: rustc10d.Options(nsocks=" in first["error"], first
 
 
+def test_a_rank_that_cannot_start_a_thread_raises_and_tells_the_others(tmp_path):
+    results, procs = run("no_threads", 3, tmp_path)
+    assert all("panicked" not in p.stderr for p in procs), [p.describe() for p in procs]
+    failed = results[1]["first"]
+    assert failed["raised"] and failed["error"].startswith(
+        "DistBackendError: rustc10d: could not start the I/O thread: Resource temporarily unavailable"), failed
+    for rank in (0, 2):
+        first = results[rank]["first"]
+        # within the init timeout of 30 s: told by rank 1, not waiting for it
+        assert first["raised"] and first["seconds"] < 10, (rank, first)
+        assert "rank 1 could not join the group: rustc10d: could not start the I/O thread" in first["error"], first
+
+
 def test_each_kind_of_failure_raises_the_exception_torch_would(tmp_path):
     results, procs = run("error_kinds", 2, tmp_path)
     r = results[0]

@@ -82,7 +82,7 @@ impl Engine {
                     s.run(job);
                 }
             })
-            .map_err(|e| Error::io(format!("rustc10d: could not start the engine thread: {e}")))?;
+            .map_err(|e| Error::resource(format!("rustc10d: could not start the engine thread: {e}")))?;
         Ok(Engine {
             shared,
             queue: Mutex::new(Some(tx)),

@@ -80,6 +80,7 @@ pub mod bridge {
         Io,
         Aborted,
         Mismatch,
+        Resource,
     }
 
     /// A contiguous byte range of host memory (a CPU tensor's storage, or a
@@ -229,6 +230,7 @@ impl From<error::ErrorKind> for bridge::ErrorKind {
             K::Io => Self::Io,
             K::Aborted => Self::Aborted,
             K::Mismatch => Self::Mismatch,
+            K::Resource => Self::Resource,
         }
     }
 }

@@ -152,7 +152,7 @@ impl Reactor {
         let thread = std::thread::Builder::new()
             .name("rustc10d-io".into())
             .spawn(move || run.run())
-            .map_err(|e| Error::io(format!("rustc10d: could not start the I/O thread: {e}")))?;
+            .map_err(|e| Error::resource(format!("rustc10d: could not start the I/O thread: {e}")))?;
         Ok(Reactor { core, members: Mutex::new(0), thread: Mutex::new(Some(thread)), blocking: Mutex::new(None) })
     }
 
@@ -213,7 +213,7 @@ impl Reactor {
             let thread = std::thread::Builder::new()
                 .name("rustc10d-stage".into())
                 .spawn(move || rx.into_iter().for_each(|task| task()))
-                .map_err(|e| Error::io(format!("rustc10d: could not start the staging thread: {e}")))?;
+                .map_err(|e| Error::resource(format!("rustc10d: could not start the staging thread: {e}")))?;
             *blocking = Some((tx, thread));
         }
         let (tx, _) = blocking.as_ref().expect("started");
