@@ -6,6 +6,7 @@
 mod accept;
 pub mod conn;
 mod dial;
+pub mod fake;
 pub mod fdpass;
 pub mod frame;
 mod link;

@@ -1,0 +1,202 @@
+//! An in-memory `Transport` for tests: W endpoints of one network inside one
+//! process, so that the collective algorithms run, and can be checked,
+//! without sockets or the I/O thread. A send delivers its bytes at once, on
+//! the sending thread, into the receiver's `Mailbox` for that sender, which
+//! matches them exactly as a connection's reader does: a posted receive of
+//! the same length is filled (folded, with a `Fold`), one of another length
+//! fails with the size mismatch, otherwise the message waits until its
+//! receive is posted. Then the send finishes with its length.
+//!
+//! Not modelled: partial reads or writes (a message lands whole), flow
+//! control (a send never waits for its receiver, and `deadline` is unused),
+//! timing (no latency: a send has landed when it returns), lanes, polling,
+//! and the in-flight window of a real cut: once a link is cut no more bytes
+//! cross it, but messages that landed before stay receivable, as data read
+//! before a connection closed does. Receives posted for any source are not
+//! failed when peers are lost (neither are the mesh's).
+
+use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
+use super::{Fold, Key, Ready, Transport};
+use crate::error::{Error, Result};
+use crate::status::Status;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// The network that a group's endpoints share.
+pub struct FakeNet {
+    /// `inbox[dst][src]`: what `src` sent to `dst`, matched with `dst`'s receives.
+    inbox: Vec<Vec<Mutex<Mailbox>>>,
+    /// `any[dst]`: `dst`'s receives posted for any source.
+    any: Vec<Mutex<AnyPosted>>,
+    /// `cut[me][peer]`: why `me` lost `peer`, once it has. Held while a send
+    /// from `me` to `peer` delivers, so that a cut waits for a delivery in progress.
+    cut: Vec<Vec<Mutex<Option<Error>>>>,
+}
+
+/// One rank's endpoint of a `FakeNet`.
+pub struct FakeTransport {
+    net: Arc<FakeNet>,
+    rank: usize,
+    sent: AtomicU64,
+}
+
+impl FakeNet {
+    /// The endpoints of a new network of `world` ranks, by rank.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(world: usize) -> Vec<Arc<FakeTransport>> {
+        let net = Arc::new(FakeNet {
+            inbox: (0..world).map(|_| (0..world).map(|src| Mutex::new(Mailbox::new(src))).collect()).collect(),
+            any: (0..world).map(|_| Mutex::default()).collect(),
+            cut: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
+        });
+        (0..world).map(|rank| Arc::new(FakeTransport { net: net.clone(), rank, sent: AtomicU64::new(0) })).collect()
+    }
+}
+
+impl FakeTransport {
+    /// Messages this endpoint has delivered so far (tests tell algorithms apart by it).
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::SeqCst)
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer == self.rank || peer >= self.size() {
+            return Err(Error::invalid(format!("rustc10d: rank {} (fake) has no peer {peer}", self.rank)));
+        }
+        Ok(())
+    }
+
+    /// Cut the link with `peer`: from now on this side's transfers with it
+    /// fail with `mine`, the peer's with us with `theirs` (the first cut's
+    /// reasons stay). Both sides count as cut before either mailbox closes,
+    /// so nothing lands in a closed one.
+    fn cut(&self, peer: usize, mine: Error, theirs: Error) {
+        if self.check_peer(peer).is_err() {
+            return;
+        }
+        let net = &self.net;
+        let mine = net.cut[self.rank][peer].lock().unwrap().get_or_insert(mine).clone();
+        let theirs = net.cut[peer][self.rank].lock().unwrap().get_or_insert(theirs).clone();
+        net.inbox[self.rank][peer].lock().unwrap().close(mine);
+        net.inbox[peer][self.rank].lock().unwrap().close(theirs);
+    }
+}
+
+impl Transport for FakeTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.net.any.len()
+    }
+
+    fn describe_peer(&self, peer: usize) -> String {
+        format!("rank {peer} (fake)")
+    }
+
+    /// Runs `ready`, then delivers, on the caller's thread: `status` has
+    /// finished when this returns Ok. A send to a lost peer fails at once.
+    unsafe fn send(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        _deadline: Instant,
+        ready: Option<Ready>,
+    ) -> Result<()> {
+        self.check_peer(peer)?;
+        let link = &self.net.cut[self.rank][peer];
+        if let Some(why) = link.lock().unwrap().clone() {
+            return Err(why);
+        }
+        if let Some(Err(e)) = ready.map(|ready| ready()) {
+            status.finish(Err(e));
+            return Ok(());
+        }
+        let bytes = if len == 0 { &[][..] } else { std::slice::from_raw_parts(data, len) };
+        let cut = link.lock().unwrap();
+        if let Some(why) = &*cut {
+            // Cut while `ready` ran: like a send queued on a connection that closed.
+            status.finish(Err(why.clone()));
+            return Ok(());
+        }
+        // A frame read whole: the mailbox fills or folds a posted receive of
+        // this length, fails one of another length, or keeps the message early.
+        self.net.inbox[peer][self.rank].lock().unwrap().stash(key, bytes.to_vec(), &self.net.any[peer]);
+        drop(cut);
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        status.finish(Ok(len as i64));
+        Ok(())
+    }
+
+    unsafe fn recv(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *mut u8,
+        len: usize,
+        fold: Option<Fold>,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        self.check_peer(peer)?;
+        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: false };
+        self.net.inbox[self.rank][peer].lock().unwrap().post(key, recv);
+        Ok(())
+    }
+
+    unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
+        // As the mesh does: post, then take a message that came early, if any.
+        let any = &self.net.any[self.rank];
+        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true };
+        any.lock().unwrap().push(key, recv);
+        for peer in (0..self.size()).filter(|&p| p != self.rank) {
+            if self.net.inbox[self.rank][peer].lock().unwrap().offer_early(key, &status, any) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn cancel_recv_any(&self, key: Key, status: &Arc<Status>) -> bool {
+        self.net.any[self.rank].lock().unwrap().remove(key, status).is_some()
+    }
+
+    fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool {
+        self.check_peer(peer).is_ok() && self.net.inbox[self.rank][peer].lock().unwrap().cancel(key, status)
+    }
+
+    /// The link is lost on both sides: ours fails naming the peer, with
+    /// `reason`; the peer's as if we had closed the connection.
+    fn break_peer(&self, peer: usize, reason: &Error) {
+        let mine =
+            Error::new(reason.kind, format!("lost connection to {}: {}", self.describe_peer(peer), reason.message));
+        let theirs = Error::peer_lost(format!("{} closed its connection", self.describe_peer(self.rank)));
+        self.cut(peer, mine, theirs);
+    }
+
+    /// Every link is cut; ours fail with `reason` (as the mesh's do), every
+    /// peer's with why we gave up, as the mesh's abort frame tells them.
+    fn abort_all(&self, reason: &Error) {
+        let me = self.describe_peer(self.rank);
+        let theirs = Error::peer_lost(format!("{me} gave up on the group: {}", reason.message));
+        for peer in (0..self.size()).filter(|&p| p != self.rank) {
+            self.cut(peer, reason.clone(), theirs.clone());
+        }
+    }
+
+    fn shutdown(&self) {
+        let mine = Error::aborted("rustc10d: the process group was shut down");
+        let theirs = Error::peer_lost(format!("{} closed its connection", self.describe_peer(self.rank)));
+        for peer in (0..self.size()).filter(|&p| p != self.rank) {
+            self.cut(peer, mine.clone(), theirs.clone());
+        }
+    }
+
+    fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.check_peer(peer).is_ok().then_some("fake")
+    }
+}
