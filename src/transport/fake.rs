@@ -12,8 +12,8 @@
 //! timing (no latency: a send has landed when it returns), lanes, polling,
 //! and the in-flight window of a real cut: once a link is cut no more bytes
 //! cross it, but messages that landed before stay receivable, as data read
-//! before a connection closed does. Receives posted for any source are not
-//! failed when peers are lost (neither are the mesh's).
+//! before a connection closed does. A receive posted for any source
+//! fails once any peer is lost, as the mesh's does.
 
 use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
 use super::{Fold, Key, Ready, Transport};
@@ -78,8 +78,10 @@ impl FakeTransport {
         let net = &self.net;
         let mine = net.cut[self.rank][peer].lock().unwrap().get_or_insert(mine).clone();
         let theirs = net.cut[peer][self.rank].lock().unwrap().get_or_insert(theirs).clone();
-        net.inbox[self.rank][peer].lock().unwrap().close(mine);
-        net.inbox[peer][self.rank].lock().unwrap().close(theirs);
+        net.inbox[self.rank][peer].lock().unwrap().close(mine.clone());
+        net.inbox[peer][self.rank].lock().unwrap().close(theirs.clone());
+        net.any[self.rank].lock().unwrap().fail_all(&mine);
+        net.any[peer].lock().unwrap().fail_all(&theirs);
     }
 }
 
@@ -153,9 +155,13 @@ impl Transport for FakeTransport {
         let any = &self.net.any[self.rank];
         let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true };
         any.lock().unwrap().push(key, recv);
-        for peer in (0..self.size()).filter(|&p| p != self.rank) {
-            if self.net.inbox[self.rank][peer].lock().unwrap().offer_early(key, &status, any) {
-                break;
+        let inbox = |peer: usize| self.net.inbox[self.rank][peer].lock().unwrap();
+        let others = || (0..self.size()).filter(|&p| p != self.rank);
+        if !others().any(|peer| inbox(peer).offer_early(key, &status, any)) {
+            if let Some(err) = others().find_map(|peer| inbox(peer).closed().cloned()) {
+                if any.lock().unwrap().remove(key, &status).is_some() {
+                    status.finish(Err(err));
+                }
             }
         }
         Ok(())

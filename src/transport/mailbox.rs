@@ -85,6 +85,19 @@ impl AnyPosted {
         pop_front(&mut self.0, key)
     }
 
+    /// A peer was lost: every receive from any peer fails, as the message it
+    /// waits for may have been that peer's (Gloo fails them alike).
+    pub fn fail_all(&mut self, err: &Error) -> usize {
+        let mut failed = 0;
+        for (_, q) in self.0.drain() {
+            for p in q {
+                p.status.finish(Err(err.clone()));
+                failed += 1;
+            }
+        }
+        failed
+    }
+
     /// Take back a receive that no reader has claimed yet.
     pub fn remove(&mut self, key: Key, status: &Arc<Status>) -> Option<PostedRecv> {
         let q = self.0.get_mut(&key)?;
@@ -198,6 +211,11 @@ impl Mailbox {
 
     /// The peer is gone: fail every waiting receive and all later ones.
     /// Returns how many were waiting.
+    /// Why the peer is gone, once it is.
+    pub fn closed(&self) -> Option<&Error> {
+        self.closed.as_ref()
+    }
+
     pub fn close(&mut self, err: Error) -> usize {
         if self.closed.is_none() {
             self.closed = Some(err.clone());

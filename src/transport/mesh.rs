@@ -187,12 +187,17 @@ impl Transport for Mesh {
         // gets one meanwhile finds the posted receive.
         let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true };
         core.any.lock().unwrap().push(key, recv);
-        for peer in (0..core.peers.len()).filter(|&p| p != core.rank()) {
-            if core.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &core.any) {
-                break;
+        let others = || (0..core.peers.len()).filter(|&p| p != core.rank());
+        let early = others().any(|peer| core.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &core.any));
+        // A peer already lost fails it now; one lost later fails it then (mesh_core, Lost).
+        if !early {
+            if let Some(err) = others().find_map(|p| core.peers[p].mailbox.lock().unwrap().closed().cloned()) {
+                if core.any.lock().unwrap().remove(key, &status).is_some() {
+                    status.finish(Err(err));
+                }
             }
         }
-        for peer in (0..core.peers.len()).filter(|&p| p != core.rank()) {
+        for peer in others() {
             core.resume(peer);
         }
         Ok(())

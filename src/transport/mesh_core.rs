@@ -162,7 +162,8 @@ impl Core {
                     }
                 }
                 Action::Lost(err) => {
-                    let waiting = slot.mailbox.lock().unwrap().close(err.clone());
+                    let waiting =
+                        slot.mailbox.lock().unwrap().close(err.clone()) + self.any.lock().unwrap().fail_all(&err);
                     // A peer that closes while we expect nothing from it has just left the group.
                     if !self.stopping.load(Ordering::SeqCst) {
                         if waiting > 0 {

@@ -1,0 +1,223 @@
+//! Failures on the in-memory `FakeNet` (tests/fake): mismatched calls and a
+//! cut link fail every rank promptly, and the fake itself behaves as a
+//! connection does, when whole and when cut.
+
+mod fake;
+
+use fake::*;
+
+/// Byte counts that differ, or ops that differ, between one rank and the
+/// others: every rank fails promptly naming the mismatch (the ranks that do
+/// not see it themselves learn it from the abort), and no buffer changes.
+/// The ring only with up to 3 ranks: there every rank that passes its check
+/// has a left neighbour that fails it (see the ignored test below).
+#[test]
+fn mismatched_calls_fail_on_every_rank_and_touch_no_buffer() {
+    for world in 2..=5 {
+        for (path, small) in PATHS.into_iter().filter(|&(path, _)| path == "direct" || world <= 3) {
+            for odd in 0..world {
+                for case in ["byte count", "op"] {
+                    let t0 = Instant::now();
+                    let out = on_ranks(world, small, |rk| {
+                        let r = rk.rank();
+                        let n = if case == "byte count" && r == odd { 9 } else { 8 };
+                        let mut b = Buf::of(DType::I64, &values(r, n, 0));
+                        let kept = b.clone();
+                        let red = Reduction::new(DType::I64, ReduceOp::Sum);
+                        let part = if case == "op" && r == odd {
+                            Collective::Reduce { buf: b.raw(), root: 0, red }
+                        } else {
+                            Collective::AllReduce { buf: b.raw(), red }
+                        };
+                        (rk.run(part), b == kept)
+                    });
+                    let at = format!("world {world}, {path}, rank {odd} differs in {case}");
+                    assert!(t0.elapsed() < PROMPT, "{at}: took {:?}", t0.elapsed());
+                    for (rank, (r, untouched)) in out.into_iter().enumerate() {
+                        let e = r.expect_err(&format!("{at}: rank {rank} completed"));
+                        assert!(e.message.contains("does not match"), "{at}: rank {rank}: {}", e.message);
+                        assert!(untouched, "{at}: rank {rank}'s buffer changed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Why the test above leaves out the ring with 4 or more ranks: ranks 1 and
+/// 2 agree with their left neighbours, so they start; rank 2 folds rank 1's
+/// chunk into its buffer before rank 3 (late, and different) is checked by
+/// rank 0 and itself. The op fails everywhere, but a buffer has changed.
+#[test]
+#[ignore = "documents a gap: on the ring, W >= 4, a mismatch changes buffers of ranks that passed their check"]
+fn ring_mismatch_far_from_a_rank_leaves_its_buffer_alone() {
+    let out = on_ranks(4, RING, |rk| {
+        let r = rk.rank();
+        if r == 3 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut b = Buf::of(DType::I64, &values(r, if r == 3 { 9 } else { 8 }, 0));
+        let kept = b.clone();
+        let res = rk.run(Collective::AllReduce { buf: b.raw(), red: Reduction::new(DType::I64, ReduceOp::Sum) });
+        (res.is_err(), b == kept)
+    });
+    for (rank, (failed, untouched)) in out.into_iter().enumerate() {
+        assert!(failed, "rank {rank} completed");
+        assert!(untouched, "rank {rank}'s buffer changed");
+    }
+}
+
+/// The link between rank 0 and the last rank is cut while the others are in
+/// a large ring all-reduce (the last rank joins only after the cut): every
+/// rank's op fails within moments, not at its timeout. The two ends of the
+/// cut name each other; the others learn of it from the aborts, whose
+/// reasons name the lost rank.
+#[test]
+fn a_cut_link_during_an_op_fails_every_rank_promptly_naming_the_lost_peer() {
+    for world in 2..=5 {
+        let net = FakeNet::new(world);
+        let victim = world - 1;
+        let (joined, join) = std::sync::mpsc::channel::<()>();
+        let join = Mutex::new(join);
+        let out = std::thread::scope(|s| {
+            let ops = s.spawn(|| {
+                on_net(&net, RING, |rk| {
+                    if rk.rank() == victim {
+                        join.lock().unwrap().recv_timeout(TIMEOUT).expect("the cut");
+                    }
+                    let mut b = Buf::of(DType::F32, &values(rk.rank(), 4096, 0));
+                    let t0 = Instant::now();
+                    let r =
+                        rk.run(Collective::AllReduce { buf: b.raw(), red: Reduction::new(DType::F32, ReduceOp::Sum) });
+                    (r, t0.elapsed())
+                })
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            net[0].break_peer(victim, &Error::peer_lost("the test cut the cable"));
+            joined.send(()).unwrap();
+            ops.join().unwrap()
+        });
+        for (rank, (r, took)) in out.into_iter().enumerate() {
+            let e = r.expect_err(&format!("world {world}: rank {rank} completed"));
+            let lost = if rank == victim { 0 } else { victim };
+            let at = format!("world {world}, rank {rank}: {}", e.message);
+            assert!(e.message.contains(&format!("rank {lost} (fake)")), "{at}");
+            assert!(e.kind != ErrorKind::Timeout && took < PROMPT, "{at} (after {took:?})");
+        }
+    }
+}
+
+// The fake itself: what the tests above rely on.
+
+fn posted(t: &FakeTransport, peer: usize, key: Key, buf: &mut [u8], fold: Option<Fold>) -> Arc<Status> {
+    let status = Status::new();
+    unsafe { t.recv(peer, key, buf.as_mut_ptr(), buf.len(), fold, status.clone()).unwrap() };
+    status
+}
+
+fn send(t: &FakeTransport, peer: usize, key: Key, data: &[u8]) -> Result<Arc<Status>> {
+    let status = Status::new();
+    let far = Instant::now() + TIMEOUT;
+    unsafe { t.send(peer, key, data.as_ptr(), data.len(), status.clone(), far, None) }.map(|()| status)
+}
+
+fn result(s: &Status) -> Result<i64> {
+    s.result().expect("finished")
+}
+
+#[test]
+fn fake_delivers_as_a_connection_does() {
+    let net = FakeNet::new(3);
+    let (a, b) = (&net[0], &net[1]);
+    let k = Key::collective(1, 0);
+    // Posted, then sent: filled, and the send finishes with its length.
+    let mut buf = [0u8; 3];
+    let r = posted(b, 0, k, &mut buf, None);
+    assert!(!r.is_done());
+    assert_eq!(result(&send(a, 1, k, &[1, 2, 3]).unwrap()).unwrap(), 3);
+    assert_eq!((result(&r).unwrap(), buf), (3, [1, 2, 3]));
+    // Sent, then posted: kept early; the same key matches in order.
+    send(a, 1, k, &[4]).unwrap();
+    send(a, 1, k, &[5]).unwrap();
+    let (mut x, mut y) = ([0u8], [0u8]);
+    assert!(posted(b, 2, k, &mut x, None).result().is_none(), "nothing came from rank 2");
+    posted(b, 0, k, &mut y, None);
+    assert_eq!(y, [4]);
+    // Folded into what the buffer holds, whether posted before or after.
+    let add = Fold { unit: 1, f: Arc::new(|d: &mut [u8], s: &[u8]| d.iter_mut().zip(s).for_each(|(d, s)| *d += s)) };
+    let mut acc = [10u8, 20];
+    let r = posted(b, 0, Key::p2p(7), &mut acc, Some(add.clone()));
+    send(a, 1, Key::p2p(7), &[1, 2]).unwrap();
+    assert!(result(&r).is_ok());
+    assert_eq!(acc, [11, 22]);
+    // A receive of another size fails with the mailbox's error.
+    let mut four = [0u8; 4];
+    let r = posted(b, 0, Key::p2p(8), &mut four, None);
+    send(a, 1, Key::p2p(8), &[1, 2]).unwrap();
+    assert!(result(&r).unwrap_err().message.contains("size mismatch"));
+    // Any source: the sender's rank.
+    let mut any = [0u8; 2];
+    let s = Status::new();
+    unsafe { b.recv_any(Key::p2p(9), any.as_mut_ptr(), 2, s.clone()).unwrap() };
+    send(&net[2], 1, Key::p2p(9), &[8, 9]).unwrap();
+    assert_eq!((result(&s).unwrap(), any), (2, [8, 9]));
+    // Withdrawn receives get nothing.
+    let mut c = [0u8; 1];
+    let r = posted(b, 0, Key::p2p(10), &mut c, None);
+    assert!(b.cancel_recv(0, Key::p2p(10), &r) && !b.cancel_recv(0, Key::p2p(10), &r));
+    // `ready` runs before the bytes are read; its error fails that send alone.
+    let data = Arc::new(Mutex::new([0u8; 2]));
+    let filled = data.clone();
+    let ready: rustc10d::transport::Ready = Box::new(move || {
+        *filled.lock().unwrap() = [6, 7];
+        Ok(())
+    });
+    let mut got = [0u8; 2];
+    let r = posted(b, 0, Key::p2p(11), &mut got, None);
+    let ptr = data.lock().unwrap().as_ptr();
+    unsafe { a.send(1, Key::p2p(11), ptr, 2, Status::new(), Instant::now(), Some(ready)).unwrap() };
+    assert_eq!((result(&r).unwrap(), got), (2, [6, 7]));
+    let s = Status::new();
+    let fails: rustc10d::transport::Ready = Box::new(|| Err(Error::io("no bytes")));
+    unsafe { a.send(1, Key::p2p(12), ptr, 2, s.clone(), Instant::now(), Some(fails)).unwrap() };
+    assert_eq!(result(&s).unwrap_err().message, "no bytes");
+    assert_eq!((a.describe_peer(2), a.link_kind(1), a.link_kind(0)), ("rank 2 (fake)".into(), Some("fake"), None));
+}
+
+#[test]
+fn fake_break_peer_fails_both_sides_naming_the_peer() {
+    let net = FakeNet::new(3);
+    let k = Key::collective(0, 0);
+    let (mut x, mut y, mut z, mut w) = ([0u8; 1], [0u8; 1], [0u8; 1], [0u8; 1]);
+    let at0 = posted(&net[0], 1, k, &mut x, None);
+    let at1 = posted(&net[1], 0, k, &mut y, None);
+    let any_at2 = Status::new();
+    unsafe { net[2].recv_any(Key::p2p(3), w.as_mut_ptr(), 1, any_at2.clone()).unwrap() };
+    let any_at1 = Status::new();
+    unsafe { net[1].recv_any(Key::p2p(3), w.as_mut_ptr(), 1, any_at1.clone()).unwrap() };
+    send(&net[1], 0, Key::p2p(1), &[5]).unwrap();
+    net[0].break_peer(1, &Error::peer_lost("cut"));
+    // Pending receives on both sides fail, naming the other side; so do those from any source.
+    assert_eq!(result(&at0).unwrap_err().message, "lost connection to rank 1 (fake): cut");
+    assert_eq!(result(&at1).unwrap_err().message, "rank 0 (fake) closed its connection");
+    assert_eq!(result(&any_at1).unwrap_err().message, "rank 0 (fake) closed its connection");
+    assert!(any_at2.result().is_none(), "rank 2 lost no peer");
+    // Later ones too, and sends both ways; what landed before still counts.
+    assert!(result(&posted(&net[1], 0, k, &mut y, None)).unwrap_err().message.contains("rank 0 (fake)"));
+    let refused = |from: usize, to: usize| send(&net[from], to, k, &[1]).err().map(|e| e.message);
+    assert!(refused(0, 1).expect("refused").contains("rank 1 (fake)"));
+    assert!(refused(1, 0).expect("refused").contains("rank 0 (fake)"));
+    assert!(result(&posted(&net[0], 1, Key::p2p(1), &mut z, None)).is_ok() && z == [5]);
+    // Other links are not cut; abort_all tells every peer why.
+    assert!(send(&net[2], 0, k, &[1]).is_ok());
+    let at2 = posted(&net[2], 1, k, &mut z, None);
+    net[1].abort_all(&Error::io("rank 1's op failed"));
+    assert_eq!(result(&at2).unwrap_err().message, "rank 1 (fake) gave up on the group: rank 1's op failed");
+    assert!(result(&any_at2).unwrap_err().message.contains("rank 1 (fake) gave up"));
+    // Shutdown closes what is left, for good.
+    let at0 = posted(&net[0], 2, Key::p2p(2), &mut x, None);
+    net[2].shutdown();
+    net[2].shutdown();
+    assert_eq!(result(&at0).unwrap_err().message, "rank 2 (fake) closed its connection");
+    assert!(send(&net[2], 0, k, &[1]).err().expect("refused").message.contains("shut down"));
+}

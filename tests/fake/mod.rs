@@ -1,0 +1,218 @@
+//! What the tests on the in-memory `FakeNet` share: W ranks as threads of
+//! one process, every op run through `algorithms::run` as the engine's job
+//! runs it (call check, algorithm, and on failure `abort_all`, as the
+//! engine's break_group does), values to check against plain arithmetic.
+//! Small segments, so that modest buffers take many pipelined steps. Each
+//! test file uses part of it.
+#![allow(dead_code, unused_imports)]
+
+pub use rustc10d::algorithms::{self, call_check, OpCtx, RawBuf, ScratchPool};
+pub use rustc10d::dtype::{DType, ReduceOp};
+pub use rustc10d::error::{Error, ErrorKind, Result};
+pub use rustc10d::ops::{Collective, Reduction};
+pub use rustc10d::status::Status;
+pub use rustc10d::transport::fake::{FakeNet, FakeTransport};
+pub use rustc10d::transport::{Fold, Key, Transport};
+pub use std::sync::{Arc, Mutex};
+pub use std::time::{Duration, Instant};
+
+pub const TIMEOUT: Duration = Duration::from_secs(5);
+/// What a failure that spreads (no waiting for a timeout) must take at most.
+pub const PROMPT: Duration = Duration::from_secs(2);
+pub const SEGMENT: usize = 64;
+/// `small_allreduce_bytes` that sends every all-reduce around the ring, or
+/// every one through the direct exchange.
+pub const RING: usize = 0;
+pub const DIRECT: usize = usize::MAX;
+pub const PATHS: [(&str, usize); 2] = [("ring", RING), ("direct", DIRECT)];
+
+/// One rank of a group: what the engine keeps for it.
+pub struct Rank<'a> {
+    pub t: &'a FakeTransport,
+    pub pool: ScratchPool,
+    pub seq: u64,
+    pub small: usize,
+}
+
+impl Rank<'_> {
+    pub fn rank(&self) -> usize {
+        self.t.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.t.size()
+    }
+
+    /// Run one collective as src/engine/job.rs does: refuse a bad call,
+    /// check the call (inline with the smallest all-reduces and barriers),
+    /// run the algorithm, and break the group if it failed.
+    pub fn run(&mut self, part: Collective) -> Result<()> {
+        let (rank, world) = (self.rank(), self.world());
+        part.check(rank, world)?;
+        let seq = self.seq;
+        self.seq += 1;
+        let ctx = OpCtx {
+            transport: self.t,
+            seq,
+            timeout: TIMEOUT,
+            what: format!("{} #{seq} on rank {rank}", part.kind().name()),
+            segment_bytes: SEGMENT,
+            small_allreduce_bytes: self.small,
+            pool: &self.pool,
+            spin: Duration::ZERO,
+            piece: 0,
+        };
+        let fingerprint = call_check::Fingerprint::of(&part);
+        let inline = algorithms::checks_inline(&ctx, &part);
+        let checked = if inline { Ok(()) } else { call_check::agree(&ctx, &fingerprint) };
+        let r = checked.and_then(|()| algorithms::run(&ctx, &part, inline.then_some(&fingerprint)));
+        if let Err(e) = &r {
+            self.t.abort_all(e);
+        }
+        r
+    }
+}
+
+/// Run `f` on every rank of a new network of `world` ranks at once. A rank
+/// that panics cuts its links first, so the others fail at once instead of
+/// at their timeout; the first panic is then re-raised.
+pub fn on_ranks<T: Send>(world: usize, small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> Vec<T> {
+    on_net(&FakeNet::new(world), small, f)
+}
+
+pub fn on_net<T: Send>(net: &[Arc<FakeTransport>], small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> Vec<T> {
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = net
+            .iter()
+            .map(|t| {
+                let f = &f;
+                s.spawn(move || {
+                    let mut rank = Rank { t, pool: ScratchPool::default(), seq: 0, small };
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut rank)));
+                    if r.is_err() {
+                        t.abort_all(&Error::aborted(format!("rank {} panicked", t.rank())));
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    results.into_iter().map(|r| r.unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+}
+
+/// 8-byte aligned bytes (reduction kernels view them as any dtype).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Buf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl std::fmt::Debug for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{:?}", self.bytes())
+    }
+}
+
+impl Buf {
+    pub fn bytes_of(bytes: &[u8]) -> Buf {
+        let mut b = Buf { words: vec![0; bytes.len().div_ceil(8)], len: bytes.len() };
+        b.bytes_mut().copy_from_slice(bytes);
+        b
+    }
+
+    /// `vals` as elements of `dtype` (the values are small integers or
+    /// exact fractions, so every dtype holds them exactly).
+    pub fn of(dtype: DType, vals: &[f64]) -> Buf {
+        let bytes: Vec<u8> = vals
+            .iter()
+            .flat_map(|&v| match dtype {
+                DType::I64 => (v as i64).to_le_bytes().to_vec(),
+                DType::F32 => (v as f32).to_le_bytes().to_vec(),
+                DType::F64 => v.to_le_bytes().to_vec(),
+                _ => unreachable!("not used here"),
+            })
+            .collect();
+        Buf::bytes_of(&bytes)
+    }
+
+    pub fn filled(len: usize, byte: u8) -> Buf {
+        Buf::bytes_of(&vec![byte; len])
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
+    }
+
+    pub fn raw(&mut self) -> RawBuf {
+        RawBuf::new(self.words.as_mut_ptr().cast(), self.len)
+    }
+}
+
+pub fn raws(bufs: &mut [Buf]) -> Vec<RawBuf> {
+    bufs.iter_mut().map(Buf::raw).collect()
+}
+
+/// A reduction, and the same in plain arithmetic.
+#[derive(Clone, Copy, Debug)]
+pub struct Red {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub premul: Option<f64>,
+}
+
+pub const REDS: [Red; 5] = [
+    Red { dtype: DType::I64, op: ReduceOp::Sum, premul: None },
+    Red { dtype: DType::F32, op: ReduceOp::Max, premul: None },
+    Red { dtype: DType::F64, op: ReduceOp::Avg, premul: None },
+    Red { dtype: DType::F64, op: ReduceOp::Min, premul: None },
+    // PREMUL_SUM: every contribution times 0.25, then summed (exact in binary).
+    Red { dtype: DType::F64, op: ReduceOp::Sum, premul: Some(0.25) },
+];
+
+impl Red {
+    pub fn reduction(self) -> Reduction {
+        Reduction { dtype: self.dtype, op: self.op, premul: self.premul }
+    }
+
+    pub fn combine(self, vals: impl Iterator<Item = f64>) -> f64 {
+        let vals: Vec<f64> = vals.collect();
+        let sum = || vals.iter().sum::<f64>();
+        match (self.premul, self.op) {
+            (Some(f), _) => vals.iter().map(|v| v * f).sum(),
+            (None, ReduceOp::Sum) => sum(),
+            (None, ReduceOp::Avg) => sum() / vals.len() as f64,
+            (None, ReduceOp::Max) => vals.iter().copied().fold(f64::MIN, f64::max),
+            (None, ReduceOp::Min) => vals.iter().copied().fold(f64::MAX, f64::min),
+            _ => unreachable!("not used here"),
+        }
+    }
+}
+
+/// Rank `r`'s element `i` in variant `salt`: integers in [-1000, 1000].
+pub fn value(r: usize, i: usize, salt: usize) -> f64 {
+    ((i * 7919 + r * 104_729 + salt * 31) % 2001) as f64 - 1000.0
+}
+
+pub fn values(r: usize, n: usize, salt: usize) -> Vec<f64> {
+    (0..n).map(|i| value(r, i, salt)).collect()
+}
+
+/// Bytes with a pattern of their own per (a, b).
+pub fn pattern(a: usize, b: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (a * 59 + b * 17 + j * 3 + 1) as u8).collect()
+}
+
+pub fn ok(r: Result<()>, what: impl std::fmt::Display) {
+    if let Err(e) = r {
+        panic!("{what}: {}", e.message);
+    }
+}
+
+/// Element counts: empty, one, fewer than the ranks, odd, either side of
+/// 64 bytes, and many segments.
+pub const COUNTS: [usize; 12] = [0, 1, 2, 3, 7, 8, 9, 16, 17, 64, 257, 1000];
