@@ -31,7 +31,7 @@ pub struct Link {
     /// lock (room: under the outbox lock too, so that it follows the flush
     /// that decided it).
     interest: Mutex<Interest>,
-    /// Reading is paused: a large message waits for its receive.
+    /// `Interest::paused`, readable without the lock; written only under it.
     paused: AtomicBool,
     /// Threads polling it while they wait: meanwhile the reactor does not ask
     /// the peer to wake it (shared memory), since they read what arrives.
@@ -49,7 +49,10 @@ pub struct Link {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Interest {
-    read: bool,
+    /// Reading is paused: a large message waits for its receive. Kept with
+    /// the rest of the interest, under one lock, so that a pause and a
+    /// resume racing each other cannot leave the link unpaused but unwatched.
+    paused: bool,
     /// TCP: threads poll the socket, so the reactor need not wake for it.
     polled: bool,
     /// TCP only: shared memory waits for room through the ring and eventfd.
@@ -58,7 +61,7 @@ struct Interest {
 
 impl Interest {
     fn events(self) -> u32 {
-        (if self.read && !self.polled { READABLE } else { 0 }) | if self.room { WRITABLE } else { 0 }
+        (if !self.paused && !self.polled { READABLE } else { 0 }) | if self.room { WRITABLE } else { 0 }
     }
 }
 
@@ -118,7 +121,7 @@ impl Link {
             reader: Mutex::default(),
             outbox: Mutex::default(),
             watched: Mutex::default(),
-            interest: Mutex::new(Interest { read: true, polled: false, room: false }),
+            interest: Mutex::new(Interest { paused: false, polled: false, room: false }),
             paused: AtomicBool::new(false),
             pollers: AtomicUsize::new(0),
             spinning: AtomicBool::new(false),
@@ -249,16 +252,14 @@ impl Link {
 
     /// Stop reading until a receive is posted (`resume`) or `left` passes.
     fn pause(self: &Arc<Self>, left: Duration) {
-        self.paused.store(true, Ordering::Release);
-        self.set_interest(|i| i.read = false);
+        self.set_interest(|i| i.paused = true);
         let l = self.clone();
         self.reactor.after(left, Box::new(move || l.resume()));
     }
 
     /// Go on reading after a pause (a receive was posted, or the grace is over).
     pub fn resume(self: &Arc<Self>) {
-        if self.paused.swap(false, Ordering::AcqRel) {
-            self.set_interest(|i| i.read = true);
+        if self.set_interest(|i| std::mem::replace(&mut i.paused, false)) {
             self.read();
         }
     }
@@ -316,10 +317,12 @@ impl Link {
         self.write();
     }
 
-    fn set_interest(&self, change: impl FnOnce(&mut Interest)) {
+    /// Change the interest, and what the reactor watches with it; returns what `change` does.
+    fn set_interest<T>(&self, change: impl FnOnce(&mut Interest) -> T) -> T {
         let mut interest = self.interest.lock().unwrap();
         let before = *interest;
-        change(&mut interest);
+        let out = change(&mut interest);
+        self.paused.store(interest.paused, Ordering::Release);
         if *interest != before {
             for &(token, fd, watch) in self.watched.lock().unwrap().iter() {
                 if watch == Watch::Data {
@@ -327,6 +330,7 @@ impl Link {
                 }
             }
         }
+        out
     }
 
     /// Tell the peer why this rank gives up: written between frames, within
