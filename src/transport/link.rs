@@ -259,7 +259,9 @@ impl Link {
 
     /// Go on reading after a pause (a receive was posted, or the grace is over).
     pub fn resume(self: &Arc<Self>) {
-        if self.set_interest(|i| std::mem::replace(&mut i.paused, false)) {
+        // Unpaused, as nearly always: no lock. (A pause that comes just after is
+        // lifted by its own timer, as is one decided before a receive was posted.)
+        if self.paused.load(Ordering::Acquire) && self.set_interest(|i| std::mem::replace(&mut i.paused, false)) {
             self.read();
         }
     }
