@@ -11,11 +11,12 @@ use super::mesh_core::Core;
 use super::peer::{ConnId, Event};
 use super::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
 use super::reader::{Reader, Stop};
+use super::readers::{Next, Readers};
 use super::writer::{finish_written, Flushed, Outbox, SendReq};
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -33,12 +34,10 @@ pub struct Link {
     interest: Mutex<Interest>,
     /// `Interest::paused`, readable without the lock; written only under it.
     paused: AtomicBool,
-    /// Threads polling it while they wait: meanwhile the reactor does not ask
-    /// the peer to wake it (shared memory), since they read what arrives.
-    pollers: AtomicUsize,
-    /// Shared memory: the reactor polls it for a while after it was busy
-    /// (`spin`), instead of asking the peer to wake it.
-    spinning: AtomicBool,
+    /// Threads polling it while they wait, and (shared memory) the reactor
+    /// polling it for a while after it was busy (`spin`): meanwhile the peer
+    /// need not wake the reactor, since they read what arrives.
+    readers: Readers,
     spin: Duration,
     ended: AtomicBool,
     /// Why it was closed: sends queued after that fail with it at once.
@@ -81,12 +80,7 @@ impl Spinner for Spinning {
     }
 
     fn spun(&self) {
-        let link = &self.0;
-        link.spinning.store(false, Ordering::Release);
-        // Polling threads read what comes; else wait to be woken, unless it came already.
-        if link.pollers.load(Ordering::Acquire) == 0 && !link.conn.reader_waits() {
-            link.read();
-        }
+        self.0.hand_over(self.0.readers.spun());
     }
 }
 
@@ -123,8 +117,7 @@ impl Link {
             watched: Mutex::default(),
             interest: Mutex::new(Interest { paused: false, polled: false, room: false }),
             paused: AtomicBool::new(false),
-            pollers: AtomicUsize::new(0),
-            spinning: AtomicBool::new(false),
+            readers: Readers::default(),
             spin: core.spin,
             ended: AtomicBool::new(false),
             closed: Mutex::new(None),
@@ -162,9 +155,9 @@ impl Link {
         self.write();
     }
 
-    /// A thread starts polling (see `pollers`): the peer need not wake the reactor.
+    /// A thread starts polling (see `readers`): the peer need not wake the reactor.
     pub fn poll_begin(&self) {
-        if self.pollers.fetch_add(1, Ordering::AcqRel) == 0 {
+        if self.readers.poll_begin() {
             match self.conn {
                 Conn::Shm(_) => self.conn.reader_polled(),
                 Conn::Tcp(_) => self.set_interest(|i| i.polled = true),
@@ -175,26 +168,31 @@ impl Link {
     /// A thread stops polling: the reactor waits for the peer again, unless
     /// something arrived meanwhile, which it then reads.
     pub fn poll_end(self: &Arc<Self>) {
-        if self.pollers.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        match self.conn {
+        match (self.readers.poll_end(self.spins()), &self.conn) {
+            (Next::Nothing, _) => {}
             // Level-triggered: what arrived meanwhile wakes the reactor at once.
-            Conn::Tcp(_) => self.set_interest(|i| i.polled = false),
-            Conn::Shm(_) => self.wait_or_spin(),
+            (_, Conn::Tcp(_)) => self.set_interest(|i| i.polled = false),
+            (next, Conn::Shm(_)) => self.hand_over(next),
         }
     }
 
-    /// Shared memory, nothing more to read: the reactor polls for a while
-    /// (the next message of a busy connection is near), or waits to be woken.
-    fn wait_or_spin(self: &Arc<Self>) {
-        if self.spin > Duration::ZERO {
-            if !self.spinning.swap(true, Ordering::AcqRel) {
-                self.reactor.spin(Arc::new(Spinning(self.clone())), self.spin);
+    /// Whether the reactor polls the link for a while once nobody else reads
+    /// it (shared memory, with a spin set): a busy link's next message is near.
+    fn spins(&self) -> bool {
+        self.conn.is_shm() && self.spin > Duration::ZERO
+    }
+
+    /// Shared memory, nobody else reads it now: spin, or wait to be woken
+    /// (unless something came meanwhile: then read it).
+    fn hand_over(self: &Arc<Self>, next: Next) {
+        match next {
+            Next::Nothing => {}
+            Next::Spin => self.reactor.spin(Arc::new(Spinning(self.clone())), self.spin),
+            Next::Wait if self.conn.reader_waits() => {}
+            Next::Wait => {
+                let l = self.clone();
+                self.reactor.defer(Box::new(move || l.read()));
             }
-        } else if !self.conn.reader_waits() {
-            let l = self.clone();
-            self.reactor.defer(Box::new(move || l.read()));
         }
     }
 
@@ -227,9 +225,7 @@ impl Link {
         match stop {
             // Shared memory: a polling thread reads what comes; else the
             // reactor polls for a while, then waits to be woken.
-            Ok(Stop::Drained) if arm && self.conn.is_shm() && self.pollers.load(Ordering::Acquire) == 0 => {
-                self.wait_or_spin()
-            }
+            Ok(Stop::Drained) if arm && self.conn.is_shm() => self.hand_over(self.readers.drained(self.spins())),
             Ok(Stop::Drained) => {}
             Ok(Stop::Early(left)) => self.pause(left),
             Ok(Stop::Reason(why)) => {

@@ -16,6 +16,7 @@ mod mesh_core;
 pub mod peer;
 pub mod reactor;
 mod reader;
+mod readers;
 pub mod ring;
 mod writer;
 
