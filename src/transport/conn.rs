@@ -69,16 +69,9 @@ impl Conn {
     /// Read what is there: WouldBlock when nothing is, Ok(0) at the end.
     pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Conn::Tcp(s) => loop {
-                let n = unsafe { libc::recv(s.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-                if n >= 0 {
-                    return Ok(n as usize);
-                }
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            },
+            Conn::Tcp(s) => retry_interrupted(|| unsafe {
+                libc::recv(s.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+            }),
             Conn::Shm(s) => {
                 let n = s.incoming().read(buf)?;
                 if n > 0 && s.incoming().writer_asleep() {
@@ -92,19 +85,14 @@ impl Conn {
     /// Write what fits: WouldBlock when nothing does.
     pub fn write(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
-            Conn::Tcp(s) => loop {
+            Conn::Tcp(s) => {
                 let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
                 msg.msg_iov = bufs.as_ptr() as *mut libc::iovec; // IoSlice is an iovec on unix
                 msg.msg_iovlen = bufs.len() as _;
-                let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-                if n >= 0 {
-                    return Ok(n as usize);
-                }
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            },
+                retry_interrupted(|| unsafe {
+                    libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+                })
+            }
             Conn::Shm(s) => {
                 let n = s.outgoing().write(bufs)?;
                 if s.outgoing().reader_asleep() {
@@ -171,6 +159,20 @@ impl Conn {
                 notify(&s.mine);
                 let _ = s.sock.shutdown(Shutdown::Both);
             }
+        }
+    }
+}
+
+/// A system call's byte count, retried when a signal interrupts it.
+fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
 }
