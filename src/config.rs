@@ -46,6 +46,9 @@ pub struct Config {
     pub transport: TransportMode,
     /// TCP connections this rank opens to each peer it sends to.
     pub nsocks: usize,
+    /// Messages of at least this many bytes to a rank on this host are read
+    /// by it straight from this rank's memory, where the kernel allows it (0: never).
+    pub single_copy_bytes: usize,
     /// How long a waiter polls before it sleeps.
     pub spin: Duration,
     /// The interface whose address this rank advertises.
@@ -68,6 +71,7 @@ impl Default for Config {
             stage_piece_bytes: 8 << 20,
             transport: TransportMode::Auto,
             nsocks: 1,
+            single_copy_bytes: 64 << 10,
             spin: Duration::from_micros(50),
             socket_ifname: None,
             faults: Arc::default(),
@@ -157,6 +161,16 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| c.nsocks.to_string(),
+    },
+    Setting {
+        option: "single_copy_bytes",
+        env: "RUSTC10D_SINGLE_COPY_BYTES",
+        shared: false,
+        set: |c, v| {
+            c.single_copy_bytes = bytes(v, 0, usize::MAX)?;
+            Ok(())
+        },
+        show: |c| c.single_copy_bytes.to_string(),
     },
     Setting {
         option: "spin_us",

@@ -90,7 +90,7 @@ fn create_backend(
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
 }
 
-/// {op: {count, failed, bytes, seconds, max_seconds}} of a live group.
+/// {op: {count, failed, bytes, seconds, max_seconds, copied_bytes, wakeups, early_bytes}} of a live group.
 #[pyfunction]
 fn stats(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
     let s = watched(group_name, |g| g.stats.upgrade())?;
@@ -102,6 +102,9 @@ fn stats(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
         d.set_item("bytes", s.bytes)?;
         d.set_item("seconds", s.total.as_secs_f64())?;
         d.set_item("max_seconds", s.max.as_secs_f64())?;
+        d.set_item("copied_bytes", s.copied_bytes)?;
+        d.set_item("wakeups", s.wakeups)?;
+        d.set_item("early_bytes", s.early_bytes)?;
         out.set_item(op.name(), d)?;
     }
     Ok(out.unbind())

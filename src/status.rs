@@ -4,7 +4,7 @@
 //! before the future is complete.
 
 use crate::error::Result;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,8 +17,56 @@ pub trait Polling {
     fn poll(&self);
 }
 
+/// What an op cost this rank, in counts that do not depend on the machine
+/// (`rustc10d.stats()`): bytes its CPU moved through copies and folds
+/// (reads and writes of shared-memory rings, socket reads and writes,
+/// folds, copies between buffers, reads of a peer's memory), and how often a
+/// thread waiting for it went to sleep. Also how many bytes arrived before
+/// their receive was posted and waited in memory for it: each costs one
+/// copy more than if it had gone straight into place (a folded receive
+/// folds from there instead, at no extra cost).
+#[derive(Debug, Default)]
+pub struct Cost {
+    copied: AtomicU64,
+    wakeups: AtomicU64,
+    early: AtomicU64,
+}
+
+/// What a `Cost` has counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CostTotals {
+    pub copied: u64,
+    pub wakeups: u64,
+    pub early: u64,
+}
+
+impl Cost {
+    pub fn copied(&self, bytes: usize) {
+        self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn slept(&self) {
+        self.wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn early(&self, bytes: usize) {
+        self.early.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub fn totals(&self) -> CostTotals {
+        CostTotals {
+            copied: self.copied.load(Ordering::Relaxed),
+            wakeups: self.wakeups.load(Ordering::Relaxed),
+            early: self.early.load(Ordering::Relaxed),
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Status {
+    /// The op this transfer belongs to, charged for the transfer's copies
+    /// and for the sleeps of threads that wait for it.
+    cost: Option<Arc<Cost>>,
     /// The op, named in every error ("recv #3 from rank 1 (...) ..."):
     /// prefixed to one that does not name it already.
     context: Option<String>,
@@ -48,9 +96,15 @@ impl Status {
         Arc::new(s)
     }
 
-    /// A cell whose errors name the op (`context`), whoever finishes it.
-    pub fn named(context: String, callback: Callback) -> Arc<Status> {
-        let s = Status { context: Some(context), ..Status::default() };
+    /// A transfer of an op that is charged `cost`.
+    pub fn costed(cost: Arc<Cost>) -> Arc<Status> {
+        Arc::new(Status { cost: Some(cost), ..Status::default() })
+    }
+
+    /// A cell whose errors name the op (`context`), whoever finishes it,
+    /// charged `cost`.
+    pub fn named(context: String, cost: Arc<Cost>, callback: Callback) -> Arc<Status> {
+        let s = Status { context: Some(context), cost: Some(cost), ..Status::default() };
         s.state.lock().unwrap().callback = Some(callback);
         Arc::new(s)
     }
@@ -121,6 +175,20 @@ impl Status {
         combined
     }
 
+    /// The transfer moved `bytes` through a copy or a fold (see `Cost`).
+    pub fn copied(&self, bytes: usize) {
+        if let Some(c) = &self.cost {
+            c.copied(bytes);
+        }
+    }
+
+    /// The transfer's `bytes` arrived before its receive (see `Cost`).
+    pub fn early(&self, bytes: usize) {
+        if let Some(c) = &self.cost {
+            c.early(bytes);
+        }
+    }
+
     pub fn is_done(&self) -> bool {
         self.state.lock().unwrap().result.is_some()
     }
@@ -163,6 +231,9 @@ impl Status {
         loop {
             if let Some(r) = &st.result {
                 return Some(r.clone());
+            }
+            if let Some(c) = &self.cost {
+                c.slept();
             }
             match deadline {
                 None => st = self.cv.wait(st).unwrap(),
@@ -221,11 +292,11 @@ mod tests {
     #[test]
     fn named_errors_say_which_op_once() {
         let op = "recv #3 from rank 1";
-        let lost = Status::named(op.into(), Box::new(|_| {}));
+        let lost = Status::named(op.into(), Arc::default(), Box::new(|_| {}));
         lost.finish(Err(Error::peer_lost("rank 1 closed its connection")));
         let msg = lost.result().unwrap().unwrap_err().message;
         assert_eq!(msg, "rustc10d: recv #3 from rank 1: rank 1 closed its connection");
-        let late = Status::named(op.into(), Box::new(|_| {}));
+        let late = Status::named(op.into(), Arc::default(), Box::new(|_| {}));
         late.finish(Err(Error::timeout("rustc10d: Timed out after 5 ms: recv #3 from rank 1 was waiting for data")));
         assert!(late.result().unwrap().unwrap_err().message.starts_with("rustc10d: Timed out"), "named once");
     }

@@ -563,16 +563,20 @@ def registration(ctx: Ctx):
 
 @check("init", skip_on={"gloo": "rustc10d's own counters"})
 def per_op_stats(ctx: Ctx):
-    """rustc10d.stats() counts what this group ran: ops, bytes, time."""
+    """rustc10d.stats() counts what this group ran: ops, bytes, time, and copies (each
+    rank at least copies the other ranks' contributions in once)."""
     import rustc10d
 
-    before = rustc10d.stats().get("allreduce", {"count": 0, "bytes": 0, "seconds": 0.0})
+    zero = {"count": 0, "bytes": 0, "seconds": 0.0, "copied_bytes": 0, "wakeups": 0, "early_bytes": 0}
+    before = rustc10d.stats().get("allreduce", zero)
     for _ in range(3):
         dist.all_reduce(torch.ones(256))
     after = rustc10d.stats()["allreduce"]
     assert after["count"] == before["count"] + 3, (before, after)
     assert after["bytes"] == before["bytes"] + 3 * 1024, (before, after)
     assert after["seconds"] > before["seconds"] and after["failed"] >= 0, (before, after)
+    assert after["copied_bytes"] >= before["copied_bytes"] + 3 * 1024 * (ctx.world - 1), (before, after)
+    assert after["wakeups"] >= before["wakeups"] and after["early_bytes"] >= before["early_bytes"], (before, after)
 
 
 # ============================================================================= suite "collectives"

@@ -78,6 +78,10 @@ class Options:
     transport: str | None = None
     #: TCP connections per peer, 1 to 16 (RUSTC10D_NSOCKS; 1).
     nsocks: int | None = None
+    #: Messages of at least this many bytes to a rank on this host are read by it straight from
+    #: this rank's memory where the kernel allows it, one copy instead of two; 0: never
+    #: (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB).
+    single_copy_bytes: int | None = None
     #: Microseconds a waiter polls before it sleeps (RUSTC10D_SPIN_US; 50).
     spin_us: int | None = None
     #: The interface whose address this rank advertises (RUSTC10D_SOCKET_IFNAME).
@@ -110,8 +114,14 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]:
     """Per-op counters of a rustc10d group (default: the world group), on this rank.
 
-    Returns ``{op: {"count", "failed", "bytes", "seconds", "max_seconds"}}`` for every op
-    kind that has finished at least once, e.g. ``stats()["allreduce"]["seconds"]``.
+    Returns ``{op: {"count", "failed", "bytes", "seconds", "max_seconds", "copied_bytes",
+    "wakeups", "early_bytes"}}`` for every op kind that has finished at least once, e.g.
+    ``stats()["allreduce"]["seconds"]``. ``copied_bytes`` counts the bytes this rank's CPU
+    moved for those ops through copies and folds (shared-memory ring writes and reads, socket
+    writes and reads, reads of a peer's memory, copies between buffers, reductions), and
+    ``wakeups`` how often a thread waiting for them went to sleep: costs that, unlike times,
+    do not depend on the machine. ``early_bytes`` counts the bytes that arrived before their
+    receive was posted and waited in memory for it, each one copy more.
     """
     pg = group if group is not None else dist.group.WORLD
     return _native.stats(pg.group_name)

@@ -17,7 +17,10 @@ algbw = bytes / time and busbw = algbw * factor (all_reduce 2(W-1)/W, all_gather
 and all_to_all (W-1)/W, broadcast 1; the ping-pong's time is half a round trip). "bytes" is the
 larger per-rank buffer: all_gather's output, reduce_scatter's and all_to_all's input. After the
 timing, every backend runs each op once more on fresh data and the result is checked against
-arithmetic; a failed check is reported loudly and makes the exit code 1.
+arithmetic; a failed check is reported loudly and makes the exit code 1. That call also gives
+rustc10d's costs that do not depend on the machine (`rustc10d.stats()`): bytes each rank copied
+per payload byte, and how often a waiting thread slept; the tables show the busiest rank's, the
+JSON every rank's.
 """
 
 from __future__ import annotations
@@ -275,12 +278,18 @@ class Rank:
             if res["status"] == "ok":  # once more on fresh buffers, checked against arithmetic
                 bufs = op.make(n, dtype, self.rank, self.world)
                 dist.barrier(group=self.sync)
-                error = ""
+                error, ours = "", b != BASELINE
+                before = _cost(self.groups[b]) if ours else None
                 try:
                     op.run(bufs, self.groups[b], self.rank, self.world)
                     error = op.check(bufs, self.rank, self.world) or ""
                 except Exception as e:  # noqa: BLE001
                     error = f"{type(e).__name__}: {e}"
+                if ours:  # what this one call cost each rank, in counts independent of the machine
+                    spent = {k: v - before[k] for k, v in _cost(self.groups[b]).items()}
+                    every = [None] * self.world
+                    dist.all_gather_object(every, spent, group=self.sync)
+                    res["cost"] = {k: [r[k] for r in every] for k in spent}
                 try:
                     self.agree(0.0, error)
                 except BackendFailed as e:
@@ -288,6 +297,12 @@ class Rank:
                 del bufs
         return {"world": self.world, "op": name, "dtype": dtype_name, "size": size,
                 "bytes": n * dtype.itemsize, "busbw_factor": op.busbw(self.world), "backends": out}
+
+
+def _cost(group) -> dict:
+    """This rank's copied bytes, wake-ups and early bytes over every op kind of a rustc10d group."""
+    kinds = rustc10d.stats(group).values()
+    return {k: sum(s[k] for s in kinds) for k in ("copied_bytes", "wakeups", "early_bytes")}
 
 
 def _watch_parent(deadline: float):
@@ -491,6 +506,15 @@ def _cells(res: dict) -> str:
     return f"{res['status']:>26}"
 
 
+def _cost_cell(entry: dict, res: dict) -> str:
+    """The busiest rank's bytes copied per payload byte, and its wake-ups, in one call."""
+    cost = res.get("cost")
+    if not cost:
+        return f"{'-':^15}"
+    copies = max(cost["copied_bytes"]) / max(entry["bytes"], 1)
+    return f"{copies:8.2f} {max(cost['wakeups']):6d}"
+
+
 def _series(entries: list[dict]) -> list[str]:
     return list(dict.fromkeys(b for e in entries for b in e["backends"]))
 
@@ -502,16 +526,19 @@ def print_table(world: int, name: str, dtype: str, entries: list[dict]):
     print(f"\n{name} {dtype}  W={world}  busbw = algbw x {factor:.2f}"
           f"{'  time = half round trip' if OPS[name].round_trip else ''}")
     print(f"{'':>10} | " + " | ".join(f"{b:^26}" for b in series) + " | "
-          + " | ".join(f"{'ratio ' + b.removeprefix('rustc10d-'):^19}" for b in ours))
+          + " | ".join(f"{'ratio ' + b.removeprefix('rustc10d-'):^19}" for b in ours) + " | "
+          + " | ".join(f"{'cost ' + b.removeprefix('rustc10d-'):^15}" for b in ours))
     print(f"{'size':>10} | " + f"{'time':>10} {'busbw GB/s':>10} {'':4} | " * len(series)
-          + " | ".join(f"{'min / median / max':^19}" for _ in ours))
+          + " | ".join(f"{'min / median / max':^19}" for _ in ours) + " | "
+          + " | ".join(f"{'copies/B wakes':^15}" for _ in ours))
     for e in entries:
         ratios = []
         for b in ours:
             r = e.get("ratio", {}).get(b)
             ratios.append(f"{r['min']:5.2f} /{r['median']:5.2f} /{r['max']:5.2f}" if r else f"{'-':^19}")
+        costs = [_cost_cell(e, e["backends"][b]) for b in ours]
         print(f"{_size(e['bytes']):>10} | " + " | ".join(_cells(e["backends"][b]) for b in series) + " | "
-              + " | ".join(ratios))
+              + " | ".join(ratios) + " | " + " | ".join(costs))
     notes = {(b, res["status"], res["error"][:300]) for e in entries for b, res in e["backends"].items() if "error" in res}
     for b, status, error in sorted(notes):
         print(f"  {b} {status}: {error}")

@@ -2,7 +2,7 @@
 //! posted first, then sends go out starting with the next rank, so that no
 //! peer is hit by everyone at once.
 
-use super::{copy_buf, OpCtx, RawBuf};
+use super::{OpCtx, RawBuf};
 use crate::error::Result;
 
 /// `inputs[p]` goes to rank p, `outputs[p]` comes from rank p (sizes may differ per pair).
@@ -17,6 +17,6 @@ pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> 
     for p in peers() {
         unsafe { tr.send(p, key, inputs[p].slice(0, inputs[p].len))? };
     }
-    unsafe { copy_buf(outputs[rank], inputs[rank]) };
+    unsafe { ctx.copy(outputs[rank], inputs[rank]) };
     tr.wait_all()
 }

@@ -1,7 +1,7 @@
 //! Gather and scatter: every rank talks to the root directly (one message per
 //! rank), which is what the root's link has to carry anyway.
 
-use super::{copy_buf, OpCtx, RawBuf};
+use super::{OpCtx, RawBuf};
 use crate::error::Result;
 
 /// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
@@ -16,7 +16,7 @@ pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize
     for (peer, out) in outputs.iter().enumerate().filter(|&(p, _)| p != rank) {
         unsafe { tr.recv(peer, key, out.ptr, out.len)? };
     }
-    unsafe { copy_buf(outputs[rank], input) };
+    unsafe { ctx.copy(outputs[rank], input) };
     tr.wait_all()
 }
 
@@ -34,6 +34,6 @@ pub fn direct_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, root: usiz
     for peer in (1..world).map(|k| (rank + k) % world) {
         unsafe { tr.send(peer, key, inputs[peer].slice(0, inputs[peer].len))? };
     }
-    unsafe { copy_buf(output, inputs[rank]) };
+    unsafe { ctx.copy(output, inputs[rank]) };
     tr.wait_all()
 }

@@ -3,10 +3,10 @@
 //! bit-identical. One exchange instead of 2(W-1) ring steps.
 
 use super::call_check::{Agreement, Fingerprint};
-use super::{copy_buf, OpCtx, RawBuf};
+use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{divide_by, reduce_into};
+use crate::reduce::divide_by;
 
 /// Groups up to this size may take the direct path (each rank receives W-1 copies).
 const SMALL_MAX_WORLD: usize = 16;
@@ -52,11 +52,11 @@ pub fn direct_allreduce(
     // The calls agree, everything is received, and our buffer sent, before it is overwritten.
     agreed(tr)?;
     tr.wait_all()?;
-    unsafe { copy_buf(slot(rank), buf) };
+    unsafe { ctx.copy(slot(rank), buf) };
     let acc = unsafe { buf.slice_mut(0, len) };
     acc.copy_from_slice(unsafe { slot(0).slice(0, len) });
     for p in 1..world {
-        reduce_into(dtype, op, acc, unsafe { slot(p).slice(0, len) });
+        ctx.reduce_into(dtype, op, acc, unsafe { slot(p).slice(0, len) });
     }
     if op == ReduceOp::Avg {
         divide_by(dtype, acc, world);

@@ -4,7 +4,7 @@
 
 use super::call_check::Fingerprint;
 use super::{
-    copy_buf, direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
+    direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
     ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
@@ -103,7 +103,7 @@ fn premultiplied_copies<'a>(
         .map(|b| {
             let dst = RawBuf::new(at, b.len);
             unsafe {
-                copy_buf(dst, *b);
+                ctx.copy(dst, *b);
                 scale(red.dtype, dst.slice_mut(0, dst.len), factor);
                 at = at.add(b.len);
             }

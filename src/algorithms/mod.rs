@@ -6,8 +6,10 @@
 // the segment number; iterator chains would hide that.
 #![allow(clippy::needless_range_loop)]
 
+use crate::dtype::{DType, ReduceOp};
+use crate::status::Cost;
 use crate::transport::{Key, Transfers, Transport};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod alltoall;
@@ -53,6 +55,8 @@ pub struct OpCtx<'a> {
     /// Which piece of a buffer run in pieces this is (0 otherwise): its
     /// messages get keys of their own.
     pub piece: u64,
+    /// What the op costs this rank: its transfers and its own copies and folds.
+    pub cost: &'a Arc<Cost>,
 }
 
 impl<'a> OpCtx<'a> {
@@ -70,7 +74,24 @@ impl<'a> OpCtx<'a> {
     /// Transfers for this op. Algorithms create them after any scratch memory,
     /// so that cleanup finishes before the scratch is freed.
     pub fn transfers(&self) -> Transfers<'_> {
-        Transfers::new(self.transport, self.timeout, self.what.clone(), self.spin)
+        Transfers::new(self.transport, self.timeout, self.what.clone(), self.spin, self.cost.clone())
+    }
+
+    /// Copy `src` into `dst` (same length) unless they are the same memory, and count it.
+    ///
+    /// # Safety
+    /// As for `copy_buf`.
+    pub unsafe fn copy(&self, dst: RawBuf, src: RawBuf) {
+        if dst.ptr != src.ptr {
+            self.cost.copied(src.len);
+        }
+        copy_buf(dst, src)
+    }
+
+    /// Fold `src` into `dst` with `op`, and count it.
+    pub fn reduce_into(&self, dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+        self.cost.copied(src.len());
+        crate::reduce::reduce_into(dtype, op, dst, src)
     }
 }
 

@@ -51,7 +51,7 @@ fn monitor(ctx: &OpCtx, wait_all: bool, timeout: Duration) -> Result<()> {
     let world = ctx.transport.size();
     let ms = timeout.as_millis();
     let deadline = Instant::now() + timeout;
-    let arrivals = &mut Transfers::new(ctx.transport, timeout, ctx.what.clone(), ctx.spin);
+    let arrivals = &mut Transfers::new(ctx.transport, timeout, ctx.what.clone(), ctx.spin, ctx.cost.clone());
     let ids = (1..world)
         .map(|p| unsafe { arrivals.recv(p, ctx.key(0), std::ptr::NonNull::<u8>::dangling().as_ptr(), 0) })
         .collect::<Result<Vec<_>>>()?;

@@ -3,13 +3,13 @@
 //! its final place, so all of them are posted up front. Blocks may differ in
 //! size per rank (all-gather-v); every rank must expect the same sizes.
 
-use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
+use super::{segment, segment_count, OpCtx, RawBuf};
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
 pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    unsafe { copy_buf(outputs[rank], input) };
+    unsafe { ctx.copy(outputs[rank], input) };
     if world == 1 {
         return Ok(());
     }

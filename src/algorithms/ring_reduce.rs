@@ -5,7 +5,7 @@
 use super::{segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{divide_by, reduce_into};
+use crate::reduce::divide_by;
 
 pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
@@ -42,12 +42,12 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
         let theirs = unsafe { partial.slice_mut(off, n) };
         if pos == world - 1 {
             let mine = unsafe { buf.slice_mut(off, n) };
-            reduce_into(dtype, op, mine, theirs);
+            ctx.reduce_into(dtype, op, mine, theirs);
             if op == ReduceOp::Avg {
                 divide_by(dtype, mine, world);
             }
         } else {
-            reduce_into(dtype, op, theirs, unsafe { buf.slice(off, n) });
+            ctx.reduce_into(dtype, op, theirs, unsafe { buf.slice(off, n) });
             unsafe { tr.send(right, key(j), theirs)? };
         }
     }

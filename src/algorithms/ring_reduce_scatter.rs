@@ -4,7 +4,7 @@
 //! The last step folds the arriving partials straight into the output, which
 //! already holds this rank's own block.
 
-use super::{copy_buf, segment, segment_count, OpCtx, RawBuf};
+use super::{segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, reduce_into};
@@ -15,7 +15,7 @@ use std::sync::Arc;
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     if world == 1 {
-        unsafe { copy_buf(output, inputs[0]) };
+        unsafe { ctx.copy(output, inputs[0]) };
         return Ok(());
     }
     let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
@@ -37,7 +37,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     let mut recvs: Vec<Vec<TransferId>> = vec![Vec::new(); steps];
     let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
     // The last step's block is this rank's own: start the output from it.
-    unsafe { copy_buf(output, inputs[rank]) };
+    unsafe { ctx.copy(output, inputs[rank]) };
     let fold = Fold {
         unit: dtype.size(),
         f: Arc::new(move |out: &mut [u8], partial: &[u8]| reduce_into(dtype, op, out, partial)),
@@ -82,7 +82,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
             } else {
                 let partial = unsafe { bufs[t % 3].slice_mut(off, n) };
                 let mine = unsafe { inputs[c].slice(off, n) };
-                reduce_into(dtype, op, partial, mine);
+                ctx.reduce_into(dtype, op, partial, mine);
                 sends[t + 1].push(unsafe { tr.send(right, key(t + 1, j), partial)? });
             }
         }

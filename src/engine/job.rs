@@ -8,7 +8,7 @@ use crate::algorithms::{self, call_check::Fingerprint, OpCtx};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::Collective;
-use crate::status::Status;
+use crate::status::{Cost, Status};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -100,6 +100,7 @@ impl Shared {
             ));
         }
         let start = Instant::now();
+        let cost = Arc::new(Cost::default());
         let ctx = OpCtx {
             transport: &*self.transport,
             seq,
@@ -110,6 +111,7 @@ impl Shared {
             pool: &self.pool,
             spin: self.spin,
             piece: 0,
+            cost: &cost,
         };
         debug_assert_eq!(fingerprint.op, kind);
         let r = match self.faults.hit(self.transport.rank(), kind, seq) {
@@ -134,7 +136,7 @@ impl Shared {
                 })
             }
         };
-        self.stats.record(kind, part.bytes(), start.elapsed(), r.is_ok());
+        self.stats.record(kind, part.bytes(), start.elapsed(), r.is_ok(), &cost);
         if let Err(e) = &r {
             if part.failure_breaks_group() && !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
                 self.break_group(e);

@@ -8,7 +8,7 @@ use crate::algorithms::RawBuf;
 use crate::error::{Error, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::OpKind;
-use crate::status::{Callback, Status};
+use crate::status::{Callback, Cost, Status};
 use crate::transport::{Key, Ready};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -87,10 +87,12 @@ impl Engine {
     /// the transport names the op.
     fn p2p_status(&self, kind: OpKind, op: &str, bytes: usize, done: Callback) -> std::sync::Arc<Status> {
         let (stats, start) = (self.shared.stats.clone(), Instant::now());
+        let cost = std::sync::Arc::new(Cost::default());
         Status::named(
             op.to_string(),
+            cost.clone(),
             Box::new(move |r: &Result<i64>| {
-                stats.record(kind, bytes as u64, start.elapsed(), r.is_ok());
+                stats.record(kind, bytes as u64, start.elapsed(), r.is_ok(), &cost);
                 done(r)
             }),
         )

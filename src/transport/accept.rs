@@ -199,13 +199,15 @@ impl Handshake {
         let [memfd, theirs] = <[_; 2]>::try_from(fds).map_err(|_| Error::io("expected two descriptors"))?;
         let seg = Segment::open(&memfd)?;
         drop(memfd); // the mapping keeps the memory; nothing names it any more
+                     // Before the answer: the dialler then finds where we map it (see conn.rs).
+        seg.ring(1).set_writer_base();
         let mine = eventfd()?;
         send_fds(&fd_of(&shake.stream), &[mine.as_raw_fd()]).map_err(io)?;
         let shake = state.take().expect("some");
         core.reactor.deregister(shake.token, shake.stream.fd());
         let Stream::Unix(sock) = shake.stream else { unreachable!() };
         let peer = shake.peer.expect("hello passed");
-        Ok(Some((peer, Conn::Shm(ShmConn::new(seg, false, sock, mine, theirs)))))
+        Ok(Some((peer, Conn::Shm(ShmConn::new(seg, false, sock, mine, theirs, core.direct_from)))))
     }
 }
 

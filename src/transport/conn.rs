@@ -4,13 +4,24 @@
 //! on the socket for TCP; for shared memory on an eventfd the peer writes to
 //! once it has read or written, and on the Unix socket, which the kernel
 //! closes when the peer process dies.
+//!
+//! Between ranks of one host, a large message can also cross in one copy:
+//! the sender writes only its address into the ring, the receiver reads the
+//! bytes straight from the sender's memory (`process_vm_readv`), then says
+//! so in the ring's control block and wakes the sender, which keeps the
+//! bytes until then. The acknowledgement does not queue behind frames, so
+//! a reader that waits for a receive to be posted never holds it back. Whether the
+//! kernel allows it (ptrace rules, containers) is tried once per connection,
+//! by reading the peer's mapping of the segment; otherwise the rings carry
+//! everything.
 
 use super::fdpass::{drain, notify};
-use super::ring::{Ring, Segment};
+use super::ring::{Ring, Segment, FIRST_WORD};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{fence, Ordering};
 
 pub enum Conn {
     Tcp(TcpStream),
@@ -27,6 +38,11 @@ pub struct ShmConn {
     mine: OwnedFd,
     /// The peer's.
     theirs: OwnedFd,
+    /// The peer process, when this side can read its memory directly.
+    peer_pid: Option<libc::pid_t>,
+    /// Messages of at least this many bytes go as their address when the
+    /// peer can read this side's memory (0: never).
+    direct_from: usize,
 }
 
 /// What a descriptor of a connection tells the reactor.
@@ -39,9 +55,54 @@ pub enum Watch {
 }
 
 impl ShmConn {
-    /// `dialled`: this side dialled (it writes ring 0).
-    pub fn new(seg: Segment, dialled: bool, sock: UnixStream, mine: OwnedFd, theirs: OwnedFd) -> ShmConn {
-        ShmConn { seg, out: if dialled { 0 } else { 1 }, sock, mine, theirs }
+    /// `dialled`: this side dialled (it writes ring 0). With `direct_from`
+    /// above 0, messages of that size or more cross in one copy where the
+    /// kernel allows it (each side has said where it maps the segment before
+    /// the other makes its ShmConn).
+    pub fn new(
+        seg: Segment,
+        dialled: bool,
+        sock: UnixStream,
+        mine: OwnedFd,
+        theirs: OwnedFd,
+        direct_from: usize,
+    ) -> ShmConn {
+        let mut conn =
+            ShmConn { seg, out: if dialled { 0 } else { 1 }, sock, mine, theirs, peer_pid: None, direct_from };
+        conn.outgoing().set_writer_base();
+        if direct_from > 0 {
+            conn.peer_pid = conn.probe_direct_reads();
+            if conn.peer_pid.is_some() {
+                conn.incoming().allow_direct_reads();
+            }
+        }
+        conn
+    }
+
+    /// The peer's process, if this side can read its memory: the kernel
+    /// names it (SO_PEERCRED), and a read of its mapping of the segment
+    /// must find the segment's first word.
+    fn probe_direct_reads(&self) -> Option<libc::pid_t> {
+        let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        let got = unsafe {
+            libc::getsockopt(
+                self.sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        let base = self.incoming().writer_base();
+        if got != 0 || cred.pid <= 0 || base == 0 {
+            return None;
+        }
+        let mut word = [0u8; 8];
+        match read_process(cred.pid, base, &mut word) {
+            Ok(()) if u64::from_ne_bytes(word) == FIRST_WORD => Some(cred.pid),
+            _ => None,
+        }
     }
 
     fn outgoing(&self) -> Ring<'_> {
@@ -56,6 +117,50 @@ impl ShmConn {
 impl Conn {
     pub fn is_shm(&self) -> bool {
         matches!(self, Conn::Shm(_))
+    }
+
+    /// Whether a message of `len` bytes goes as its address (see the top).
+    pub fn sends_directly(&self, len: usize) -> bool {
+        match self {
+            Conn::Shm(s) => s.direct_from > 0 && len >= s.direct_from && s.outgoing().direct_reads(),
+            Conn::Tcp(_) => false,
+        }
+    }
+
+    /// Read `buf.len()` bytes at `addr` in the peer's memory (a message it
+    /// sent as its address).
+    pub fn read_peer(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+        match self {
+            Conn::Shm(ShmConn { peer_pid: Some(pid), .. }) => read_process(*pid, addr, buf),
+            _ => Err(io::Error::new(io::ErrorKind::InvalidData, "the peer sent an address this side cannot read")),
+        }
+    }
+
+    /// The messages the peer sent as their address are read, up to number `id`.
+    pub fn ack_read(&self, id: u64) {
+        if let Conn::Shm(s) = self {
+            s.incoming().ack(id);
+            notify(&s.theirs);
+        }
+    }
+
+    /// The number of the last message this side sent as its address that the peer has read.
+    pub fn acked(&self) -> u64 {
+        match self {
+            Conn::Shm(s) => s.outgoing().acked(),
+            Conn::Tcp(_) => 0,
+        }
+    }
+
+    /// After reading a peer's memory: whether the peer had given up by then
+    /// (then the bytes read may have been freed and reused meanwhile). The
+    /// peer closes the rings before it lets go of a send's memory.
+    pub fn peer_let_go(&self) -> bool {
+        fence(Ordering::SeqCst);
+        match self {
+            Conn::Shm(s) => s.incoming().is_closed(),
+            Conn::Tcp(_) => false,
+        }
     }
 
     /// The descriptors the reactor watches, and what each tells.
@@ -163,6 +268,21 @@ impl Conn {
     }
 }
 
+/// Copy `buf.len()` bytes at `addr` in process `pid` into `buf`.
+fn read_process(pid: libc::pid_t, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let local = libc::iovec { iov_base: buf[done..].as_mut_ptr().cast(), iov_len: buf.len() - done };
+        let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: buf.len() - done };
+        let n = retry_interrupted(|| unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) })?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer's memory ended early"));
+        }
+        done += n;
+    }
+    Ok(())
+}
+
 /// A system call's byte count, retried when a signal interrupts it.
 fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
     loop {
@@ -183,12 +303,41 @@ mod tests {
     use super::*;
 
     fn pair() -> (Conn, Conn) {
+        pair_direct_from(0)
+    }
+
+    /// As the dialler and the acceptor make them (here both in this process).
+    fn pair_direct_from(direct_from: usize) -> (Conn, Conn) {
         let (seg, fd) = Segment::create(64 << 10).unwrap();
         let other = Segment::open(&fd).unwrap();
+        other.ring(1).set_writer_base();
         let (s1, s2) = UnixStream::pair().unwrap();
         let (e1, e2) = (eventfd().unwrap(), eventfd().unwrap());
         let (e1b, e2b) = (e1.try_clone().unwrap(), e2.try_clone().unwrap());
-        (Conn::Shm(ShmConn::new(seg, true, s1, e1, e2b)), Conn::Shm(ShmConn::new(other, false, s2, e2, e1b)))
+        let b = Conn::Shm(ShmConn::new(other, false, s2, e2, e1b, direct_from));
+        let a = Conn::Shm(ShmConn::new(seg, true, s1, e1, e2b, direct_from));
+        (a, b)
+    }
+
+    #[test]
+    fn large_messages_go_as_their_address_once_the_peer_has_read_ours() {
+        let (a, b) = pair_direct_from(4096);
+        assert!(a.sends_directly(4096) && b.sends_directly(1 << 20), "each side read the other's mapping");
+        assert!(!a.sends_directly(4095), "below the threshold: the rings");
+        let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let mut got = vec![0u8; data.len()];
+        b.read_peer(data.as_ptr() as u64, &mut got).unwrap();
+        assert!(got == data);
+        assert_eq!(a.acked(), 0);
+        b.ack_read(3);
+        assert_eq!(a.acked(), 3, "the sender sees it may let go");
+        assert!(pending(a.watched()[0].0), "and is woken for it");
+        assert!(!b.peer_let_go());
+        a.shutdown();
+        assert!(b.peer_let_go(), "a sender that gave up may have reused what was read");
+        let (off, _) = pair_direct_from(0);
+        assert!(!off.sends_directly(1 << 20), "0: never");
+        assert!(off.read_peer(data.as_ptr() as u64, &mut got).is_err(), "nor read an address");
     }
 
     fn pending(fd: RawFd) -> bool {

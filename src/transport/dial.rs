@@ -69,8 +69,9 @@ impl Dialler<'_> {
     }
 
     /// A shared-memory connection through the peer's Unix socket `name`,
-    /// with rings of `ring_bytes`.
-    pub fn shm(&self, name: &str, ring_bytes: usize) -> Result<Conn> {
+    /// with rings of `ring_bytes`, messages of `direct_from` bytes or more
+    /// in one copy (see conn.rs).
+    pub fn shm(&self, name: &str, ring_bytes: usize, direct_from: usize) -> Result<Conn> {
         let fail = |what: String| {
             Error::io(format!(
                 "rustc10d: rank {} could not connect to {} through shared memory: {what}",
@@ -89,7 +90,7 @@ impl Dialler<'_> {
         let theirs = recv_fds(&sock, 1).map_err(|e| fail(format!("no answer after sending the segment: {e}")))?;
         let theirs = theirs.into_iter().next().expect("one");
         sock.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
-        Ok(Conn::Shm(ShmConn::new(seg, true, sock, mine, theirs)))
+        Ok(Conn::Shm(ShmConn::new(seg, true, sock, mine, theirs, direct_from)))
     }
 
     /// The dialling side speaks first; the listener answers only a hello

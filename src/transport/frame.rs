@@ -5,8 +5,8 @@ use crate::error::{Error, Result};
 
 /// Bumped whenever ranks of two versions could not understand each other
 /// (v2: ranks publish their host and shared-memory socket; v3: and the
-/// settings every rank must share).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// settings every rank must share; v4: messages sent as their address).
+pub const PROTOCOL_VERSION: u32 = 4;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
 pub const HEADER_LEN: usize = 32;
@@ -19,6 +19,36 @@ pub const KIND_P2P: u8 = 2;
 /// The sender gives up on the group; the payload says why (UTF-8, at most ABORT_MAX bytes).
 pub const KIND_ABORT: u8 = 3;
 pub const ABORT_MAX: u64 = 4096;
+
+/// Flag of a header whose message follows as its address (`Remote`), not its bytes.
+const FLAG_REMOTE: u8 = 1;
+/// What follows the header of a message sent as its address.
+pub const REMOTE_LEN: usize = 16;
+
+/// A message sent as its address in the sender's memory (shared-memory
+/// peers only): the receiver reads it there, then acknowledges `id` (and
+/// every earlier one) through the ring (`ring.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Remote {
+    pub addr: u64,
+    pub id: u64,
+}
+
+impl Remote {
+    pub fn encode(&self) -> [u8; REMOTE_LEN] {
+        let mut b = [0u8; REMOTE_LEN];
+        b[0..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; REMOTE_LEN]) -> Remote {
+        Remote {
+            addr: u64::from_le_bytes(b[0..8].try_into().unwrap()),
+            id: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+        }
+    }
+}
 
 /// What a message is matched on at the receiver, together with its sender.
 /// Collectives use (sequence number, step); p2p uses (user tag, 0) and FIFO order.
@@ -44,7 +74,10 @@ impl Key {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FrameHeader {
     pub key: Key,
+    /// The message's length (with `remote`, what the address holds).
     pub len: u64,
+    /// The message follows as its address (`Remote`, REMOTE_LEN bytes).
+    pub remote: bool,
 }
 
 impl FrameHeader {
@@ -52,6 +85,7 @@ impl FrameHeader {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
         b[4] = self.key.kind;
+        b[5] = if self.remote { FLAG_REMOTE } else { 0 };
         b[8..16].copy_from_slice(&self.key.channel.to_le_bytes());
         b[16..24].copy_from_slice(&self.key.sub.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
@@ -60,14 +94,19 @@ impl FrameHeader {
 
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<FrameHeader> {
         let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
-        if magic != FRAME_MAGIC || b[5..8] != [0, 0, 0] {
+        if magic != FRAME_MAGIC || b[6..8] != [0, 0] || b[5] & !FLAG_REMOTE != 0 {
             return Err(Error::io(format!("corrupt frame header (magic {magic:#x})")));
         }
         let kind = b[4];
         if !(KIND_COLLECTIVE..=KIND_ABORT).contains(&kind) {
             return Err(Error::io(format!("corrupt frame header (kind {kind})")));
         }
+        let remote = b[5] == FLAG_REMOTE;
+        if remote && !matches!(kind, KIND_COLLECTIVE | KIND_P2P) {
+            return Err(Error::io(format!("corrupt frame header (kind {kind} sent as an address)")));
+        }
         Ok(FrameHeader {
+            remote,
             key: Key {
                 kind,
                 channel: u64::from_le_bytes(b[8..16].try_into().unwrap()),
@@ -140,10 +179,21 @@ mod tests {
 
     #[test]
     fn header_roundtrip_and_corruption() {
-        let h = FrameHeader { key: Key::collective(7, 3), len: 1 << 33 };
+        let h = FrameHeader { key: Key::collective(7, 3), len: 1 << 33, remote: false };
         assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
-        let p = FrameHeader { key: Key::p2p(-5), len: 0 };
+        let p = FrameHeader { key: Key::p2p(-5), len: 0, remote: true };
         assert_eq!(FrameHeader::decode(&p.encode()).unwrap(), p);
+        let a = FrameHeader { key: Key::abort(), len: 9, remote: false };
+        assert_eq!(FrameHeader::decode(&a.encode()).unwrap(), a);
+        let r = Remote { addr: 0x7f00_1234_5678, id: 77 };
+        assert_eq!(Remote::decode(&r.encode()), r);
+        assert!(
+            FrameHeader::decode(&FrameHeader { remote: true, ..a }.encode()).is_err(),
+            "only messages go as addresses"
+        );
+        let mut bad = h.encode();
+        bad[5] = 2;
+        assert!(FrameHeader::decode(&bad).is_err());
         let mut bad = h.encode();
         bad[0] ^= 1;
         assert!(FrameHeader::decode(&bad).is_err());
@@ -179,9 +229,10 @@ mod tests {
 
         #[test]
         fn headers_roundtrip(p2p in proptest::prelude::any::<bool>(), channel in proptest::prelude::any::<u64>(),
-                             sub in proptest::prelude::any::<u64>(), len in proptest::prelude::any::<u64>()) {
+                             sub in proptest::prelude::any::<u64>(), len in proptest::prelude::any::<u64>(),
+                             remote in proptest::prelude::any::<bool>()) {
             let kind = if p2p { KIND_P2P } else { KIND_COLLECTIVE };
-            let h = FrameHeader { key: Key { kind, channel, sub }, len };
+            let h = FrameHeader { key: Key { kind, channel, sub }, len, remote };
             proptest::prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         }
     }

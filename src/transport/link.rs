@@ -16,7 +16,7 @@ use super::writer::{finish_written, Flushed, Outbox, SendReq};
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,8 @@ pub struct Link {
     readers: Readers,
     spin: Duration,
     ended: AtomicBool,
+    /// The sends that went as their address have been finished up to this number.
+    acked: AtomicU64,
     /// Why it was closed: sends queued after that fail with it at once.
     closed: Mutex<Option<Error>>,
     core: Weak<Core>,
@@ -56,11 +58,15 @@ struct Interest {
     polled: bool,
     /// TCP only: shared memory waits for room through the ring and eventfd.
     room: bool,
+    /// Shared memory: the eventfd also says the peer made room or read a
+    /// message sent as our address, so it stays watched while reading is paused.
+    shm: bool,
 }
 
 impl Interest {
     fn events(self) -> u32 {
-        (if !self.paused && !self.polled { READABLE } else { 0 }) | if self.room { WRITABLE } else { 0 }
+        let readable = !self.polled && (!self.paused || self.shm);
+        (if readable { READABLE } else { 0 }) | if self.room { WRITABLE } else { 0 }
     }
 }
 
@@ -93,7 +99,10 @@ impl Source for Watcher {
         match self.1 {
             Watch::Data => {
                 link.conn.woke();
-                if events & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR | libc::EPOLLRDHUP) as u32 != 0 {
+                link.settle();
+                let readable =
+                    events & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR | libc::EPOLLRDHUP) as u32 != 0;
+                if readable && !link.is_paused() {
                     link.read();
                 }
                 link.write();
@@ -108,6 +117,7 @@ impl Source for Watcher {
 
 impl Link {
     pub fn new(core: &Arc<Core>, id: ConnId, peer: usize, conn: Conn) -> Arc<Link> {
+        let shm = conn.is_shm();
         Arc::new(Link {
             id,
             peer,
@@ -115,11 +125,12 @@ impl Link {
             reader: Mutex::default(),
             outbox: Mutex::default(),
             watched: Mutex::default(),
-            interest: Mutex::new(Interest { paused: false, polled: false, room: false }),
+            interest: Mutex::new(Interest { paused: false, polled: false, room: false, shm }),
             paused: AtomicBool::new(false),
             readers: Readers::default(),
             spin: core.spin,
             ended: AtomicBool::new(false),
+            acked: AtomicU64::new(0),
             closed: Mutex::new(None),
             core: Arc::downgrade(core),
             reactor: core.reactor.clone(),
@@ -198,6 +209,7 @@ impl Link {
 
     /// Read what has arrived, if no other thread is reading (a waiter polls).
     pub fn poll(self: &Arc<Self>) {
+        self.settle();
         if !self.paused.load(Ordering::Acquire) {
             if let Ok(reader) = self.reader.try_lock() {
                 self.read_with(reader, false);
@@ -222,6 +234,7 @@ impl Link {
         let stop = reader.pump(&self.conn, self.peer, &slot.mailbox, &core.any);
         let progressed = reader.reads != before;
         drop(reader);
+        self.settle();
         match stop {
             // Shared memory: a polling thread reads what comes; else the
             // reactor polls for a while, then waits to be woken.
@@ -244,6 +257,19 @@ impl Link {
             }
         }
         progressed
+    }
+
+    /// Finish the sends that went as their address and that the peer has read.
+    fn settle(&self) {
+        let acked = self.conn.acked();
+        if acked > self.acked.load(Ordering::Acquire) {
+            let done = {
+                let mut outbox = self.outbox.lock().unwrap();
+                self.acked.fetch_max(acked, Ordering::AcqRel);
+                outbox.acked(acked)
+            };
+            finish_written(done);
+        }
     }
 
     /// Stop reading until a receive is posted (`resume`) or `left` passes.
@@ -346,7 +372,7 @@ impl Link {
         if outbox.mid_frame() {
             return;
         }
-        let header = FrameHeader { key: Key::abort(), len: why.len() as u64 }.encode();
+        let header = FrameHeader { key: Key::abort(), len: why.len() as u64, remote: false }.encode();
         let (mut written, total) = (0, HEADER_LEN + why.len());
         while written < total && Instant::now() < deadline {
             let r = if written < HEADER_LEN {

@@ -62,7 +62,14 @@ impl PostedRecv {
         self.status.finish(Ok(if self.any_source { peer as i64 } else { len as i64 }));
     }
 
+    /// Fill from an early message: it was read into memory, and is now
+    /// copied (or folded) out, two passes over its bytes; a copy more than
+    /// a receive read straight into place, the same as a fold.
     fn fill(self, data: &[u8], peer: usize) {
+        self.status.copied(2 * data.len());
+        if self.buf.fold.is_none() {
+            self.status.early(data.len());
+        }
         match &self.buf.fold {
             Some(fold) => fold.apply(unsafe { std::slice::from_raw_parts_mut(self.buf.ptr, data.len()) }, data),
             None => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr, data.len()) },

@@ -99,6 +99,7 @@ impl Mesh {
             gave_up: Mutex::new(None),
             tcp_addr,
             ring_bytes: local.as_ref().map(|l| l.ring_bytes),
+            direct_from: cfg.single_copy_bytes,
             nsocks: cfg.nsocks,
             spin: cfg.spin,
         });

@@ -41,6 +41,8 @@ pub struct Core {
     pub(super) gave_up: Mutex<Option<Vec<u8>>>,
     pub(super) tcp_addr: SocketAddr,
     pub(super) ring_bytes: Option<usize>,
+    /// Shared memory: messages of this many bytes or more cross in one copy (0: never).
+    pub(super) direct_from: usize,
     pub(super) nsocks: usize,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,
@@ -98,7 +100,7 @@ impl Core {
             let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
             match (&self.addrs[peer].shm, self.ring_bytes) {
                 (Some(name), Some(ring_bytes)) => {
-                    let conn = dialler.shm(name, ring_bytes)?;
+                    let conn = dialler.shm(name, ring_bytes, self.direct_from)?;
                     self.adopt(peer, conn);
                 }
                 _ => {

@@ -24,7 +24,7 @@ pub use frame::Key;
 pub use mailbox::Fold;
 
 use crate::error::{Error, Result};
-use crate::status::{Polling, Status};
+use crate::status::{Cost, Polling, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -154,6 +154,7 @@ pub struct Transfers<'t> {
     timeout: Duration,
     what: String,
     spin: Duration,
+    cost: Arc<Cost>,
     pending: Vec<Pending>,
 }
 
@@ -170,15 +171,15 @@ pub struct TransferId(usize);
 
 impl<'t> Transfers<'t> {
     /// `what` names the op for errors, e.g. "allreduce #4 on rank 1"; waits
-    /// poll for `spin` before they sleep.
-    pub fn new(transport: &'t dyn Transport, timeout: Duration, what: String, spin: Duration) -> Self {
-        Transfers { transport, deadline: Instant::now() + timeout, timeout, what, spin, pending: Vec::new() }
+    /// poll for `spin` before they sleep; the transfers are charged to `cost`.
+    pub fn new(transport: &'t dyn Transport, timeout: Duration, what: String, spin: Duration, cost: Arc<Cost>) -> Self {
+        Transfers { transport, deadline: Instant::now() + timeout, timeout, what, spin, cost, pending: Vec::new() }
     }
 
     /// # Safety
     /// `data` must stay valid and unchanged until this `Transfers` is dropped.
     pub unsafe fn send(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
-        let status = Status::new();
+        let status = Status::costed(self.cost.clone());
         self.transport
             .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None)
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
@@ -205,7 +206,7 @@ impl<'t> Transfers<'t> {
         len: usize,
         fold: Option<Fold>,
     ) -> Result<TransferId> {
-        let status = Status::new();
+        let status = Status::costed(self.cost.clone());
         self.transport
             .recv(peer, key, data, len, fold, status.clone())
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;

@@ -2,10 +2,11 @@
 //! frame's header says where its payload goes (straight into a posted
 //! receive, folded into it or not; into memory until its receive is posted;
 //! nowhere, for a size mismatch), and every read continues where the last
-//! one stopped.
+//! one stopped. A message sent as its address (see `conn.rs`) is read from
+//! the sender's memory the same way, then acknowledged.
 
 use super::conn::Conn;
-use super::frame::{FrameHeader, Key, ABORT_MAX, HEADER_LEN, KIND_ABORT};
+use super::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, REMOTE_LEN};
 use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use crate::error::Error;
 use std::io;
@@ -26,6 +27,8 @@ const EARLY_GRACE_MIN_BYTES: u64 = 256 * 1024;
 /// Pieces a folded receive reads at a time: small enough to stay in cache
 /// between the read and the fold.
 const FOLD_PIECE: usize = 64 * 1024;
+/// The same, read from a peer's memory: larger, since each piece is a system call.
+const DIRECT_FOLD_PIECE: usize = 256 * 1024;
 
 /// Where one connection's reading stands.
 #[derive(Default)]
@@ -41,8 +44,9 @@ pub struct Reader {
 enum State {
     #[default]
     Start,
+    /// A header, and the address that follows it for a message sent as one.
     Header {
-        buf: [u8; HEADER_LEN],
+        buf: [u8; HEADER_LEN + REMOTE_LEN],
         got: usize,
     },
     /// A header whose message has no receive yet, waiting up to EARLY_GRACE.
@@ -50,11 +54,14 @@ enum State {
         key: Key,
         len: u64,
         since: Instant,
+        remote: Option<Remote>,
     },
     Body {
         len: u64,
         got: u64,
         into: Into,
+        /// The bytes are read from the peer's memory there.
+        remote: Option<Remote>,
     },
     Reason {
         buf: Vec<u8>,
@@ -125,35 +132,44 @@ impl Reader {
         let Reader { state, bounce, .. } = self;
         match state {
             State::Start => {
-                let mut buf = [0u8; HEADER_LEN];
-                let got = read_some(conn, &mut buf)?;
+                let mut buf = [0u8; HEADER_LEN + REMOTE_LEN];
+                let got = read_some(conn, &mut buf[..HEADER_LEN])?;
                 if got == 0 {
                     return Ok(Some(Stop::End));
                 }
                 *state = State::Header { buf, got };
             }
             State::Header { buf, got } => {
-                if *got < HEADER_LEN {
-                    let n = read_some(conn, &mut buf[*got..])?;
+                // The header first: only it says whether an address follows.
+                let header = (*got >= HEADER_LEN)
+                    .then(|| FrameHeader::decode(buf[..HEADER_LEN].try_into().unwrap()))
+                    .transpose()
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
+                let need = match header {
+                    Some(h) if h.remote => HEADER_LEN + REMOTE_LEN,
+                    _ => HEADER_LEN,
+                };
+                if *got < need {
+                    let n = read_some(conn, &mut buf[*got..need])?;
                     if n == 0 {
                         return Err(io::ErrorKind::UnexpectedEof.into());
                     }
                     *got += n;
                     return Ok(None);
                 }
-                let header =
-                    FrameHeader::decode(buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.message))?;
+                let header = header.expect("read");
                 if header.key.kind == KIND_ABORT {
                     if header.len > ABORT_MAX {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "oversized abort frame"));
                     }
                     *state = State::Reason { buf: vec![0; header.len as usize], got: 0 };
                 } else {
-                    *state = State::Early { key: header.key, len: header.len, since: Instant::now() };
+                    let remote = header.remote.then(|| Remote::decode(buf[HEADER_LEN..].try_into().unwrap()));
+                    *state = State::Early { key: header.key, len: header.len, since: Instant::now(), remote };
                 }
             }
-            State::Early { key, len, since } => {
-                let (key, len) = (*key, *len);
+            State::Early { key, len, since, remote } => {
+                let (key, len, remote) = (*key, *len, *remote);
                 let into = match mailbox.lock().unwrap().on_header(key, len, any) {
                     Delivery::Direct(p) if p.buf.fold.is_some() => Into::Folded(p, 0),
                     Delivery::Direct(p) => Into::Posted(p),
@@ -167,18 +183,27 @@ impl Reader {
                         Into::Early(key, Vec::with_capacity(len.min(EARLY_RESERVE_MAX) as usize))
                     }
                 };
-                *state = State::Body { len, got: 0, into };
+                *state = State::Body { len, got: 0, into, remote };
             }
-            State::Body { len, got, into } => {
+            State::Body { len, got, into, remote } => {
                 if *got < *len {
-                    let n = fill(bounce, conn, *len, *got, into)?;
+                    let n = fill(bounce, conn, *len, *got, into, *remote)?;
                     if n == 0 {
                         return Err(io::ErrorKind::UnexpectedEof.into());
                     }
                     *got += n as u64;
                     return Ok(None);
                 }
-                let State::Body { len, into, .. } = std::mem::take(state) else { unreachable!() };
+                if remote.is_some() && conn.peer_let_go() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "the peer gave up while its message was being read",
+                    ));
+                }
+                let State::Body { len, into, remote, .. } = std::mem::take(state) else { unreachable!() };
+                if let Some(r) = remote {
+                    conn.ack_read(r.id);
+                }
                 match into {
                     Into::Posted(p) => p.complete(len as usize, peer),
                     Into::Folded(p, pending) => {
@@ -207,37 +232,56 @@ impl Reader {
     }
 }
 
-/// Read more of a body (`got` of `len` so far) into where it goes.
-fn fill(bounce: &mut Vec<u64>, conn: &Conn, len: u64, got: u64, into: &mut Into) -> io::Result<usize> {
+/// Read more of a body (`got` of `len` so far) into where it goes: from the
+/// connection, or with `remote` from the peer's memory.
+fn fill(
+    bounce: &mut Vec<u64>,
+    conn: &Conn,
+    len: u64,
+    got: u64,
+    into: &mut Into,
+    remote: Option<Remote>,
+) -> io::Result<usize> {
     let left = (len - got) as usize;
+    let read = |buf: &mut [u8]| match remote {
+        None => read_some(conn, buf),
+        Some(r) => conn.read_peer(r.addr + got, buf).map(|()| buf.len()),
+    };
     match into {
         Into::Posted(p) => {
             let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(got as usize), left) };
-            read_some(conn, dst)
+            let n = read(dst)?;
+            p.status.copied(n);
+            Ok(n)
         }
         Into::Early(_, data) => {
             let at = data.len();
             data.resize(at + left.min(1 << 20), 0);
-            let n = read_some(conn, &mut data[at..]);
+            let n = read(&mut data[at..]);
             data.truncate(at + *n.as_ref().unwrap_or(&0));
             n
         }
+        // Nothing to read of a message left where it is.
+        Into::Drain(_) if remote.is_some() => Ok(left),
         Into::Drain(_) => {
             let mut sink = [0u8; 64 << 10];
             read_some(conn, &mut sink[..left.min(64 << 10)])
         }
         Into::Folded(p, pending) => {
             let fold = p.buf.fold.as_ref().expect("a folded receive");
-            let piece = (FOLD_PIECE / fold.unit).max(1) * fold.unit;
+            let piece = if remote.is_some() { DIRECT_FOLD_PIECE } else { FOLD_PIECE };
+            let piece = (piece / fold.unit).max(1) * fold.unit;
             bounce.resize(piece.div_ceil(8), 0);
             let want = piece.min(*pending + left) - *pending;
-            let n = read_some(conn, &mut u64_bytes(bounce)[*pending..*pending + want])?;
+            let n = read(&mut u64_bytes(bounce)[*pending..*pending + want])?;
+            p.status.copied(n);
             *pending += n;
             // Fold whole pieces (whole elements) as they complete.
             if *pending == piece {
                 let at = got as usize + n - *pending;
                 let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(at), piece) };
                 fold.apply(dst, &u64_bytes(bounce)[..piece]);
+                p.status.copied(piece);
                 *pending = 0;
             }
             Ok(n)
@@ -253,6 +297,7 @@ fn fold_pending(bounce: &mut [u64], p: &PostedRecv, len: usize, pending: usize) 
     let fold = p.buf.fold.as_ref().expect("a folded receive");
     let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(len - pending), pending) };
     fold.apply(dst, &u64_bytes(bounce)[..pending]);
+    p.status.copied(pending);
 }
 
 /// One read, retried when interrupted.

@@ -6,6 +6,11 @@
 //! the waking, with an eventfd). Whoever publishes progress then reads the
 //! flag, and whoever sets the flag then re-checks progress: one of them
 //! always sees the other.
+//!
+//! Each ring's control block also says where its writer maps the segment,
+//! whether its reader may read the writer's memory directly (see `conn.rs`:
+//! large messages then cross in one copy instead of two), and which of the
+//! messages sent so it has read.
 
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
@@ -15,7 +20,9 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 /// Control block of a ring: one page, producer and consumer fields on their
 /// own cache lines.
 const CTL_BYTES: usize = 4096;
-const MAGIC: u64 = 0x5243_3130_5348_4d32; // "RC10SHM2"
+const MAGIC: u64 = 0x5243_3130_5348_4d33; // "RC10SHM3"
+/// A segment's first eight bytes, in every mapping of it.
+pub const FIRST_WORD: u64 = MAGIC;
 
 #[repr(C)]
 struct Ctl {
@@ -32,6 +39,16 @@ struct Ctl {
     tail: AtomicU64,
     /// The consumer waits for data: wake it after a write.
     reader_sleeps: AtomicU32,
+    _p2: [u8; 64 - 12],
+    /// The writer's address of the segment's first byte, in its own process.
+    writer_base: AtomicU64,
+    /// The reader has read the writer's memory at `writer_base` directly:
+    /// the writer may send large messages as their address.
+    direct_reads: AtomicU32,
+    _p3: [u8; 64 - 12],
+    /// The reader has read every message sent as its address up to this
+    /// number (they are read in order): the writer may let go of them.
+    acked: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Ctl>() <= CTL_BYTES);
@@ -74,6 +91,8 @@ impl Segment {
             ctl.capacity.store(capacity as u64, Ordering::Relaxed);
             ctl.magic.store(MAGIC, Ordering::Release);
         }
+        // The creator writes ring 0: say where before the peer maps it.
+        seg.ring(0).set_writer_base();
         Ok((seg, fd))
     }
 
@@ -151,6 +170,36 @@ pub struct Ring<'a> {
 impl Ring<'_> {
     fn ctl(&self) -> &Ctl {
         self.seg.ctl(self.side)
+    }
+
+    /// The writer says where it maps the segment.
+    pub fn set_writer_base(&self) {
+        self.ctl().writer_base.store(self.seg.base as u64, Ordering::Release);
+    }
+
+    /// Where the writer maps the segment (0: not said yet).
+    pub fn writer_base(&self) -> u64 {
+        self.ctl().writer_base.load(Ordering::Acquire)
+    }
+
+    /// The reader says it can read the writer's memory directly.
+    pub fn allow_direct_reads(&self) {
+        self.ctl().direct_reads.store(1, Ordering::Release);
+    }
+
+    /// Whether the reader can read the writer's memory directly.
+    pub fn direct_reads(&self) -> bool {
+        self.ctl().direct_reads.load(Ordering::Acquire) != 0
+    }
+
+    /// The reader has read the messages sent as their address up to number `id`.
+    pub fn ack(&self, id: u64) {
+        self.ctl().acked.store(id, Ordering::SeqCst);
+    }
+
+    /// The number of the last message sent as its address that the reader has read.
+    pub fn acked(&self) -> u64 {
+        self.ctl().acked.load(Ordering::Acquire)
     }
 
     /// No more bytes go in; the consumer still drains what is there.

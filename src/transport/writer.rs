@@ -2,10 +2,12 @@
 //! connection takes them: by the sending thread at once when nothing waits
 //! before it, else by the reactor once there is room. A send whose bytes are
 //! not ready yet (a device tensor's copy to the host) holds back the ones
-//! behind it until its `ready` has run, on the staging thread.
+//! behind it until its `ready` has run, on the staging thread. A send that
+//! goes as its address (see `conn.rs`) is written as header and address,
+//! and finishes when the peer acknowledges it.
 
 use super::conn::Conn;
-use super::frame::{FrameHeader, Key, HEADER_LEN};
+use super::frame::{FrameHeader, Key, Remote, HEADER_LEN, REMOTE_LEN};
 use super::Ready;
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -14,11 +16,21 @@ use std::io::{self, IoSlice};
 use std::sync::Arc;
 
 pub struct SendReq {
-    header: [u8; HEADER_LEN],
+    key: Key,
     data: *const u8,
     len: usize,
     pub status: Arc<Status>,
     ready: Readiness,
+    /// What goes before the payload (the header; and the address, for a
+    /// send that goes as its address), decided when its writing starts.
+    head: Option<Head>,
+}
+
+struct Head {
+    bytes: [u8; HEADER_LEN + REMOTE_LEN],
+    len: usize,
+    /// Sent as its address, with this number: it waits for the acknowledgement.
+    id: Option<u64>,
 }
 // The sender keeps `data` alive until `status` finishes (Transport::send's contract).
 unsafe impl Send for SendReq {}
@@ -31,8 +43,7 @@ enum Readiness {
 
 impl SendReq {
     pub fn new(key: Key, data: *const u8, len: usize, status: Arc<Status>, ready: Option<Ready>) -> SendReq {
-        let header = FrameHeader { key, len: len as u64 }.encode();
-        SendReq { header, data, len, status, ready: ready.map_or(Readiness::Now, Readiness::Later) }
+        SendReq { key, data, len, status, ready: ready.map_or(Readiness::Now, Readiness::Later), head: None }
     }
 }
 
@@ -54,6 +65,10 @@ pub struct Outbox {
     queue: VecDeque<SendReq>,
     /// Bytes of the first frame (header and payload) already written.
     written: usize,
+    /// Sends that went as their address, until the peer acknowledges them.
+    awaiting: Vec<SendReq>,
+    /// The number of the last send that went as its address.
+    last_id: u64,
 }
 
 impl Outbox {
@@ -69,7 +84,8 @@ impl Outbox {
     /// Write what `conn` takes; the sends written in full go to `finished`
     /// (to be finished without the lock held).
     pub fn flush(&mut self, conn: &Conn, finished: &mut Vec<SendReq>) -> Flushed {
-        while let Some(req) = self.queue.front_mut() {
+        let Outbox { queue, written, awaiting, last_id } = self;
+        while let Some(req) = queue.front_mut() {
             match std::mem::replace(&mut req.ready, Readiness::Now) {
                 Readiness::Now => {}
                 Readiness::Later(ready) => {
@@ -81,25 +97,46 @@ impl Outbox {
                     return Flushed::Waiting;
                 }
             }
-            let payload = unsafe { std::slice::from_raw_parts(req.data, req.len) };
-            let total = HEADER_LEN + req.len;
-            while self.written < total {
-                let n = if self.written < HEADER_LEN {
-                    conn.write(&[IoSlice::new(&req.header[self.written..]), IoSlice::new(payload)])
+            let (key, data, len) = (req.key, req.data, req.len);
+            let head = req.head.get_or_insert_with(|| head(key, data, len, conn.sends_directly(len), last_id));
+            let payload = match head.id {
+                Some(_) => &[][..],
+                None => unsafe { std::slice::from_raw_parts(data, len) },
+            };
+            let (head_len, total) = (head.len, head.len + payload.len());
+            while *written < total {
+                let n = if *written < head_len {
+                    conn.write(&[IoSlice::new(&head.bytes[*written..head_len]), IoSlice::new(payload)])
                 } else {
-                    conn.write(&[IoSlice::new(&payload[self.written - HEADER_LEN..])])
+                    conn.write(&[IoSlice::new(&payload[*written - head_len..])])
                 };
                 match n {
                     Ok(0) => return Flushed::Failed(io::ErrorKind::WriteZero.into()),
-                    Ok(n) => self.written += n,
+                    Ok(n) => {
+                        // The payload's share of what was written.
+                        let copied = (*written + n).saturating_sub(head_len) - written.saturating_sub(head_len);
+                        req.status.copied(copied);
+                        *written += n;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Flushed::Full,
                     Err(e) => return Flushed::Failed(e),
                 }
             }
-            self.written = 0;
-            finished.push(self.queue.pop_front().expect("front"));
+            *written = 0;
+            let req = queue.pop_front().expect("front");
+            match req.head.as_ref().and_then(|h| h.id) {
+                Some(_) => awaiting.push(req),
+                None => finished.push(req),
+            }
         }
         Flushed::All
+    }
+
+    /// The peer has read the sends that went as their address up to number
+    /// `id` (they are read in order): take them.
+    pub fn acked(&mut self, id: u64) -> Vec<SendReq> {
+        let read = self.awaiting.iter().take_while(|r| r.head.as_ref().and_then(|h| h.id) <= Some(id)).count();
+        self.awaiting.drain(..read).collect()
     }
 
     /// The first send's ready has run: with an error, that send fails alone.
@@ -113,11 +150,24 @@ impl Outbox {
         }
     }
 
-    /// Everything still queued (the connection is gone).
+    /// Everything still queued or unacknowledged (the connection is gone).
     pub fn take_all(&mut self) -> Vec<SendReq> {
         self.written = 0;
-        self.queue.drain(..).collect()
+        self.queue.drain(..).chain(self.awaiting.drain(..)).collect()
     }
+}
+
+/// The bytes before a frame's payload: its header, and for a send that goes
+/// as its address (`direct`), the address and a new number.
+fn head(key: Key, data: *const u8, len: usize, direct: bool, last_id: &mut u64) -> Head {
+    let mut bytes = [0u8; HEADER_LEN + REMOTE_LEN];
+    bytes[..HEADER_LEN].copy_from_slice(&FrameHeader { key, len: len as u64, remote: direct }.encode());
+    if !direct {
+        return Head { bytes, len: HEADER_LEN, id: None };
+    }
+    *last_id += 1;
+    bytes[HEADER_LEN..].copy_from_slice(&Remote { addr: data as u64, id: *last_id }.encode());
+    Head { bytes, len: HEADER_LEN + REMOTE_LEN, id: Some(*last_id) }
 }
 
 /// Finish sends written in full.

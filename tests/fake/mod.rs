@@ -61,6 +61,7 @@ impl Rank<'_> {
             pool: &self.pool,
             spin: Duration::ZERO,
             piece: 0,
+            cost: &Default::default(),
         };
         let fingerprint = call_check::Fingerprint::of(&part);
         let inline = algorithms::checks_inline(&ctx, &part);

@@ -1,0 +1,163 @@
+//! What ops cost in counts that do not depend on the machine
+//! (`rustc10d.stats()`'s copied_bytes, wakeups and early_bytes), over real
+//! shared memory between ranks as threads (tests/threads): each algorithm's
+//! count, as its doc comment gives it, with single-copy reads of a peer's
+//! memory and without. A message that arrives before its receive costs one
+//! copy more, so each count is checked against the formula plus the rank's
+//! early bytes.
+
+mod threads;
+
+use rustc10d::stats::OpStats;
+use threads::*;
+
+const W: usize = 3;
+/// Bytes per rank block: whole 64 KiB segments, each sent as its address.
+const BLOCK: usize = 256 << 10;
+/// The call check before each collective: a 32-byte fingerprint sent to the
+/// right neighbour, one received from the left (small: always through the rings).
+const CHECK: usize = 2 * 32;
+
+fn group_costed(single_copy: bool) -> Vec<Engine> {
+    let cfg = Config {
+        transport: TransportMode::Shm,
+        segment_bytes: 64 << 10,
+        single_copy_bytes: if single_copy { 64 << 10 } else { 0 },
+        ..Config::default()
+    };
+    group_with(W, Duration::from_secs(20), cfg)
+}
+
+fn op_stats(e: &Engine, kind: OpKind) -> OpStats {
+    e.stats().snapshot().get(&kind).copied().unwrap_or_default()
+}
+
+/// Run `f` on every rank; return what `kind` cost each rank (this call only).
+fn cost_of(engines: &[Engine], kind: OpKind, f: impl Fn(usize, &Engine) + Sync) -> Vec<OpStats> {
+    let before: Vec<OpStats> = engines.iter().map(|e| op_stats(e, kind)).collect();
+    on_all(engines, f);
+    engines
+        .iter()
+        .zip(before)
+        .map(|(e, b)| {
+            let a = op_stats(e, kind);
+            OpStats {
+                count: a.count - b.count,
+                copied_bytes: a.copied_bytes - b.copied_bytes,
+                wakeups: a.wakeups - b.wakeups,
+                early_bytes: a.early_bytes - b.early_bytes,
+                ..a
+            }
+        })
+        .collect()
+}
+
+fn assert_copied(what: &str, got: &[OpStats], expected: impl Fn(usize) -> usize) {
+    for (rank, s) in got.iter().enumerate() {
+        assert_eq!(s.failed, 0);
+        let want = (CHECK + expected(rank)) as u64 + s.early_bytes;
+        assert_eq!(s.copied_bytes, want, "{what}: rank {rank} copied (early bytes: {})", s.early_bytes);
+    }
+}
+
+fn counts_match_each_algorithm(single_copy: bool) {
+    let engines = group_costed(single_copy);
+    // Bytes a sender copies per byte it sends: none when the receiver reads its memory.
+    let send = usize::from(!single_copy);
+    let tag = if single_copy { "single copy" } else { "rings" };
+
+    let n = W * BLOCK;
+    let got = cost_of(&engines, OpKind::Broadcast, |rank, e| {
+        let mut buf = vec![rank as u8; n];
+        wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0 }));
+        assert!(buf.iter().all(|&b| b == 0));
+    });
+    // The root sends; each other rank receives and, but the last, forwards.
+    assert_copied(&format!("broadcast, {tag}"), &got, |rank| match rank {
+        0 => send * n,
+        r if r == W - 1 => n,
+        _ => n + send * n,
+    });
+
+    let got = cost_of(&engines, OpKind::AllGather, |rank, e| {
+        let mut input = vec![rank as u8 + 1; BLOCK];
+        let mut out = vec![vec![0u8; BLOCK]; W];
+        let outputs = out.iter_mut().map(|o| raw(o)).collect();
+        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs }));
+        assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
+    });
+    // Its own block copied, W-1 blocks received and W-1 sent.
+    assert_copied(&format!("all_gather, {tag}"), &got, |_| BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK);
+
+    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; n / 4];
+        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
+        assert!(buf.iter().all(|&x| x == 6.0));
+    });
+    // W-1 folded receives (read and fold) and W-1 plain ones, of n/W each; 2(W-1) sends.
+    let chunk = n / W;
+    assert_copied(&format!("all_reduce, {tag}"), &got, |_| {
+        (W - 1) * 2 * chunk + (W - 1) * chunk + send * 2 * (W - 1) * chunk
+    });
+
+    let got = cost_of(&engines, OpKind::ReduceScatter, |rank, e| {
+        let mut ins: Vec<Vec<f32>> = (0..W).map(|_| vec![rank as f32 + 1.0; BLOCK / 4]).collect();
+        let mut out = vec![0f32; BLOCK / 4];
+        let red = Reduction::new(DType::F32, ReduceOp::Sum);
+        let inputs = ins.iter_mut().map(|i| raw(i)).collect();
+        wait_ok(run(e, Collective::ReduceScatter { inputs, output: raw(&mut out), red }));
+        assert!(out.iter().all(|&x| x == 6.0));
+    });
+    // Its own block copied; W-1 steps each receive and fold a block; W-1 sends.
+    assert_copied(&format!("reduce_scatter, {tag}"), &got, |_| BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK);
+
+    // Point to point, the receive posted first (so nothing arrives early):
+    // the receiver copies once; the sender once more without single copy.
+    let posted = std::sync::Barrier::new(2);
+    let got = cost_of(&engines, OpKind::Send, |rank, e| {
+        let mut buf = vec![7u8; n];
+        if rank == 0 {
+            posted.wait();
+            wait_ok(unsafe { e.send(raw(&mut buf), 1, 5, None, None, noop()).unwrap() });
+        } else if rank == 1 {
+            buf.fill(0);
+            let h = unsafe { e.recv(raw(&mut buf), Some(0), 5, None, noop()).unwrap() };
+            posted.wait();
+            wait_ok(h);
+            assert!(buf.iter().all(|&b| b == 7));
+        }
+    });
+    assert_eq!(got[0].copied_bytes, (send * n) as u64, "send, {tag}");
+    let received = engines.iter().map(|e| op_stats(e, OpKind::Recv)).collect::<Vec<_>>();
+    assert_eq!(received[1].copied_bytes, n as u64, "recv, {tag}");
+    assert_eq!(received[1].early_bytes, 0);
+}
+
+#[test]
+fn copied_bytes_match_each_algorithm_with_single_copy() {
+    counts_match_each_algorithm(true);
+}
+
+#[test]
+fn copied_bytes_match_each_algorithm_through_the_rings() {
+    counts_match_each_algorithm(false);
+}
+
+#[test]
+fn a_receive_that_waits_sleeps_and_says_so() {
+    let cfg = Config { transport: TransportMode::Shm, spin: Duration::ZERO, ..Config::default() };
+    let engines = group_with(2, Duration::from_secs(10), cfg);
+    on_all(&engines, |rank, e| {
+        let mut buf = vec![1u8; 64];
+        if rank == 0 {
+            std::thread::sleep(Duration::from_millis(100));
+            wait_ok(unsafe { e.send(raw(&mut buf), 1, 0, None, None, noop()).unwrap() });
+        } else {
+            wait_ok(unsafe { e.recv(raw(&mut buf), Some(0), 0, None, noop()).unwrap() });
+        }
+    });
+    let recv = op_stats(&engines[1], OpKind::Recv);
+    assert!(recv.wakeups >= 1, "the receiver slept for 100 ms: {recv:?}");
+    // A message read by a thread that does not poll: the receive was posted first.
+    assert_eq!((recv.copied_bytes, recv.early_bytes), (64, 0));
+}
