@@ -42,13 +42,14 @@ pub struct Config {
     pub shm_ring_bytes: usize,
     /// Staged (CUDA) all_reduce and broadcast above this run in pieces of it (0: whole).
     pub stage_piece_bytes: usize,
+    /// Messages of at least this many bytes to a rank on this host are read
+    /// by it straight from this rank's memory, where the kernel allows it (0:
+    /// never); collectives choose their algorithms by it.
+    pub single_copy_bytes: usize,
     // This rank's own.
     pub transport: TransportMode,
     /// TCP connections this rank opens to each peer it sends to.
     pub nsocks: usize,
-    /// Messages of at least this many bytes to a rank on this host are read
-    /// by it straight from this rank's memory, where the kernel allows it (0: never).
-    pub single_copy_bytes: usize,
     /// How long a waiter polls before it sleeps.
     pub spin: Duration,
     /// The interface whose address this rank advertises.
@@ -165,7 +166,7 @@ const SETTINGS: &[Setting] = &[
     Setting {
         option: "single_copy_bytes",
         env: "RUSTC10D_SINGLE_COPY_BYTES",
-        shared: false,
+        shared: true,
         set: |c, v| {
             c.single_copy_bytes = bytes(v, 0, usize::MAX)?;
             Ok(())

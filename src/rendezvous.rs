@@ -1,9 +1,11 @@
 //! Store-based rendezvous: pick the address peers can reach, publish it with
 //! a protocol version and the settings every rank must share, agree on the
-//! group's token, and bring up the mesh.
+//! group's token, find out whether the whole group can read each other's
+//! memory (single-copy collectives), and bring up the mesh.
 
 use crate::config::{Config, TransportMode};
 use crate::error::{Error, Result};
+use crate::transport::conn::read_process;
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
 use crate::transport::mesh::{Mesh, PeerAddr, ShmEndpoint};
 use crate::transport::reactor::Reactor;
@@ -72,8 +74,9 @@ pub struct Member {
     pub store_host: Option<String>,
 }
 
-/// What each rank publishes: how to reach it, on which host it runs, and the
-/// settings every rank must share (`Config::shared`).
+/// What each rank publishes: how to reach it, on which host it runs, the
+/// settings every rank must share (`Config::shared`), and where a peer on its
+/// host can try to read its memory.
 #[derive(Debug, Clone, PartialEq)]
 struct Published {
     tcp: SocketAddr,
@@ -81,12 +84,18 @@ struct Published {
     /// Its shared-memory socket name, or None if it takes TCP only.
     shm: Option<String>,
     settings: String,
+    /// Its process and the address of `PROBE` in it (None: no single copy).
+    probe: Option<(i32, u64)>,
 }
+
+/// What a peer finds at a rank's published probe address.
+static PROBE: u64 = 0x5243_3130_5052_4f42; // "RC10PROB"
 
 impl Published {
     fn encode(&self) -> String {
         let shm = self.shm.as_deref().unwrap_or("-");
-        format!("v{PROTOCOL_VERSION} {} {} {shm} {}", self.tcp, self.host, self.settings)
+        let probe = self.probe.map_or("-".to_string(), |(pid, addr)| format!("{pid}:{addr:x}"));
+        format!("v{PROTOCOL_VERSION} {} {} {shm} {} {probe}", self.tcp, self.host, self.settings)
     }
 
     fn decode(text: &str) -> Option<Published> {
@@ -95,7 +104,14 @@ impl Published {
         let host = it.next()?.to_string();
         let shm = it.next().filter(|s| *s != "-").map(str::to_string);
         let settings = it.next()?.to_string();
-        Some(Published { tcp, host, shm, settings })
+        let probe = match it.next()? {
+            "-" => None,
+            p => {
+                let (pid, addr) = p.split_once(':')?;
+                Some((pid.parse().ok()?, u64::from_str_radix(addr, 16).ok()?))
+            }
+        };
+        Some(Published { tcp, host, shm, settings, probe })
     }
 }
 
@@ -146,25 +162,74 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         None => (None, None),
     };
     let host = fdpass::host_key().unwrap_or_else(|| "unknown".into());
-    let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared() };
+    let probe = (cfg.single_copy_bytes > 0 && shm_name.is_some())
+        .then(|| (std::process::id() as i32, &PROBE as *const u64 as u64));
+    let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared(), probe };
     store.set(&keys.addr(rank), mine.encode().as_bytes())?;
-    let addrs = (0..size)
+    let records = (0..size)
         .map(|peer| {
             let theirs = if peer == rank { mine.clone() } else { lookup_peer(store, &keys, rank, peer, me.timeout)? };
             cfg.check_shared(&theirs.settings, rank, peer)?;
-            // Shared memory when both ends offer it on the same host.
-            let same_host = mine.shm.is_some() && theirs.host == mine.host && theirs.host != "unknown";
-            Ok(PeerAddr { tcp: theirs.tcp, shm: theirs.shm.filter(|_| same_host && peer != rank) })
+            Ok(theirs)
         })
         .collect::<Result<Vec<_>>>()?;
+    let addrs = records
+        .iter()
+        .enumerate()
+        .map(|(peer, theirs)| {
+            // Shared memory when both ends offer it on the same host.
+            let same_host = mine.shm.is_some() && theirs.host == mine.host && theirs.host != "unknown";
+            PeerAddr { tcp: theirs.tcp, shm: theirs.shm.clone().filter(|_| same_host && peer != rank) }
+        })
+        .collect();
+    let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?.then_some(cfg.single_copy_bytes);
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };
-    let mesh = Mesh::start(listener, local, hello, addrs, cfg, ring, from, deadline)?;
+    let mesh = Mesh::start(listener, local, hello, addrs, cfg, single_copy, ring, from, deadline)?;
     tracing::debug!("rustc10d: rank {rank}/{size} listening on {addr}");
     Ok(mesh)
+}
+
+/// Whether every rank of the group can read every other's memory directly,
+/// so that collectives may send large buffers as their address to all ranks
+/// at once (`Transport::single_copy_bytes`). Every rank decides the same:
+/// only groups on one host, every rank offering it, take part in a vote of
+/// what each found when it read every peer's published probe.
+fn single_copy_group(
+    store: &dyn Store,
+    keys: &Keys,
+    rank: usize,
+    records: &[Published],
+    timeout: Duration,
+) -> Result<bool> {
+    let host = &records[rank].host;
+    let candidates =
+        records.len() > 1 && records.iter().all(|r| r.probe.is_some() && r.shm.is_some() && &r.host == host);
+    if !candidates || host == "unknown" {
+        return Ok(false);
+    }
+    let reads_all = records.iter().enumerate().filter(|&(p, _)| p != rank).all(|(_, r)| {
+        let (pid, addr) = r.probe.expect("candidates publish a probe");
+        let mut word = [0u8; 8];
+        read_process(pid, addr, &mut word).is_ok() && u64::from_ne_bytes(word) == PROBE
+    });
+    store.set(&keys.vote(rank), if reads_all { b"1" } else { b"0" })?;
+    let mut all = true;
+    for peer in 0..records.len() {
+        let vote = store.get(&keys.vote(peer), timeout).map_err(|e| {
+            Error::timed_out(timeout, format_args!("rank {rank} was waiting for rank {peer}'s single-copy vote: {e}"))
+        })?;
+        all &= vote == b"1";
+    }
+    if !all {
+        tracing::info!(
+            "rustc10d: rank {rank}: some rank cannot read its peers' memory: collectives copy through the rings"
+        );
+    }
+    Ok(all)
 }
 
 /// Tell the other ranks that this one cannot take part (a bad setting, say),
@@ -196,6 +261,9 @@ impl Keys {
     }
     fn token(&self) -> String {
         format!("rustc10d/{}/token", self.0)
+    }
+    fn vote(&self, rank: usize) -> String {
+        format!("rustc10d/{}/single-copy/{rank}", self.0)
     }
 }
 
@@ -349,9 +417,15 @@ mod tests {
         store.set(&keys.addr(3), format!("v{PROTOCOL_VERSION} 127.0.0.1").as_bytes()).unwrap();
         let err = lookup_peer(&store, &keys, 0, 3, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("malformed"), "{}", err.message);
-        let p = Published { tcp: "[::1]:5".parse().unwrap(), host: "h".into(), shm: None, settings: "a=1,b=2".into() };
+        let p = Published {
+            tcp: "[::1]:5".parse().unwrap(),
+            host: "h".into(),
+            shm: None,
+            settings: "a=1,b=2".into(),
+            probe: None,
+        };
         assert_eq!(Published::decode(&p.encode()), Some(p.clone()));
-        let p = Published { shm: Some("rustc10d-ab".into()), ..p };
+        let p = Published { shm: Some("rustc10d-ab".into()), probe: Some((4242, 0x7fff_0000_1234)), ..p };
         assert_eq!(Published::decode(&p.encode()), Some(p));
         let err = lookup_peer(&store, &keys, 0, 1, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("v999") && err.message.contains("rank 1"), "{}", err.message);

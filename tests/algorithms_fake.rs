@@ -11,32 +11,40 @@ use fake::*;
 
 #[test]
 fn all_reduce_on_both_paths_matches_arithmetic() {
-    for world in 1..=5 {
-        for (path, small) in PATHS.into_iter().chain([("up to 64 bytes direct", 64)]) {
-            let out = on_ranks(world, small, |rk| {
-                let mut got = Vec::new();
-                for n in COUNTS {
-                    for (salt, red) in REDS.into_iter().enumerate() {
-                        let mut b = Buf::of(red.dtype, &values(rk.rank(), n, salt));
-                        let before = rk.t.sent();
-                        ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
-                        got.push((n, salt, red, b, rk.t.sent() - before));
+    for (net, single_copy) in NETS {
+        for world in 1..=5 {
+            for (path, small) in PATHS.into_iter().chain([("up to 64 bytes direct", 64)]) {
+                let out = on_ranks_via(single_copy, world, small, |rk| {
+                    let mut got = Vec::new();
+                    for n in COUNTS {
+                        for (salt, red) in REDS.into_iter().enumerate() {
+                            let mut b = Buf::of(red.dtype, &values(rk.rank(), n, salt));
+                            let before = rk.t.sent();
+                            ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
+                            got.push((n, salt, red, b, rk.t.sent() - before));
+                        }
                     }
-                }
-                got
-            });
-            // The direct exchange sends at most a fingerprint and the data
-            // to every peer; the ring a segment per step and more.
-            let exchange = 2 * (world as u64 - 1);
-            for (rank, got) in out.into_iter().enumerate() {
-                for (n, salt, red, b, sent) in got {
-                    let want: Vec<f64> = (0..n).map(|i| red.combine((0..world).map(|r| value(r, i, salt)))).collect();
-                    let at = format!("world {world}, {path}, rank {rank}, {n} x {red:?}");
-                    assert_eq!(b, Buf::of(red.dtype, &want), "{at}");
-                    if n * red.dtype.size() <= small {
-                        assert!(sent <= exchange, "{at}: sent {sent}, not the direct path");
-                    } else if world > 1 {
-                        assert!(sent > exchange, "{at}: sent {sent}, not the ring");
+                    got
+                });
+                // The direct exchange sends at most a fingerprint and the data
+                // to every peer; the ring a segment per step and more.
+                let exchange = 2 * (world as u64 - 1);
+                for (rank, got) in out.into_iter().enumerate() {
+                    for (n, salt, red, b, sent) in got {
+                        let want: Vec<f64> =
+                            (0..n).map(|i| red.combine((0..world).map(|r| value(r, i, salt)))).collect();
+                        let at = format!("{net}, world {world}, {path}, rank {rank}, {n} x {red:?}");
+                        assert_eq!(b, Buf::of(red.dtype, &want), "{at}");
+                        let premul = red.reduction().premul.is_some();
+                        let block = n / world * red.dtype.size();
+                        if n * red.dtype.size() <= small {
+                            assert!(sent <= exchange, "{at}: sent {sent}, not the direct path");
+                        } else if world > 1 && !premul && single_copy.is_some_and(|from| block >= from) {
+                            // A fingerprint, a block and the reduced block to every peer.
+                            assert_eq!(sent, 3 * (world as u64 - 1), "{at}: not the single-copy all-reduce");
+                        } else if world > 1 {
+                            assert!(sent > exchange, "{at}: sent {sent}, not the ring");
+                        }
                     }
                 }
             }
@@ -75,28 +83,33 @@ fn reduce_to_every_root_leaves_the_other_ranks_buffers_alone() {
 
 #[test]
 fn broadcast_from_every_root() {
-    for world in 1..=5 {
-        for root in 0..world {
-            let out = on_ranks(world, RING, |rk| {
-                [0, 1, 63, 64, 65, 1000]
-                    .map(|len| {
-                        let mut b = if rk.rank() == root {
-                            Buf::bytes_of(&pattern(root, len, len))
-                        } else {
-                            Buf::filled(len, 0xEE)
-                        };
-                        ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
-                        (len, b)
-                    })
-                    .to_vec()
-            });
-            for (rank, got) in out.into_iter().enumerate() {
-                for (len, b) in got {
-                    assert_eq!(
-                        b.bytes(),
-                        pattern(root, len, len),
-                        "world {world}, root {root}, rank {rank}, {len} bytes"
-                    );
+    for (net, single_copy) in NETS {
+        for world in 1..=5 {
+            for root in 0..world {
+                let out = on_ranks_via(single_copy, world, RING, |rk| {
+                    [0, 1, 63, 64, 65, 1000]
+                        .map(|len| {
+                            let mut b = if rk.rank() == root {
+                                Buf::bytes_of(&pattern(root, len, len))
+                            } else {
+                                Buf::filled(len, 0xEE)
+                            };
+                            let before = rk.t.sent();
+                            ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
+                            (len, b, rk.t.sent() - before)
+                        })
+                        .to_vec()
+                });
+                for (rank, got) in out.into_iter().enumerate() {
+                    for (len, b, sent) in got {
+                        let at = format!("{net}, world {world}, root {root}, rank {rank}, {len} bytes");
+                        assert_eq!(b.bytes(), pattern(root, len, len), "{at}");
+                        if single_copy.is_some_and(|from| len >= from) && world > 1 {
+                            // A fingerprint to every peer, and the root its buffer to every peer.
+                            let want = if rank == root { 2 * (world - 1) } else { world - 1 };
+                            assert_eq!(sent, want as u64, "{at}: not the single-copy broadcast");
+                        }
+                    }
                 }
             }
         }
@@ -105,26 +118,37 @@ fn broadcast_from_every_root() {
 
 #[test]
 fn all_gather_with_blocks_of_different_sizes() {
-    let sizes: [fn(usize) -> usize; 5] =
-        [|_| 0, |r| r, |r| 64 * r + 1, |r| (37 * r + 3) % 101, |r| if r % 2 == 0 { 0 } else { 130 }];
-    for world in 1..=5 {
-        let out = on_ranks(world, RING, |rk| {
-            let r = rk.rank();
-            sizes
-                .map(|len| {
-                    let mut input = Buf::bytes_of(&pattern(r, 0, len(r)));
-                    let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(len(p), 0xEE)).collect();
-                    let part = Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) };
-                    ok(rk.run(part), "all_gather");
-                    (input, outputs)
-                })
-                .to_vec()
-        });
-        for (rank, got) in out.into_iter().enumerate() {
-            for ((input, outputs), len) in got.into_iter().zip(sizes) {
-                assert_eq!(input.bytes(), pattern(rank, 0, len(rank)), "world {world}: rank {rank}'s input changed");
-                for (p, b) in outputs.iter().enumerate() {
-                    assert_eq!(b.bytes(), pattern(p, 0, len(p)), "world {world}, rank {rank}, block {p}");
+    let sizes: [fn(usize) -> usize; 6] =
+        [|_| 0, |r| r, |r| 64 * r + 1, |r| (37 * r + 3) % 101, |r| if r % 2 == 0 { 0 } else { 130 }, |r| 64 + 7 * r];
+    for (net, single_copy) in NETS {
+        for world in 1..=5 {
+            let out = on_ranks_via(single_copy, world, RING, |rk| {
+                let r = rk.rank();
+                sizes
+                    .map(|len| {
+                        let mut input = Buf::bytes_of(&pattern(r, 0, len(r)));
+                        let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(len(p), 0xEE)).collect();
+                        let part = Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) };
+                        let before = rk.t.sent();
+                        ok(rk.run(part), "all_gather");
+                        (input, outputs, rk.t.sent() - before)
+                    })
+                    .to_vec()
+            });
+            for (rank, got) in out.into_iter().enumerate() {
+                for ((input, outputs, sent), len) in got.into_iter().zip(sizes) {
+                    if single_copy.is_some_and(|from| (0..world).all(|p| len(p) >= from)) && world > 1 {
+                        let want = 2 * (world as u64 - 1); // a fingerprint and its block to every peer
+                        assert_eq!(sent, want, "{net}, world {world}, rank {rank}: not the single-copy all-gather");
+                    }
+                    assert_eq!(
+                        input.bytes(),
+                        pattern(rank, 0, len(rank)),
+                        "{net}, world {world}: rank {rank}'s input changed"
+                    );
+                    for (p, b) in outputs.iter().enumerate() {
+                        assert_eq!(b.bytes(), pattern(p, 0, len(p)), "{net}, world {world}, rank {rank}, block {p}");
+                    }
                 }
             }
         }
@@ -171,33 +195,44 @@ fn gather_and_scatter_with_every_root() {
 fn reduce_scatter_matches_arithmetic_and_keeps_the_inputs() {
     // Rank r's contribution to block c, element i.
     let contribution = |r: usize, c: usize, i: usize, salt: usize| value(r, i + 1000 * c, salt);
-    for world in 1..=5 {
-        let out = on_ranks(world, RING, |rk| {
-            let r = rk.rank();
-            let mut got = Vec::new();
-            for n in [0, 1, 7, 65] {
-                for (salt, red) in REDS.into_iter().enumerate() {
-                    let block = |c: usize| (0..n).map(|i| contribution(r, c, i, salt)).collect::<Vec<_>>();
-                    let mut inputs: Vec<Buf> = (0..world).map(|c| Buf::of(red.dtype, &block(c))).collect();
-                    let kept = inputs.clone();
-                    let mut output = Buf::of(red.dtype, &vec![-7.0; n]);
-                    let part = Collective::ReduceScatter {
-                        inputs: raws(&mut inputs),
-                        output: output.raw(),
-                        red: red.reduction(),
-                    };
-                    ok(rk.run(part), "reduce_scatter");
-                    assert_eq!(inputs, kept, "world {world}, rank {r}, {n} x {red:?}: inputs changed");
-                    got.push((n, salt, red, output));
+    for (net, single_copy) in NETS {
+        for world in 1..=5 {
+            let out = on_ranks_via(single_copy, world, RING, |rk| {
+                let r = rk.rank();
+                let mut got = Vec::new();
+                for n in [0, 1, 7, 65] {
+                    for (salt, red) in REDS.into_iter().enumerate() {
+                        let block = |c: usize| (0..n).map(|i| contribution(r, c, i, salt)).collect::<Vec<_>>();
+                        let mut inputs: Vec<Buf> = (0..world).map(|c| Buf::of(red.dtype, &block(c))).collect();
+                        let kept = inputs.clone();
+                        let mut output = Buf::of(red.dtype, &vec![-7.0; n]);
+                        let part = Collective::ReduceScatter {
+                            inputs: raws(&mut inputs),
+                            output: output.raw(),
+                            red: red.reduction(),
+                        };
+                        let before = rk.t.sent();
+                        ok(rk.run(part), "reduce_scatter");
+                        let sent = rk.t.sent() - before;
+                        assert_eq!(inputs, kept, "{net}, world {world}, rank {r}, {n} x {red:?}: inputs changed");
+                        if world > 1 && single_copy.is_some_and(|from| n * red.dtype.size() >= from) {
+                            let want = 2 * (world as u64 - 1); // a fingerprint and a block to every peer
+                            assert_eq!(
+                                sent, want,
+                                "{net}, world {world}, {n} x {red:?}: not the single-copy reduce-scatter"
+                            );
+                        }
+                        got.push((n, salt, red, output));
+                    }
                 }
-            }
-            got
-        });
-        for (rank, got) in out.into_iter().enumerate() {
-            for (n, salt, red, output) in got {
-                let want: Vec<f64> =
-                    (0..n).map(|i| red.combine((0..world).map(|k| contribution(k, rank, i, salt)))).collect();
-                assert_eq!(output, Buf::of(red.dtype, &want), "world {world}, rank {rank}, {n} x {red:?}");
+                got
+            });
+            for (rank, got) in out.into_iter().enumerate() {
+                for (n, salt, red, output) in got {
+                    let want: Vec<f64> =
+                        (0..n).map(|i| red.combine((0..world).map(|k| contribution(k, rank, i, salt)))).collect();
+                    assert_eq!(output, Buf::of(red.dtype, &want), "{net}, world {world}, rank {rank}, {n} x {red:?}");
+                }
             }
         }
     }

@@ -2,7 +2,7 @@
 //! (`rustc10d.stats()`'s copied_bytes, wakeups and early_bytes), over real
 //! shared memory between ranks as threads (tests/threads): each algorithm's
 //! count, as its doc comment gives it, with single-copy reads of a peer's
-//! memory and without. A message that arrives before its receive costs one
+//! memory (so the single-copy collectives) and without (the rings). A message that arrives before its receive costs one
 //! copy more, so each count is checked against the formula plus the rank's
 //! early bytes.
 
@@ -14,9 +14,16 @@ use threads::*;
 const W: usize = 3;
 /// Bytes per rank block: whole 64 KiB segments, each sent as its address.
 const BLOCK: usize = 256 << 10;
-/// The call check before each collective: a 32-byte fingerprint sent to the
-/// right neighbour, one received from the left (small: always through the rings).
-const CHECK: usize = 2 * 32;
+/// The call check of each collective (small: always through the rings): a
+/// 32-byte fingerprint sent to the right neighbour and one received from the
+/// left; the single-copy algorithms, one to and from every peer.
+fn check_bytes(single_copy: bool) -> usize {
+    if single_copy {
+        2 * 32 * (W - 1)
+    } else {
+        2 * 32
+    }
+}
 
 fn group_costed(single_copy: bool) -> Vec<Engine> {
     let cfg = Config {
@@ -52,10 +59,10 @@ fn cost_of(engines: &[Engine], kind: OpKind, f: impl Fn(usize, &Engine) + Sync) 
         .collect()
 }
 
-fn assert_copied(what: &str, got: &[OpStats], expected: impl Fn(usize) -> usize) {
+fn assert_copied(what: &str, single_copy: bool, got: &[OpStats], expected: impl Fn(usize) -> usize) {
     for (rank, s) in got.iter().enumerate() {
         assert_eq!(s.failed, 0);
-        let want = (CHECK + expected(rank)) as u64 + s.early_bytes;
+        let want = (check_bytes(single_copy) + expected(rank)) as u64 + s.early_bytes;
         assert_eq!(s.copied_bytes, want, "{what}: rank {rank} copied (early bytes: {})", s.early_bytes);
     }
 }
@@ -72,8 +79,9 @@ fn counts_match_each_algorithm(single_copy: bool) {
         wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0 }));
         assert!(buf.iter().all(|&b| b == 0));
     });
-    // The root sends; each other rank receives and, but the last, forwards.
-    assert_copied(&format!("broadcast, {tag}"), &got, |rank| match rank {
+    // Through the rings the root sends, and each other rank receives and,
+    // but the last, forwards; with single copy every rank reads the root's.
+    assert_copied(&format!("broadcast, {tag}"), single_copy, &got, |rank| match rank {
         0 => send * n,
         r if r == W - 1 => n,
         _ => n + send * n,
@@ -87,7 +95,9 @@ fn counts_match_each_algorithm(single_copy: bool) {
         assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
     });
     // Its own block copied, W-1 blocks received and W-1 sent.
-    assert_copied(&format!("all_gather, {tag}"), &got, |_| BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK);
+    assert_copied(&format!("all_gather, {tag}"), single_copy, &got, |_| {
+        BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
+    });
 
     let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
         let mut buf = vec![rank as f32 + 1.0; n / 4];
@@ -96,7 +106,7 @@ fn counts_match_each_algorithm(single_copy: bool) {
     });
     // W-1 folded receives (read and fold) and W-1 plain ones, of n/W each; 2(W-1) sends.
     let chunk = n / W;
-    assert_copied(&format!("all_reduce, {tag}"), &got, |_| {
+    assert_copied(&format!("all_reduce, {tag}"), single_copy, &got, |_| {
         (W - 1) * 2 * chunk + (W - 1) * chunk + send * 2 * (W - 1) * chunk
     });
 
@@ -109,7 +119,9 @@ fn counts_match_each_algorithm(single_copy: bool) {
         assert!(out.iter().all(|&x| x == 6.0));
     });
     // Its own block copied; W-1 steps each receive and fold a block; W-1 sends.
-    assert_copied(&format!("reduce_scatter, {tag}"), &got, |_| BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK);
+    assert_copied(&format!("reduce_scatter, {tag}"), single_copy, &got, |_| {
+        BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK
+    });
 
     // Point to point, the receive posted first (so nothing arrives early):
     // the receiver copies once; the sender once more without single copy.

@@ -52,9 +52,11 @@ pub fn direct_allreduce(
     // The calls agree, everything is received, and our buffer sent, before it is overwritten.
     agreed(tr)?;
     tr.wait_all()?;
-    unsafe { ctx.copy(slot(rank), buf) };
+    unsafe {
+        ctx.copy(slot(rank), buf);
+        ctx.copy(buf, slot(0));
+    }
     let acc = unsafe { buf.slice_mut(0, len) };
-    acc.copy_from_slice(unsafe { slot(0).slice(0, len) });
     for p in 1..world {
         ctx.reduce_into(dtype, op, acc, unsafe { slot(p).slice(0, len) });
     }

@@ -1,11 +1,16 @@
 //! Which algorithm runs each collective, and the work around them that is
 //! not an algorithm of its own: barrier, PREMUL_SUM's scaling, the two rounds
-//! of a sparse all-reduce.
+//! of a sparse all-reduce. Where every rank reads the others' memory
+//! (`Transport::single_copy_bytes`, the same on every rank), broadcast,
+//! all-gather, reduce-scatter and all-reduce of blocks that large go in one
+//! or two steps instead of around the ring.
 
 use super::call_check::Fingerprint;
 use super::{
-    direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
-    ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, OpCtx, RawBuf, Scratch,
+    allreduce_blocks, direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall,
+    prefers_direct, ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter,
+    single_copy_allgather, single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, OpCtx, RawBuf,
+    Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -13,26 +18,65 @@ use crate::ops::{Collective, Reduction, SparseGathered};
 use crate::reduce::scale;
 use std::sync::Mutex;
 
-/// Whether `part` checks the call alongside its one exchange, with every
-/// rank, rather than with its ring neighbour before it starts: the smallest
-/// all-reduces and barriers. PREMUL_SUM scales the caller's buffer first, so
-/// it checks before.
+/// Whether `part` checks the call itself, with every rank, rather than with
+/// its ring neighbour before it starts: the smallest all-reduces and
+/// barriers (alongside their one exchange), and the single-copy algorithms
+/// (before any data moves). PREMUL_SUM all-reduce scales the caller's buffer
+/// first, so it checks before.
 pub fn checks_inline(ctx: &OpCtx, part: &Collective) -> bool {
     let direct = |bytes| prefers_direct(bytes, ctx.transport.size(), ctx.small_allreduce_bytes);
     match part {
-        Collective::AllReduce { buf, red } => red.premul.is_none() && direct(buf.len),
+        Collective::AllReduce { buf, red } => {
+            red.premul.is_none() && (direct(buf.len) || single_copy(ctx, part).is_some())
+        }
         Collective::Barrier => direct(1),
-        _ => false,
+        _ => single_copy(ctx, part).is_some(),
     }
 }
 
+/// Which single-copy algorithm takes `part`, if any: all ranks read each
+/// other's memory, and every message of the op (a block, for all-gather,
+/// reduce-scatter and all-reduce) is large enough to go as its address.
+/// Every rank decides the same for the same call.
+fn single_copy(ctx: &OpCtx, part: &Collective) -> Option<SingleCopy> {
+    let world = ctx.transport.size();
+    let from = ctx.transport.single_copy_bytes().filter(|_| world > 1)?;
+    let (algorithm, smallest) = match part {
+        Collective::Broadcast { buf, .. } => (SingleCopy::Broadcast, buf.len),
+        Collective::AllGather { outputs, .. } => (SingleCopy::AllGather, outputs.iter().map(|o| o.len).min()?),
+        Collective::ReduceScatter { output, .. } => (SingleCopy::ReduceScatter, output.len),
+        Collective::AllReduce { buf, red } => {
+            let smallest = allreduce_blocks(*buf, red.dtype, world).iter().map(|b| b.len).min()?;
+            (SingleCopy::AllReduce, smallest)
+        }
+        _ => return None,
+    };
+    (smallest >= from).then_some(algorithm)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SingleCopy {
+    Broadcast,
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+}
+
 /// Run one collective whose call has been checked (or, with `check`, is
-/// checked alongside its exchange: see `checks_inline`).
+/// checked by the algorithm itself: see `checks_inline`; without it, as for
+/// the pieces of a staged op, the ring algorithms run).
 pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Result<()> {
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
-            all_reduce(ctx, *buf, red.dtype, op, check)
+            match (single_copy(ctx, part), check) {
+                (Some(SingleCopy::AllReduce), Some(check))
+                    if !prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) =>
+                {
+                    single_copy_allreduce(ctx, *buf, red.dtype, op, check)
+                }
+                _ => all_reduce(ctx, *buf, red.dtype, op, check),
+            }
         }
         Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
             let op = premultiply(buf, red);
@@ -44,14 +88,25 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             let input = premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red);
             ring_reduce(ctx, input[0], *root, red.dtype, red.op)
         }
-        Collective::Broadcast { buf, root } => ring_broadcast(ctx, *buf, *root),
-        Collective::AllGather { input, outputs } => ring_allgather(ctx, *input, outputs),
+        Collective::Broadcast { buf, root } => match (single_copy(ctx, part), check) {
+            (Some(SingleCopy::Broadcast), Some(check)) => single_copy_broadcast(ctx, *buf, *root, check),
+            _ => ring_broadcast(ctx, *buf, *root),
+        },
+        Collective::AllGather { input, outputs } => match (single_copy(ctx, part), check) {
+            (Some(SingleCopy::AllGather), Some(check)) => single_copy_allgather(ctx, *input, outputs, check),
+            _ => ring_allgather(ctx, *input, outputs),
+        },
         Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
         Collective::Scatter { inputs, output, root } => direct_scatter(ctx, inputs, *output, *root),
         Collective::ReduceScatter { inputs, output, red } => {
             let mut copy = Scratch::new(0);
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
-            ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op)
+            match (single_copy(ctx, part), check) {
+                (Some(SingleCopy::ReduceScatter), Some(check)) => {
+                    single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check)
+                }
+                _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
+            }
         }
         Collective::AllToAll { inputs, outputs } => pairwise_alltoall(ctx, inputs, outputs),
         // An all-reduce of one byte: nobody finishes before everybody has arrived.

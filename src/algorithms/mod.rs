@@ -23,6 +23,9 @@ mod ring_allgather;
 mod ring_allreduce;
 mod ring_reduce;
 mod ring_reduce_scatter;
+mod single_copy_allgather;
+mod single_copy_broadcast;
+mod single_copy_reduce;
 
 pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
@@ -34,6 +37,9 @@ pub use ring_allgather::ring_allgather;
 pub use ring_allreduce::ring_allreduce;
 pub use ring_reduce::ring_reduce;
 pub use ring_reduce_scatter::ring_reduce_scatter;
+pub use single_copy_allgather::single_copy_allgather;
+pub use single_copy_broadcast::single_copy_broadcast;
+pub use single_copy_reduce::{allreduce_blocks, single_copy_allreduce, single_copy_reduce_scatter};
 
 /// What an algorithm needs to know about the op it runs.
 pub struct OpCtx<'a> {

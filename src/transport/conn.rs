@@ -269,7 +269,7 @@ impl Conn {
 }
 
 /// Copy `buf.len()` bytes at `addr` in process `pid` into `buf`.
-fn read_process(pid: libc::pid_t, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+pub fn read_process(pid: libc::pid_t, addr: u64, buf: &mut [u8]) -> io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
         let local = libc::iovec { iov_base: buf[done..].as_mut_ptr().cast(), iov_len: buf.len() - done };

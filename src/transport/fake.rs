@@ -39,18 +39,28 @@ pub struct FakeTransport {
     net: Arc<FakeNet>,
     rank: usize,
     sent: AtomicU64,
+    /// What `Transport::single_copy_bytes` says (the bytes are copied alike).
+    single_copy: Option<usize>,
 }
 
 impl FakeNet {
     /// The endpoints of a new network of `world` ranks, by rank.
     #[allow(clippy::new_ret_no_self)]
     pub fn new(world: usize) -> Vec<Arc<FakeTransport>> {
+        FakeNet::with_single_copy(world, None)
+    }
+
+    /// The same, saying that every rank reads messages of at least
+    /// `single_copy` bytes from the sender's memory (the single-copy algorithms run).
+    pub fn with_single_copy(world: usize, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
         let net = Arc::new(FakeNet {
             inbox: (0..world).map(|_| (0..world).map(|src| Mutex::new(Mailbox::new(src))).collect()).collect(),
             any: (0..world).map(|_| Mutex::default()).collect(),
             cut: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
         });
-        (0..world).map(|rank| Arc::new(FakeTransport { net: net.clone(), rank, sent: AtomicU64::new(0) })).collect()
+        (0..world)
+            .map(|rank| Arc::new(FakeTransport { net: net.clone(), rank, sent: AtomicU64::new(0), single_copy }))
+            .collect()
     }
 }
 
@@ -200,6 +210,10 @@ impl Transport for FakeTransport {
         for peer in (0..self.size()).filter(|&p| p != self.rank) {
             self.cut(peer, mine.clone(), theirs.clone());
         }
+    }
+
+    fn single_copy_bytes(&self) -> Option<usize> {
+        self.single_copy
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

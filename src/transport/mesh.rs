@@ -71,6 +71,7 @@ impl Mesh {
         me: Hello,
         addrs: Vec<PeerAddr>,
         cfg: &Config,
+        single_copy: Option<usize>,
         eager: &[usize],
         expect: &[usize],
         deadline: Instant,
@@ -100,6 +101,7 @@ impl Mesh {
             tcp_addr,
             ring_bytes: local.as_ref().map(|l| l.ring_bytes),
             direct_from: cfg.single_copy_bytes,
+            single_copy,
             nsocks: cfg.nsocks,
             spin: cfg.spin,
         });
@@ -247,6 +249,10 @@ impl Transport for Mesh {
 
     fn shutdown(&self) {
         self.core.shutdown();
+    }
+
+    fn single_copy_bytes(&self) -> Option<usize> {
+        self.core.single_copy
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

@@ -43,6 +43,9 @@ pub struct Core {
     pub(super) ring_bytes: Option<usize>,
     /// Shared memory: messages of this many bytes or more cross in one copy (0: never).
     pub(super) direct_from: usize,
+    /// Every rank of the group reads every other's messages of at least
+    /// this size from the sender's memory (the rendezvous found out).
+    pub(super) single_copy: Option<usize>,
     pub(super) nsocks: usize,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,

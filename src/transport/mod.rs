@@ -106,6 +106,14 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// Whether every rank of the group reads every other's messages of at
+    /// least this many bytes straight from the sender's memory: such a send
+    /// costs its sender no copy, so one buffer can go to every rank at once.
+    /// The same on every rank of the group.
+    fn single_copy_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// How bytes reach `peer` now: "shm", "tcp", or None before the first connection.
     fn link_kind(&self, peer: usize) -> Option<&'static str>;
 }

@@ -81,6 +81,21 @@ pub fn on_ranks<T: Send>(world: usize, small: usize, f: impl Fn(&mut Rank) -> T 
     on_net(&FakeNet::new(world), small, f)
 }
 
+/// The networks the data-moving algorithms are checked on: plain (the ring
+/// algorithms), and one where every message of 64 bytes or more may go as
+/// its address (the single-copy algorithms, for buffers that large).
+pub const NETS: [(&str, Option<usize>); 2] = [("ring", None), ("single copy from 64 bytes", Some(64))];
+
+/// `on_ranks` on one of `NETS`.
+pub fn on_ranks_via<T: Send>(
+    single_copy: Option<usize>,
+    world: usize,
+    small: usize,
+    f: impl Fn(&mut Rank) -> T + Sync,
+) -> Vec<T> {
+    on_net(&FakeNet::with_single_copy(world, single_copy), small, f)
+}
+
 pub fn on_net<T: Send>(net: &[Arc<FakeTransport>], small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> Vec<T> {
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = net

@@ -1,0 +1,31 @@
+//! All-gather in one step when every rank reads the others' memory
+//! (`Transport::single_copy_bytes`): every rank sends its block to every
+//! other as its address, and reads every other rank's block straight into
+//! its place, all at once, instead of W-1 steps around the ring. The calls
+//! are checked with every rank before any data moves (see call_check).
+//!
+//! Bytes copied per rank: its own block once, and every other rank's block
+//! once (the ring also copies W-1 blocks out: 2W-1 blocks, or W with single
+//! copy, in W-1 steps).
+
+use super::call_check::{Agreement, Fingerprint};
+use super::{OpCtx, RawBuf};
+use crate::error::Result;
+
+/// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
+pub fn single_copy_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], check: &Fingerprint) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let tr = &mut ctx.transfers();
+    let mut agreement = Agreement::new(check, true);
+    agreement.post(ctx, tr)?;
+    agreement.check(ctx, tr)?;
+    let peers = || (1..world).map(|k| (rank + k) % world);
+    for p in peers() {
+        unsafe { tr.recv(p, ctx.key(0), outputs[p].ptr, outputs[p].len)? };
+    }
+    for p in peers() {
+        unsafe { tr.send(p, ctx.key(0), input.slice(0, input.len))? };
+    }
+    unsafe { ctx.copy(outputs[rank], input) };
+    tr.wait_all()
+}
