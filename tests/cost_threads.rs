@@ -16,12 +16,16 @@ const W: usize = 3;
 const BLOCK: usize = 256 << 10;
 /// The call check of each collective (small: always through the rings): a
 /// 32-byte fingerprint sent to the right neighbour and one received from the
-/// left; the single-copy algorithms, one to and from every peer.
+/// left; the single-copy algorithms and the small all-reduce, one to and
+/// from every peer.
+const RING_CHECK: usize = 2 * 32;
+const CHECK_WITH_ALL: usize = 2 * 32 * (W - 1);
+
 fn check_bytes(single_copy: bool) -> usize {
     if single_copy {
-        2 * 32 * (W - 1)
+        CHECK_WITH_ALL
     } else {
-        2 * 32
+        RING_CHECK
     }
 }
 
@@ -59,10 +63,12 @@ fn cost_of(engines: &[Engine], kind: OpKind, f: impl Fn(usize, &Engine) + Sync) 
         .collect()
 }
 
-fn assert_copied(what: &str, single_copy: bool, got: &[OpStats], expected: impl Fn(usize) -> usize) {
+/// Each rank copied `check` bytes for the call check, `expected(rank)` for
+/// the data, and once more each byte that arrived before its receive.
+fn assert_copied(what: &str, check: usize, got: &[OpStats], expected: impl Fn(usize) -> usize) {
     for (rank, s) in got.iter().enumerate() {
         assert_eq!(s.failed, 0);
-        let want = (check_bytes(single_copy) + expected(rank)) as u64 + s.early_bytes;
+        let want = (check + expected(rank)) as u64 + s.early_bytes;
         assert_eq!(s.copied_bytes, want, "{what}: rank {rank} copied (early bytes: {})", s.early_bytes);
     }
 }
@@ -81,7 +87,7 @@ fn counts_match_each_algorithm(single_copy: bool) {
     });
     // Through the rings the root sends, and each other rank receives and,
     // but the last, forwards; with single copy every rank reads the root's.
-    assert_copied(&format!("broadcast, {tag}"), single_copy, &got, |rank| match rank {
+    assert_copied(&format!("broadcast, {tag}"), check_bytes(single_copy), &got, |rank| match rank {
         0 => send * n,
         r if r == W - 1 => n,
         _ => n + send * n,
@@ -95,7 +101,7 @@ fn counts_match_each_algorithm(single_copy: bool) {
         assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
     });
     // Its own block copied, W-1 blocks received and W-1 sent.
-    assert_copied(&format!("all_gather, {tag}"), single_copy, &got, |_| {
+    assert_copied(&format!("all_gather, {tag}"), check_bytes(single_copy), &got, |_| {
         BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
     });
 
@@ -106,7 +112,7 @@ fn counts_match_each_algorithm(single_copy: bool) {
     });
     // W-1 folded receives (read and fold) and W-1 plain ones, of n/W each; 2(W-1) sends.
     let chunk = n / W;
-    assert_copied(&format!("all_reduce, {tag}"), single_copy, &got, |_| {
+    assert_copied(&format!("all_reduce, {tag}"), check_bytes(single_copy), &got, |_| {
         (W - 1) * 2 * chunk + (W - 1) * chunk + send * 2 * (W - 1) * chunk
     });
 
@@ -119,9 +125,44 @@ fn counts_match_each_algorithm(single_copy: bool) {
         assert!(out.iter().all(|&x| x == 6.0));
     });
     // Its own block copied; W-1 steps each receive and fold a block; W-1 sends.
-    assert_copied(&format!("reduce_scatter, {tag}"), single_copy, &got, |_| {
+    assert_copied(&format!("reduce_scatter, {tag}"), check_bytes(single_copy), &got, |_| {
         BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK
     });
+
+    // Reduce to rank 0 goes along the chain 1, 2, 0: rank 1 sends, rank 2
+    // receives, folds in its own and sends on, the root receives and folds.
+    let got = cost_of(&engines, OpKind::Reduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; n / 4];
+        let red = Reduction::new(DType::F32, ReduceOp::Sum);
+        wait_ok(run(e, Collective::Reduce { buf: raw(&mut buf), root: 0, red }));
+        assert!(rank != 0 || buf.iter().all(|&x| x == 6.0));
+    });
+    assert_copied(&format!("reduce, {tag}"), RING_CHECK, &got, |rank| match rank {
+        1 => send * n,
+        2 => 2 * n + send * n,
+        _ => 2 * n,
+    });
+
+    // All-to-all: its own block copied, W-1 received, W-1 sent.
+    let got = cost_of(&engines, OpKind::AllToAll, |rank, e| {
+        let mut ins: Vec<Vec<u8>> = (0..W).map(|p| vec![(rank * W + p) as u8; BLOCK]).collect();
+        let mut outs = vec![vec![0u8; BLOCK]; W];
+        let (inputs, outputs) = (ins.iter_mut().map(|i| raw(i)).collect(), outs.iter_mut().map(|o| raw(o)).collect());
+        wait_ok(run(e, Collective::AllToAll { inputs, outputs }));
+        assert!(outs.iter().enumerate().all(|(p, o)| o.iter().all(|&b| b == (p * W + rank) as u8)));
+    });
+    assert_copied(&format!("all_to_all, {tag}"), RING_CHECK, &got, |_| {
+        BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
+    });
+
+    // A small all-reduce: one exchange of whole buffers, through the rings.
+    let small = 4096;
+    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; small / 4];
+        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
+        assert!(buf.iter().all(|&x| x == 6.0));
+    });
+    assert_copied(&format!("small all_reduce, {tag}"), CHECK_WITH_ALL, &got, |_| 2 * small + 3 * (W - 1) * small);
 
     // Point to point, the receive posted first (so nothing arrives early):
     // the receiver copies once; the sender once more without single copy.

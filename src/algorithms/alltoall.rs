@@ -1,6 +1,9 @@
 //! All-to-all: every pair exchanges its blocks directly. All receives are
 //! posted first, then sends go out starting with the next rank, so that no
 //! peer is hit by everyone at once.
+//!
+//! Bytes copied (`Cost`), per rank: its own block, the W-1 blocks received,
+//! and the W-1 sent through the rings (none where peers read them from its memory).
 
 use super::{OpCtx, RawBuf};
 use crate::error::Result;

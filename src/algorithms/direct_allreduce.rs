@@ -1,6 +1,10 @@
 //! Allreduce for small messages: every rank sends its buffer to every other
 //! rank and reduces all of them locally, in rank order, so all ranks end
 //! bit-identical. One exchange instead of 2(W-1) ring steps.
+//!
+//! Bytes copied (`Cost`), per rank, for n bytes: 2n (its own into its slot,
+//! the first slot into the buffer) + (W-1)n received + (W-1)n folded +
+//! (W-1)n sent through the rings (small messages never go as addresses).
 
 use super::call_check::{Agreement, Fingerprint};
 use super::{OpCtx, RawBuf};

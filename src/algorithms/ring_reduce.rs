@@ -1,6 +1,10 @@
 //! Pipelined chain reduce: partial results flow around the ring from the
 //! rank after the root to the root, segment by segment. Each link carries the
 //! data once; only the root's buffer is written.
+//!
+//! Bytes copied (`Cost`), for n bytes: the first rank of the chain n (sent;
+//! 0 with single copy); every other rank n received and n folded, and all
+//! but the root n more sent (0 with single copy).
 
 use super::{segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
