@@ -1,9 +1,9 @@
 //! Gather and scatter: every rank talks to the root directly (one message per
 //! rank), which is what the root's link has to carry anyway.
 //!
-//! Bytes copied (`Cost`), for blocks of b bytes: the root b (its own block)
-//! + (W-1)b (the others' received); every other rank b (its block, sent
-//! through a ring; 0 where the root reads it from its memory).
+//! Bytes copied (`Cost`), for blocks of b bytes: the root Wb (its own block,
+//! and the W-1 others received); every other rank b (its block, sent through
+//! a ring; 0 where the root reads it from its memory).
 
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
