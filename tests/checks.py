@@ -666,6 +666,33 @@ def transport_is_the_one_asked_for(ctx: Ctx):
     assert links == {p: want for p in range(ctx.world) if p != ctx.rank}, (os.environ.get("RUSTC10D_TRANSPORT"), links)
 
 
+@check("collectives", skip_on={"gloo": "rustc10d's counters"})
+def broadcast_copies_each_byte_as_the_transport_says(ctx: Ctx):
+    """Between processes of one host, a receiver reads a large broadcast straight from the root's
+    memory: it copies each byte once and the root none (rustc10d.stats()'s copied_bytes; the
+    call is checked with every rank, 32 bytes each way). Over TCP the root writes each byte to
+    a socket and every rank but the last forwards it. A byte that arrived before its receive
+    was posted counts once more (early_bytes)."""
+    import rustc10d
+
+    n = 1 << 20
+    zero = {"copied_bytes": 0, "early_bytes": 0}
+    before = rustc10d.stats().get("broadcast", zero)
+    t = torch.full((n // 4,), float(ctx.rank))
+    dist.broadcast(t, src=0)
+    ctx.expect_equal(t, torch.zeros(n // 4), "broadcast")
+    after = rustc10d.stats()["broadcast"]
+    copied = after["copied_bytes"] - before["copied_bytes"] - (after["early_bytes"] - before["early_bytes"])
+    if os.environ.get("RUSTC10D_TEST_STAGING") == "1":
+        return  # staged in pieces of a few KiB: the ring, through the rings
+    if os.environ.get("RUSTC10D_TRANSPORT") == "tcp":
+        last = ctx.rank == ctx.world - 1
+        want = 2 * 32 + (n if ctx.rank == 0 or last else 2 * n)
+    else:
+        want = 2 * 32 * (ctx.world - 1) + (0 if ctx.rank == 0 else n)
+    assert copied == want, (os.environ.get("RUSTC10D_TRANSPORT"), ctx.rank, before, after, want)
+
+
 @check("collectives")
 def async_ops_in_flight(ctx: Ctx):
     """Eight all_reduces issued before any is waited on; waited in reverse order."""
