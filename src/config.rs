@@ -139,6 +139,16 @@ const SETTINGS: &[Setting] = &[
         show: |c| c.stage_piece_bytes.to_string(),
     },
     Setting {
+        option: "single_copy_bytes",
+        env: "RUSTC10D_SINGLE_COPY_BYTES",
+        shared: true,
+        set: |c, v| {
+            c.single_copy_bytes = bytes(v, 0, usize::MAX)?;
+            Ok(())
+        },
+        show: |c| c.single_copy_bytes.to_string(),
+    },
+    Setting {
         option: "transport",
         env: "RUSTC10D_TRANSPORT",
         shared: false,
@@ -162,16 +172,6 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| c.nsocks.to_string(),
-    },
-    Setting {
-        option: "single_copy_bytes",
-        env: "RUSTC10D_SINGLE_COPY_BYTES",
-        shared: true,
-        set: |c, v| {
-            c.single_copy_bytes = bytes(v, 0, usize::MAX)?;
-            Ok(())
-        },
-        show: |c| c.single_copy_bytes.to_string(),
     },
     Setting {
         option: "spin_us",

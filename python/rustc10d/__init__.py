@@ -63,7 +63,7 @@ class Options:
     pg_options=rustc10d.Options(...))`` or ``new_group(..., pg_options=...)``. A field left
     None takes its ``RUSTC10D_*`` environment variable, else the default; a given field wins
     over the variable. Bad values fail ``init_process_group`` naming the setting. The first
-    four must be the same on every rank of a group: a difference fails init on every rank.
+    five must be the same on every rank of a group: a difference fails init on every rank.
     """
 
     #: Bytes per message in the pipelined algorithms (RUSTC10D_SEGMENT_BYTES; 1 MiB). Shared.
@@ -74,14 +74,15 @@ class Options:
     shm_ring_bytes: int | None = None
     #: CUDA all_reduce/broadcast above this run in pieces of it; 0: whole (RUSTC10D_STAGE_PIECE_BYTES; 8 MiB). Shared.
     stage_piece_bytes: int | None = None
+    #: Messages of at least this many bytes to a rank on this host are read by it straight from
+    #: this rank's memory where the kernel allows it, one copy instead of two, and collectives of
+    #: blocks that large take one or two steps where every rank can; 0: never
+    #: (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB). Shared.
+    single_copy_bytes: int | None = None
     #: "auto", "shm" or "tcp" between ranks of one host (RUSTC10D_TRANSPORT; "auto").
     transport: str | None = None
     #: TCP connections per peer, 1 to 16 (RUSTC10D_NSOCKS; 1).
     nsocks: int | None = None
-    #: Messages of at least this many bytes to a rank on this host are read by it straight from
-    #: this rank's memory where the kernel allows it, one copy instead of two; 0: never
-    #: (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB).
-    single_copy_bytes: int | None = None
     #: Microseconds a waiter polls before it sleeps (RUSTC10D_SPIN_US; 50).
     spin_us: int | None = None
     #: The interface whose address this rank advertises (RUSTC10D_SOCKET_IFNAME).
