@@ -298,7 +298,7 @@ fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub mod tests {
     use super::super::fdpass::eventfd;
     use super::*;
 
@@ -307,7 +307,7 @@ mod tests {
     }
 
     /// As the dialler and the acceptor make them (here both in this process).
-    fn pair_direct_from(direct_from: usize) -> (Conn, Conn) {
+    pub fn pair_direct_from(direct_from: usize) -> (Conn, Conn) {
         let (seg, fd) = Segment::create(64 << 10).unwrap();
         let other = Segment::open(&fd).unwrap();
         other.ring(1).set_writer_base();

@@ -307,3 +307,55 @@ fn read_some(conn: &Conn, buf: &mut [u8]) -> io::Result<usize> {
     }
     conn.read(buf)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::conn::tests::pair_direct_from;
+    use super::super::mailbox::RecvBuf;
+    use super::*;
+    use crate::status::Status;
+    use std::io::IoSlice;
+    use std::sync::Arc;
+
+    /// `from` writes the header and address of `data` (as a sender of a
+    /// message sent as its address does); a receive of its length is posted.
+    fn sent_as_address(from: &Conn, data: &[u8], id: u64, got: &mut [u8]) -> (Mutex<Mailbox>, Arc<Status>) {
+        let key = Key::p2p(3);
+        let header = FrameHeader { key, len: data.len() as u64, remote: true }.encode();
+        let remote = Remote { addr: data.as_ptr() as u64, id }.encode();
+        from.write(&[IoSlice::new(&header), IoSlice::new(&remote)]).unwrap();
+        let mailbox = Mutex::new(Mailbox::new(0));
+        let status = Status::new();
+        let buf = RecvBuf { ptr: got.as_mut_ptr(), len: got.len(), fold: None };
+        mailbox.lock().unwrap().post(key, PostedRecv { buf, status: status.clone(), any_source: false });
+        (mailbox, status)
+    }
+
+    #[test]
+    fn a_message_sent_as_its_address_is_read_from_the_sender_and_acknowledged() {
+        let (a, b) = pair_direct_from(1024);
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let mut got = vec![0u8; data.len()];
+        let (mailbox, status) = sent_as_address(&a, &data, 7, &mut got);
+        let stop = Reader::default().pump(&b, 0, &mailbox, &Mutex::default()).unwrap();
+        assert_eq!(stop, Stop::Drained);
+        assert_eq!(status.result().unwrap().unwrap(), data.len() as i64);
+        assert!(got == data);
+        assert_eq!(a.acked(), 7, "the sender may let go of it now");
+    }
+
+    #[test]
+    fn a_sender_that_gave_up_fails_the_receive_instead_of_handing_over_what_was_read() {
+        let (a, b) = pair_direct_from(1024);
+        let data = vec![5u8; 100_000];
+        let mut got = vec![0u8; data.len()];
+        let (mailbox, status) = sent_as_address(&a, &data, 1, &mut got);
+        // The sender gives up (closing the rings) before the receiver reads:
+        // its memory may have been reused by the time the read ends.
+        a.shutdown();
+        let err = Reader::default().pump(&b, 0, &mailbox, &Mutex::default()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
+        assert!(status.result().unwrap().is_err(), "the receive fails");
+        assert_eq!(a.acked(), 0, "nothing acknowledged");
+    }
+}

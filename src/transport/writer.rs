@@ -176,3 +176,28 @@ pub fn finish_written(reqs: Vec<SendReq>) {
         r.status.finish(Ok(r.len as i64));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::conn::tests::pair_direct_from;
+    use super::*;
+
+    #[test]
+    fn a_send_that_goes_as_its_address_finishes_only_once_read() {
+        let (a, _b) = pair_direct_from(1024);
+        let (big, small) = (vec![1u8; 4096], vec![2u8; 100]);
+        let mut outbox = Outbox::default();
+        let (s1, s2, s3) = (Status::new(), Status::new(), Status::new());
+        outbox.push(SendReq::new(Key::p2p(0), big.as_ptr(), big.len(), s1.clone(), None));
+        outbox.push(SendReq::new(Key::p2p(0), small.as_ptr(), small.len(), s2.clone(), None));
+        outbox.push(SendReq::new(Key::p2p(0), big.as_ptr(), big.len(), s3.clone(), None));
+        let mut written = Vec::new();
+        assert!(matches!(outbox.flush(&a, &mut written), Flushed::All));
+        assert_eq!(written.len(), 1, "only the small one, through the ring, is done when written");
+        assert!(outbox.acked(0).is_empty());
+        let read = outbox.acked(1);
+        assert_eq!(read.len(), 1);
+        assert!(Arc::ptr_eq(&read[0].status, &s1), "the first one sent as its address");
+        assert_eq!(outbox.take_all().len(), 1, "the unread one fails with the connection");
+    }
+}
