@@ -182,7 +182,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
             PeerAddr { tcp: theirs.tcp, shm: theirs.shm.clone().filter(|_| same_host && peer != rank) }
         })
         .collect();
-    let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?.then_some(cfg.single_copy_bytes);
+    let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);

@@ -107,6 +107,14 @@ pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
     tr.wait_all()
 }
 
+/// `agree` with every rank, on the op's `tr`: for algorithms whose data
+/// comes from every rank, before any of it moves.
+pub fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, mine: &Fingerprint) -> Result<()> {
+    let mut agreement = Agreement::new(mine, true);
+    agreement.post(ctx, tr)?;
+    agreement.check(ctx, tr)
+}
+
 /// `agree` in two halves, for an algorithm that overlaps the exchange with
 /// its own first messages: `post` queues it, `check` waits for the
 /// fingerprints and compares. No received data may be used, and nothing of

@@ -46,11 +46,10 @@ pub fn direct_allreduce(
     if world == 1 || len == 0 {
         return agreed(tr).and_then(|()| tr.wait_all());
     }
-    let peers = || (1..world).map(|k| (rank + k) % world);
-    for p in peers() {
+    for p in ctx.peers() {
         unsafe { tr.recv(p, key, slot(p).ptr, len)? };
     }
-    for p in peers() {
+    for p in ctx.peers() {
         unsafe { tr.send(p, key, buf.slice(0, len))? };
     }
     // The calls agree, everything is received, and our buffer sent, before it is overwritten.

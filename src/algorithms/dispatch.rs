@@ -7,10 +7,9 @@
 
 use super::call_check::Fingerprint;
 use super::{
-    allreduce_blocks, direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall,
-    prefers_direct, ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter,
-    single_copy_allgather, single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, OpCtx, RawBuf,
-    Scratch,
+    direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
+    ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
+    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -26,40 +25,28 @@ use std::sync::Mutex;
 pub fn checks_inline(ctx: &OpCtx, part: &Collective) -> bool {
     let direct = |bytes| prefers_direct(bytes, ctx.transport.size(), ctx.small_allreduce_bytes);
     match part {
-        Collective::AllReduce { buf, red } => {
-            red.premul.is_none() && (direct(buf.len) || single_copy(ctx, part).is_some())
-        }
+        Collective::AllReduce { buf, red } => red.premul.is_none() && (direct(buf.len) || single_copy(ctx, part)),
         Collective::Barrier => direct(1),
-        _ => single_copy(ctx, part).is_some(),
+        _ => single_copy(ctx, part),
     }
 }
 
-/// Which single-copy algorithm takes `part`, if any: all ranks read each
-/// other's memory, and every message of the op (a block, for all-gather,
-/// reduce-scatter and all-reduce) is large enough to go as its address.
-/// Every rank decides the same for the same call.
-fn single_copy(ctx: &OpCtx, part: &Collective) -> Option<SingleCopy> {
+/// Whether the single-copy algorithm of `part` (broadcast, all-gather,
+/// reduce-scatter, all-reduce) takes it: all ranks read each other's memory,
+/// and every message of the op (a block, for all but broadcast) is large
+/// enough to go as its address. Every rank decides the same for the same call.
+fn single_copy(ctx: &OpCtx, part: &Collective) -> bool {
     let world = ctx.transport.size();
-    let from = ctx.transport.single_copy_bytes().filter(|_| world > 1)?;
-    let (algorithm, smallest) = match part {
-        Collective::Broadcast { buf, .. } => (SingleCopy::Broadcast, buf.len),
-        Collective::AllGather { outputs, .. } => (SingleCopy::AllGather, outputs.iter().map(|o| o.len).min()?),
-        Collective::ReduceScatter { output, .. } => (SingleCopy::ReduceScatter, output.len),
-        Collective::AllReduce { buf, red } => {
-            let smallest = allreduce_blocks(*buf, red.dtype, world).iter().map(|b| b.len).min()?;
-            (SingleCopy::AllReduce, smallest)
-        }
-        _ => return None,
+    let Some(from) = ctx.transport.single_copy_bytes().filter(|_| world > 1) else { return false };
+    let smallest = match part {
+        Collective::Broadcast { buf, .. } => buf.len,
+        Collective::AllGather { outputs, .. } => outputs.iter().map(|o| o.len).min().unwrap_or(0),
+        Collective::ReduceScatter { output, .. } => output.len,
+        // Its W blocks hold n/W elements, rounded down or up.
+        Collective::AllReduce { buf, red } => buf.len / red.dtype.size() / world * red.dtype.size(),
+        _ => return false,
     };
-    (smallest >= from).then_some(algorithm)
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SingleCopy {
-    Broadcast,
-    AllGather,
-    ReduceScatter,
-    AllReduce,
+    smallest >= from
 }
 
 /// Run one collective whose call has been checked (or, with `check`, is
@@ -69,12 +56,9 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
-            match (single_copy(ctx, part), check) {
-                (Some(SingleCopy::AllReduce), Some(check))
-                    if !prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) =>
-                {
-                    single_copy_allreduce(ctx, *buf, red.dtype, op, check)
-                }
+            let direct = prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes);
+            match check.filter(|_| !direct && single_copy(ctx, part)) {
+                Some(check) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
                 _ => all_reduce(ctx, *buf, red.dtype, op, check),
             }
         }
@@ -88,12 +72,12 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             let input = premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red);
             ring_reduce(ctx, input[0], *root, red.dtype, red.op)
         }
-        Collective::Broadcast { buf, root } => match (single_copy(ctx, part), check) {
-            (Some(SingleCopy::Broadcast), Some(check)) => single_copy_broadcast(ctx, *buf, *root, check),
+        Collective::Broadcast { buf, root } => match check.filter(|_| single_copy(ctx, part)) {
+            Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
             _ => ring_broadcast(ctx, *buf, *root),
         },
-        Collective::AllGather { input, outputs } => match (single_copy(ctx, part), check) {
-            (Some(SingleCopy::AllGather), Some(check)) => single_copy_allgather(ctx, *input, outputs, check),
+        Collective::AllGather { input, outputs } => match check.filter(|_| single_copy(ctx, part)) {
+            Some(check) => single_copy_allgather(ctx, *input, outputs, check),
             _ => ring_allgather(ctx, *input, outputs),
         },
         Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
@@ -101,10 +85,8 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::ReduceScatter { inputs, output, red } => {
             let mut copy = Scratch::new(0);
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
-            match (single_copy(ctx, part), check) {
-                (Some(SingleCopy::ReduceScatter), Some(check)) => {
-                    single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check)
-                }
+            match check.filter(|_| single_copy(ctx, part)) {
+                Some(check) => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check),
                 _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
             }
         }

@@ -8,7 +8,7 @@
 
 use crate::dtype::{DType, ReduceOp};
 use crate::status::Cost;
-use crate::transport::{Key, Transfers, Transport};
+use crate::transport::{Fold, Key, Transfers, Transport};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,7 +39,7 @@ pub use ring_reduce::ring_reduce;
 pub use ring_reduce_scatter::ring_reduce_scatter;
 pub use single_copy_allgather::single_copy_allgather;
 pub use single_copy_broadcast::single_copy_broadcast;
-pub use single_copy_reduce::{allreduce_blocks, single_copy_allreduce, single_copy_reduce_scatter};
+pub use single_copy_reduce::{single_copy_allreduce, single_copy_reduce_scatter};
 
 /// What an algorithm needs to know about the op it runs.
 pub struct OpCtx<'a> {
@@ -83,6 +83,13 @@ impl<'a> OpCtx<'a> {
         Transfers::new(self.transport, self.timeout, self.what.clone(), self.spin, self.cost.clone())
     }
 
+    /// Every other rank, from the next one on (so that ranks that all send
+    /// to everyone do not all start with the same rank).
+    pub fn peers(&self) -> impl Iterator<Item = usize> {
+        let (rank, world) = (self.transport.rank(), self.transport.size());
+        (1..world).map(move |k| (rank + k) % world)
+    }
+
     /// Copy `src` into `dst` (same length) unless they are the same memory, and count it.
     ///
     /// # Safety
@@ -99,6 +106,12 @@ impl<'a> OpCtx<'a> {
         self.cost.copied(src.len());
         crate::reduce::reduce_into(dtype, op, dst, src)
     }
+}
+
+/// Folds what arrives into a receive buffer with `op` (the transport counts the folds).
+pub fn reducing(dtype: DType, op: ReduceOp) -> Fold {
+    let f = move |dst: &mut [u8], src: &[u8]| crate::reduce::reduce_into(dtype, op, dst, src);
+    Fold { unit: dtype.size(), f: Arc::new(f) }
 }
 
 /// A caller-owned byte range (a tensor's storage) that outlives the op.

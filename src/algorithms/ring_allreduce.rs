@@ -8,12 +8,11 @@
 //! 2(W-1)c (reduce-scatter: received and folded) + (W-1)c (all-gather:
 //! received) + 2(W-1)c sent through the rings (0 with single copy).
 
-use super::{OpCtx, RawBuf};
+use super::{reducing, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Fold, TransferId, Transfers};
-use std::sync::Arc;
+use crate::reduce::divide_by;
+use crate::transport::{TransferId, Transfers};
 
 pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
@@ -44,8 +43,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
     let key = |t: usize, j: usize| ctx.key((t * nseg + j) as u64);
 
     // Step t's chunk is neither sent nor folded into by any other step in flight.
-    let fold =
-        Fold { unit: es, f: Arc::new(move |mine: &mut [u8], theirs: &[u8]| reduce_into(dtype, op, mine, theirs)) };
+    let fold = reducing(dtype, op);
     let tr = &mut ctx.transfers();
     let mut posted: [Vec<TransferId>; 2] = [Vec::new(), Vec::new()];
     let post = |tr: &mut Transfers, t: usize, posted: &mut [Vec<TransferId>; 2]| -> Result<()> {

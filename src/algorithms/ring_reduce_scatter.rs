@@ -8,12 +8,11 @@
 //! into the output) + 2(W-1)b (each step's partial received and folded) +
 //! (W-1)b sent through the rings (0 with single copy).
 
-use super::{segment, segment_count, OpCtx, RawBuf};
+use super::{reducing, segment, segment_count, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Fold, TransferId};
-use std::sync::Arc;
+use crate::reduce::divide_by;
+use crate::transport::TransferId;
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
@@ -42,10 +41,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
     // The last step's block is this rank's own: start the output from it.
     unsafe { ctx.copy(output, inputs[rank]) };
-    let fold = Fold {
-        unit: dtype.size(),
-        f: Arc::new(move |out: &mut [u8], partial: &[u8]| reduce_into(dtype, op, out, partial)),
-    };
+    let fold = reducing(dtype, op);
     let post = |tr: &mut super::Transfers, t: usize| -> Result<Vec<TransferId>> {
         (0..nseg)
             .map(|j| {

@@ -8,24 +8,20 @@
 //! once (the ring also copies W-1 blocks out: 2W-1 blocks, or W with single
 //! copy, in W-1 steps).
 
-use super::call_check::{Agreement, Fingerprint};
+use super::call_check::{agree_with_all, Fingerprint};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
 pub fn single_copy_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], check: &Fingerprint) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let tr = &mut ctx.transfers();
-    let mut agreement = Agreement::new(check, true);
-    agreement.post(ctx, tr)?;
-    agreement.check(ctx, tr)?;
-    let peers = || (1..world).map(|k| (rank + k) % world);
-    for p in peers() {
+    agree_with_all(ctx, tr, check)?;
+    for p in ctx.peers() {
         unsafe { tr.recv(p, ctx.key(0), outputs[p].ptr, outputs[p].len)? };
     }
-    for p in peers() {
+    for p in ctx.peers() {
         unsafe { tr.send(p, ctx.key(0), input.slice(0, input.len))? };
     }
-    unsafe { ctx.copy(outputs[rank], input) };
+    unsafe { ctx.copy(outputs[ctx.transport.rank()], input) };
     tr.wait_all()
 }

@@ -6,18 +6,15 @@
 //!
 //! Bytes copied per payload byte: the root 0, every other rank 1.
 
-use super::call_check::{Agreement, Fingerprint};
+use super::call_check::{agree_with_all, Fingerprint};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 
 pub fn single_copy_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, check: &Fingerprint) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let tr = &mut ctx.transfers();
-    let mut agreement = Agreement::new(check, true);
-    agreement.post(ctx, tr)?;
-    agreement.check(ctx, tr)?;
-    if rank == root {
-        for p in (1..world).map(|k| (rank + k) % world) {
+    agree_with_all(ctx, tr, check)?;
+    if ctx.transport.rank() == root {
+        for p in ctx.peers() {
             unsafe { tr.send(p, ctx.key(0), buf.slice(0, buf.len))? };
         }
     } else {

@@ -13,13 +13,12 @@
 //! folded); all-reduce 3(W-1)c (the same folds, then the W-1 reduced blocks
 //! read), as much as the ring's with single copy.
 
-use super::call_check::{Agreement, Fingerprint};
-use super::{OpCtx, RawBuf};
+use super::call_check::{agree_with_all, Fingerprint};
+use super::{reducing, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{divide_by, reduce_into};
-use crate::transport::{Fold, Transfers};
-use std::sync::Arc;
+use crate::reduce::divide_by;
+use crate::transport::Transfers;
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
 pub fn single_copy_reduce_scatter(
@@ -49,33 +48,25 @@ pub fn single_copy_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceO
     fold_peers_blocks(ctx, tr, blocks[rank], dtype, op)?;
     // A peer's block is overwritten only by the peer's reduced one, which it
     // sends after it has read (and folded) ours.
-    let peers = || (1..world).map(|k| (rank + k) % world);
-    for p in peers() {
+    for p in ctx.peers() {
         unsafe { tr.recv(p, ctx.key(1), blocks[p].ptr, blocks[p].len)? };
     }
-    for p in peers() {
+    for p in ctx.peers() {
         unsafe { tr.send(p, ctx.key(1), blocks[rank].slice(0, blocks[rank].len))? };
     }
     tr.wait_all()
 }
 
 /// Block c of an all-reduce's buffer: elements [c n / W, (c + 1) n / W).
-pub fn allreduce_blocks(buf: RawBuf, dtype: DType, world: usize) -> Vec<RawBuf> {
+fn allreduce_blocks(buf: RawBuf, dtype: DType, world: usize) -> Vec<RawBuf> {
     let (es, n) = (dtype.size(), buf.len / dtype.size());
     let start = |c: usize| c * n / world * es;
     (0..world).map(|c| RawBuf::new(unsafe { buf.ptr.add(start(c)) }, start(c + 1) - start(c))).collect()
 }
 
-fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, check: &Fingerprint) -> Result<()> {
-    let mut agreement = Agreement::new(check, true);
-    agreement.post(ctx, tr)?;
-    agreement.check(ctx, tr)
-}
-
 /// Send `blocks[p]` to every peer p (as its address: the peer reads it).
 fn send_blocks(ctx: &OpCtx, tr: &mut Transfers, blocks: &[RawBuf], step: u64) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    for p in (1..world).map(|k| (rank + k) % world) {
+    for p in ctx.peers() {
         unsafe { tr.send(p, ctx.key(step), blocks[p].slice(0, blocks[p].len))? };
     }
     Ok(())
@@ -84,15 +75,13 @@ fn send_blocks(ctx: &OpCtx, tr: &mut Transfers, blocks: &[RawBuf], step: u64) ->
 /// Fold every peer's block into `mine`, one peer at a time (folds into one
 /// buffer must not run at once), then divide for AVG.
 fn fold_peers_blocks(ctx: &OpCtx, tr: &mut Transfers, mine: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let fold =
-        Fold { unit: dtype.size(), f: Arc::new(move |dst: &mut [u8], src: &[u8]| reduce_into(dtype, op, dst, src)) };
-    for p in (1..world).map(|k| (rank + k) % world) {
+    let fold = reducing(dtype, op);
+    for p in ctx.peers() {
         let id = unsafe { tr.recv_folded(p, ctx.key(0), mine.ptr, mine.len, Some(fold.clone()))? };
         tr.wait(id)?;
     }
     if op == ReduceOp::Avg {
-        divide_by(dtype, unsafe { mine.slice_mut(0, mine.len) }, world);
+        divide_by(dtype, unsafe { mine.slice_mut(0, mine.len) }, ctx.transport.size());
     }
     Ok(())
 }

@@ -58,14 +58,13 @@ struct Interest {
     polled: bool,
     /// TCP only: shared memory waits for room through the ring and eventfd.
     room: bool,
-    /// Shared memory: the eventfd also says the peer made room or read a
-    /// message sent as our address, so it stays watched while reading is paused.
-    shm: bool,
 }
 
 impl Interest {
-    fn events(self) -> u32 {
-        let readable = !self.polled && (!self.paused || self.shm);
+    /// With `shm`, the eventfd also says the peer made room or read a message
+    /// sent as our address, so it stays watched while reading is paused.
+    fn events(self, shm: bool) -> u32 {
+        let readable = !self.polled && (!self.paused || shm);
         (if readable { READABLE } else { 0 }) | if self.room { WRITABLE } else { 0 }
     }
 }
@@ -117,7 +116,6 @@ impl Source for Watcher {
 
 impl Link {
     pub fn new(core: &Arc<Core>, id: ConnId, peer: usize, conn: Conn) -> Arc<Link> {
-        let shm = conn.is_shm();
         Arc::new(Link {
             id,
             peer,
@@ -125,7 +123,7 @@ impl Link {
             reader: Mutex::default(),
             outbox: Mutex::default(),
             watched: Mutex::default(),
-            interest: Mutex::new(Interest { paused: false, polled: false, room: false, shm }),
+            interest: Mutex::new(Interest { paused: false, polled: false, room: false }),
             paused: AtomicBool::new(false),
             readers: Readers::default(),
             spin: core.spin,
@@ -142,7 +140,7 @@ impl Link {
         // Sends may have queued already: watch for what they need.
         let interest = self.interest.lock().unwrap();
         for (fd, watch) in self.conn.watched() {
-            let events = if watch == Watch::Data { interest.events() } else { READABLE };
+            let events = if watch == Watch::Data { interest.events(self.conn.is_shm()) } else { READABLE };
             let token = self.reactor.register(fd, events, Arc::new(Watcher(self.clone(), watch)))?;
             self.watched.lock().unwrap().push((token, fd, watch));
         }
@@ -350,7 +348,7 @@ impl Link {
         if *interest != before {
             for &(token, fd, watch) in self.watched.lock().unwrap().iter() {
                 if watch == Watch::Data {
-                    self.reactor.modify(token, fd, interest.events());
+                    self.reactor.modify(token, fd, interest.events(self.conn.is_shm()));
                 }
             }
         }

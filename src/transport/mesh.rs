@@ -71,7 +71,7 @@ impl Mesh {
         me: Hello,
         addrs: Vec<PeerAddr>,
         cfg: &Config,
-        single_copy: Option<usize>,
+        single_copy_group: bool,
         eager: &[usize],
         expect: &[usize],
         deadline: Instant,
@@ -101,7 +101,7 @@ impl Mesh {
             tcp_addr,
             ring_bytes: local.as_ref().map(|l| l.ring_bytes),
             direct_from: cfg.single_copy_bytes,
-            single_copy,
+            single_copy_group,
             nsocks: cfg.nsocks,
             spin: cfg.spin,
         });
@@ -252,7 +252,7 @@ impl Transport for Mesh {
     }
 
     fn single_copy_bytes(&self) -> Option<usize> {
-        self.core.single_copy
+        self.core.single_copy_group.then_some(self.core.direct_from)
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

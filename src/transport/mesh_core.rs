@@ -44,8 +44,8 @@ pub struct Core {
     /// Shared memory: messages of this many bytes or more cross in one copy (0: never).
     pub(super) direct_from: usize,
     /// Every rank of the group reads every other's messages of at least
-    /// this size from the sender's memory (the rendezvous found out).
-    pub(super) single_copy: Option<usize>,
+    /// `direct_from` bytes from the sender's memory (the rendezvous found out).
+    pub(super) single_copy_group: bool,
     pub(super) nsocks: usize,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,
