@@ -7,7 +7,7 @@ use crate::config::{Config, TransportMode};
 use crate::error::{Error, Result};
 use crate::transport::conn::read_process;
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
-use crate::transport::mesh::{Mesh, PeerAddr, ShmEndpoint};
+use crate::transport::mesh::{Layout, Mesh, PeerAddr, ShmEndpoint};
 use crate::transport::reactor::Reactor;
 use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
@@ -183,14 +183,31 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         })
         .collect();
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
+    let layout = Layout { hosts: number_hosts(&records), single_copy };
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };
-    let mesh = Mesh::start(listener, local, hello, addrs, cfg, single_copy, ring, from, deadline)?;
+    let mesh = Mesh::start(listener, local, hello, addrs, cfg, layout, ring, from, deadline)?;
     tracing::debug!("rustc10d: rank {rank}/{size} listening on {addr}");
     Ok(mesh)
+}
+
+/// Each rank's host, numbered in the order of their lowest rank; ranks whose
+/// host is "unknown" each count as a host of their own (they talk TCP).
+fn number_hosts(records: &[Published]) -> Vec<usize> {
+    let mut seen: Vec<&str> = Vec::new();
+    records
+        .iter()
+        .map(|r| match seen.iter().position(|&h| h == r.host && h != "unknown") {
+            Some(h) => h,
+            None => {
+                seen.push(&r.host);
+                seen.len() - 1
+            }
+        })
+        .collect()
 }
 
 /// Whether every rank of the group can read every other's memory directly,
@@ -431,5 +448,18 @@ mod tests {
         assert!(err.message.contains("v999") && err.message.contains("rank 1"), "{}", err.message);
         let err = lookup_peer(&store, &keys, 0, 2, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("waiting for rank 2"), "{}", err.message);
+    }
+
+    #[test]
+    fn hosts_are_numbered_by_their_lowest_rank_and_unknown_ones_stand_alone() {
+        let on = |host: &str| Published {
+            tcp: "127.0.0.1:1".parse().unwrap(),
+            host: host.into(),
+            shm: None,
+            settings: String::new(),
+            probe: None,
+        };
+        let records: Vec<Published> = ["b", "a", "b", "unknown", "a", "unknown"].into_iter().map(on).collect();
+        assert_eq!(number_hosts(&records), [0, 1, 0, 2, 1, 3]);
     }
 }

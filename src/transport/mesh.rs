@@ -37,6 +37,15 @@ pub struct PeerAddr {
     pub shm: Option<String>,
 }
 
+/// What the rendezvous learned of the group as a whole, the same on every rank.
+#[derive(Debug, Clone, Default)]
+pub struct Layout {
+    /// Each rank's host, numbered in the order of their lowest rank.
+    pub hosts: Vec<usize>,
+    /// Every rank reads every other's large messages from the sender's memory.
+    pub single_copy: bool,
+}
+
 /// This rank's end for shared-memory peers: a Unix socket in the abstract
 /// namespace (nothing on disk), where peers hand over their segments.
 pub struct ShmEndpoint {
@@ -71,7 +80,7 @@ impl Mesh {
         me: Hello,
         addrs: Vec<PeerAddr>,
         cfg: &Config,
-        single_copy_group: bool,
+        layout: Layout,
         eager: &[usize],
         expect: &[usize],
         deadline: Instant,
@@ -101,7 +110,8 @@ impl Mesh {
             tcp_addr,
             ring_bytes: local.as_ref().map(|l| l.ring_bytes),
             direct_from: cfg.single_copy_bytes,
-            single_copy_group,
+            single_copy_group: layout.single_copy,
+            hosts: layout.hosts,
             nsocks: cfg.nsocks,
             spin: cfg.spin,
         });
@@ -258,6 +268,10 @@ impl Transport for Mesh {
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
         let links = self.core.peers.get(peer)?.links.lock().unwrap();
         links.first().map(|l| if l.conn.is_shm() { "shm" } else { "tcp" })
+    }
+
+    fn host_of(&self, peer: usize) -> usize {
+        self.core.hosts[peer]
     }
 }
 

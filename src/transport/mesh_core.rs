@@ -46,6 +46,8 @@ pub struct Core {
     /// Every rank of the group reads every other's messages of at least
     /// `direct_from` bytes from the sender's memory (the rendezvous found out).
     pub(super) single_copy_group: bool,
+    /// Each rank's host (`Transport::host_of`).
+    pub(super) hosts: Vec<usize>,
     pub(super) nsocks: usize,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,

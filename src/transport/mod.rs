@@ -18,6 +18,7 @@ pub mod reactor;
 mod reader;
 mod readers;
 pub mod ring;
+pub mod subgroup;
 mod writer;
 
 pub use frame::Key;
@@ -116,6 +117,13 @@ pub trait Transport: Send + Sync {
 
     /// How bytes reach `peer` now: "shm", "tcp", or None before the first connection.
     fn link_kind(&self, peer: usize) -> Option<&'static str>;
+
+    /// Which host `peer` runs on, as a number that every rank of the group
+    /// gives the same host (hosts are numbered in the order of their lowest
+    /// rank). Algorithms keep bytes off the links between hosts by it.
+    fn host_of(&self, _peer: usize) -> usize {
+        0
+    }
 }
 
 /// How long a transfer that cannot be withdrawn (it is being filled or

@@ -1,0 +1,118 @@
+//! Some ranks of a group seen as a group of their own, so that an algorithm
+//! written for a whole group runs on them unchanged: rank i of the view is
+//! rank `members[i]` of the group. Hierarchical collectives run their phases
+//! on such views (the ranks of one host, or one rank of every host), and a
+//! view of every rank in another order makes a ring follow the hosts.
+
+use super::{Fold, Key, Ready, Transport};
+use crate::error::{Error, Result};
+use crate::status::{Polling, Status};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct Subgroup<'a> {
+    group: &'a dyn Transport,
+    members: Vec<usize>,
+    /// This rank's place in `members`.
+    me: usize,
+}
+
+impl<'a> Subgroup<'a> {
+    /// The view of `members` (distinct ranks of `group`, this rank among them).
+    pub fn new(group: &'a dyn Transport, members: Vec<usize>) -> Subgroup<'a> {
+        let me = members.iter().position(|&r| r == group.rank()).expect("a subgroup holds its own rank");
+        Subgroup { group, members, me }
+    }
+
+    /// The group's rank of the view's rank `i`.
+    pub fn member(&self, i: usize) -> usize {
+        self.members[i]
+    }
+
+    /// The view's rank of the group's rank `rank`, if it is a member.
+    pub fn position(&self, rank: usize) -> Option<usize> {
+        self.members.iter().position(|&r| r == rank)
+    }
+}
+
+impl Transport for Subgroup<'_> {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn describe_peer(&self, peer: usize) -> String {
+        self.group.describe_peer(self.members[peer])
+    }
+
+    unsafe fn send(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        deadline: Instant,
+        ready: Option<Ready>,
+    ) -> Result<()> {
+        self.group.send(self.members[peer], key, data, len, status, deadline, ready)
+    }
+
+    unsafe fn recv(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *mut u8,
+        len: usize,
+        fold: Option<Fold>,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        self.group.recv(self.members[peer], key, data, len, fold, status)
+    }
+
+    /// Views are for collectives, whose receives name their sender.
+    unsafe fn recv_any(&self, _key: Key, _data: *mut u8, _len: usize, _status: Arc<Status>) -> Result<()> {
+        Err(Error::invalid("rustc10d: a subgroup view takes no any-source receive"))
+    }
+
+    fn cancel_recv_any(&self, _key: Key, _status: &Arc<Status>) -> bool {
+        false
+    }
+
+    fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool {
+        self.group.cancel_recv(self.members[peer], key, status)
+    }
+
+    fn break_peer(&self, peer: usize, reason: &Error) {
+        self.group.break_peer(self.members[peer], reason)
+    }
+
+    fn abort_all(&self, reason: &Error) {
+        self.group.abort_all(reason)
+    }
+
+    fn shutdown(&self) {
+        self.group.shutdown()
+    }
+
+    fn polling(&self, peer: Option<usize>) -> Option<Box<dyn Polling + '_>> {
+        self.group.polling(peer.map(|p| self.members[p]))
+    }
+
+    /// Single copy is a promise about every rank of the group, which a view
+    /// of fewer ranks on several hosts would not keep; a view of them all would.
+    fn single_copy_bytes(&self) -> Option<usize> {
+        self.group.single_copy_bytes().filter(|_| self.members.len() == self.group.size())
+    }
+
+    fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.group.link_kind(self.members[peer])
+    }
+
+    fn host_of(&self, peer: usize) -> usize {
+        self.group.host_of(self.members[peer])
+    }
+}
