@@ -3,18 +3,23 @@
 //! of a sparse all-reduce. Where every rank reads the others' memory
 //! (`Transport::single_copy_bytes`, the same on every rank), broadcast,
 //! all-gather, reduce-scatter and all-reduce of blocks that large go in one
-//! or two steps instead of around the ring.
+//! or two steps instead of around the ring. Groups on several hosts take the
+//! hierarchical all-reduce, reduce-scatter and all-gather, and rings in host
+//! order for broadcast and reduce, so that fewer bytes cross between hosts.
 
 use super::call_check::Fingerprint;
+use super::hosts::Hosts;
 use super::{
-    direct_allreduce, direct_gather, direct_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
-    ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
-    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, OpCtx, RawBuf, Scratch,
+    direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
+    hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct, ring_allgather, ring_allreduce,
+    ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather, single_copy_allreduce,
+    single_copy_broadcast, single_copy_reduce_scatter, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::ops::{Collective, Reduction, SparseGathered};
 use crate::reduce::scale;
+use crate::transport::subgroup::Subgroup;
 use std::sync::Mutex;
 
 /// Whether `part` checks the call itself, with every rank, rather than with
@@ -53,31 +58,35 @@ fn single_copy(ctx: &OpCtx, part: &Collective) -> bool {
 /// checked by the algorithm itself: see `checks_inline`; without it, as for
 /// the pieces of a staged op, the ring algorithms run).
 pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Result<()> {
+    let hosts = Hosts::apart(ctx.transport);
+    let apart = hosts.as_ref();
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
             let direct = prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes);
-            match check.filter(|_| !direct && single_copy(ctx, part)) {
-                Some(check) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
+            match (check.filter(|_| !direct && single_copy(ctx, part)), apart.filter(|_| !direct)) {
+                (Some(check), _) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
+                (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts),
                 _ => all_reduce(ctx, *buf, red.dtype, op, check),
             }
         }
         Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
             let op = premultiply(buf, red);
-            ring_reduce(ctx, *buf, *root, red.dtype, op)
+            chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, *buf, root, red.dtype, op))
         }
         Collective::Reduce { buf, root, red } => {
             // Not the root: the caller's buffer must stay as it was.
             let mut copy = Scratch::new(0);
             let input = premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red);
-            ring_reduce(ctx, input[0], *root, red.dtype, red.op)
+            chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input[0], root, red.dtype, red.op))
         }
         Collective::Broadcast { buf, root } => match check.filter(|_| single_copy(ctx, part)) {
             Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
-            _ => ring_broadcast(ctx, *buf, *root),
+            _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
         },
-        Collective::AllGather { input, outputs } => match check.filter(|_| single_copy(ctx, part)) {
-            Some(check) => single_copy_allgather(ctx, *input, outputs, check),
+        Collective::AllGather { input, outputs } => match (check.filter(|_| single_copy(ctx, part)), apart) {
+            (Some(check), _) => single_copy_allgather(ctx, *input, outputs, check),
+            (None, Some(hosts)) => hierarchical_allgather(ctx, *input, outputs, hosts),
             _ => ring_allgather(ctx, *input, outputs),
         },
         Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
@@ -85,8 +94,9 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::ReduceScatter { inputs, output, red } => {
             let mut copy = Scratch::new(0);
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
-            match check.filter(|_| single_copy(ctx, part)) {
-                Some(check) => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check),
+            match (check.filter(|_| single_copy(ctx, part)), apart) {
+                (Some(check), _) => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check),
+                (None, Some(hosts)) => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts),
                 _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
             }
         }
@@ -104,6 +114,32 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             sparse_allreduce(ctx, (*indices, *index_row), (*values, *value_row), out)
         }
     }
+}
+
+/// Which way the data of a rooted chain flows.
+enum Towards {
+    Root,
+    Others,
+}
+
+/// Run a chain algorithm rooted at `root` (broadcast, reduce) on a group on
+/// several hosts (`apart`) in the order of `Hosts::chain`, reversed for a
+/// chain towards the root, so that it crosses H - 1 links between hosts
+/// once each; `f` gets the root's rank in that order. Otherwise as it is.
+fn chained(
+    ctx: &OpCtx,
+    apart: Option<&Hosts>,
+    root: usize,
+    towards: Towards,
+    f: impl FnOnce(&OpCtx, usize) -> Result<()>,
+) -> Result<()> {
+    let Some(hosts) = apart else { return f(ctx, root) };
+    let mut order = hosts.chain(root);
+    if let Towards::Root = towards {
+        order.reverse();
+    }
+    let chain = Subgroup::new(ctx.transport, order);
+    f(&ctx.phase(&chain, ctx.phase), chain.position(root).expect("the root is in the chain"))
 }
 
 /// Small messages: one direct exchange; large ones: the bandwidth-optimal ring.

@@ -18,6 +18,10 @@ pub mod call_check;
 mod direct;
 mod direct_allreduce;
 mod dispatch;
+mod hier_allgather;
+mod hier_allreduce;
+mod hier_reduce_scatter;
+pub mod hosts;
 mod monitored_barrier;
 mod ring_allgather;
 mod ring_allreduce;
@@ -32,6 +36,9 @@ pub use broadcast::ring_broadcast;
 pub use direct::{direct_gather, direct_scatter};
 pub use direct_allreduce::{direct_allreduce, prefers_direct};
 pub use dispatch::{checks_inline, run};
+pub use hier_allgather::hierarchical_allgather;
+pub use hier_allreduce::hierarchical_allreduce;
+pub use hier_reduce_scatter::hierarchical_reduce_scatter;
 pub use monitored_barrier::monitored_barrier;
 pub use ring_allgather::ring_allgather;
 pub use ring_allreduce::ring_allreduce;
@@ -61,6 +68,9 @@ pub struct OpCtx<'a> {
     /// Which piece of a buffer run in pieces this is (0 otherwise): its
     /// messages get keys of their own.
     pub piece: u64,
+    /// Which phase of an algorithm made of others this is (0 otherwise): its
+    /// messages get keys of their own too.
+    pub phase: u64,
     /// What the op costs this rank: its transfers and its own copies and folds.
     pub cost: &'a Arc<Cost>,
 }
@@ -71,10 +81,17 @@ impl<'a> OpCtx<'a> {
         self.pool.take(bytes)
     }
 
-    /// The key of this op's message `step` (for the current piece).
+    /// The key of this op's message `step` (for the current piece and phase).
     pub fn key(&self, step: u64) -> Key {
-        debug_assert!(step < 1 << 32 && self.piece < 1 << 31);
-        Key::collective(self.seq, self.piece << 32 | step)
+        debug_assert!(step < 1 << 32 && self.piece < 1 << 24 && self.phase < MAX_PHASES);
+        Key::collective(self.seq, self.phase << 56 | self.piece << 32 | step)
+    }
+
+    /// This op's phase `phase` (1 to MAX_PHASES - 1) on `view`, some of the
+    /// group's ranks (a `Subgroup`): an algorithm run on it moves bytes
+    /// between those ranks only, with keys of that phase.
+    pub fn phase<'b>(&'b self, view: &'b dyn Transport, phase: u64) -> OpCtx<'b> {
+        OpCtx { transport: view, phase, what: self.what.clone(), ..*self }
     }
 
     /// Transfers for this op. Algorithms create them after any scratch memory,
@@ -107,6 +124,9 @@ impl<'a> OpCtx<'a> {
         crate::reduce::reduce_into(dtype, op, dst, src)
     }
 }
+
+/// Phases an op's keys tell apart (one key value stays for `call_check`).
+pub const MAX_PHASES: u64 = 255;
 
 /// Folds what arrives into a receive buffer with `op` (the transport counts the folds).
 pub fn reducing(dtype: DType, op: ReduceOp) -> Fold {

@@ -1,8 +1,11 @@
 //! Ring reduce-scatter, out of place: the partial sum of block c travels the
 //! ring and each rank adds its own contribution, so each rank sends (W-1)/W of
-//! the data, and rank r ends with block r fully reduced. Inputs stay untouched.
-//! The last step folds the arriving partials straight into the output, which
-//! already holds this rank's own block.
+//! the data, and rank r ends with block r fully reduced. Inputs stay untouched,
+//! but for this rank's own block where the output is that very block (the
+//! hierarchical all-reduce reduces its chunks in place so). Blocks may differ
+//! in size (every rank must give the same sizes). The last step folds the
+//! arriving partials straight into the output, which already holds this
+//! rank's own block.
 //!
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: b (its own block
 //! into the output) + 2(W-1)b (each step's partial received and folded) +
@@ -14,7 +17,8 @@ use crate::error::Result;
 use crate::reduce::divide_by;
 use crate::transport::TransferId;
 
-/// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
+/// `inputs[c]` is this rank's contribution to block c; `output` gets block
+/// `rank` (as long as `inputs[rank]`; it may be `inputs[rank]` itself).
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     if world == 1 {
@@ -22,18 +26,20 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
         return Ok(());
     }
     let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
-    let len = output.len;
+    assert_eq!(output.len, inputs[rank].len, "ring_reduce_scatter: the output holds this rank's block");
+    let len = |c: usize| inputs[c].len;
     // Whole elements per segment, so reductions never split one.
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
-    let nseg = segment_count(len, seg);
+    let nseg = |c: usize| segment_count(len(c), seg);
+    let stride = (0..world).map(nseg).max().unwrap_or(1);
     let steps = world - 1;
-    let key = |t: usize, j: usize| ctx.key((t * nseg + j) as u64);
+    let key = |t: usize, j: usize| ctx.key((t * stride + j) as u64);
     // Step t sends the partial of block (rank - t - 1) and receives block (rank - t - 2).
     let block = |t: usize| (rank + 3 * world - t - 1) % world;
 
     // Three rotating partial buffers: a buffer is refilled two steps after its
     // partials were queued for sending, and only once those sends are done.
-    let partials = if steps > 1 { len } else { 0 };
+    let partials = if steps > 1 { (0..world).map(len).max().unwrap_or(0) } else { 0 };
     let mut scratch = [ctx.scratch(partials), ctx.scratch(partials), ctx.scratch(partials)];
     let bufs = [scratch[0].raw(), scratch[1].raw(), scratch[2].raw()];
     let tr = &mut ctx.transfers();
@@ -42,10 +48,12 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     // The last step's block is this rank's own: start the output from it.
     unsafe { ctx.copy(output, inputs[rank]) };
     let fold = reducing(dtype, op);
+    // Step t receives block(t + 1).
     let post = |tr: &mut super::Transfers, t: usize| -> Result<Vec<TransferId>> {
-        (0..nseg)
+        let c = block(t + 1);
+        (0..nseg(c))
             .map(|j| {
-                let (off, n) = segment(len, seg, j);
+                let (off, n) = segment(len(c), seg, j);
                 if t + 1 == steps {
                     unsafe { tr.recv_folded(left, key(t, j), output.ptr.add(off), n, Some(fold.clone())) }
                 } else {
@@ -56,8 +64,8 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     };
 
     recvs[0] = post(tr, 0)?;
-    for j in 0..nseg {
-        let (off, n) = segment(len, seg, j);
+    for j in 0..nseg(block(0)) {
+        let (off, n) = segment(len(block(0)), seg, j);
         sends[0].push(unsafe { tr.send(right, key(0, j), inputs[block(0)].slice(off, n))? });
     }
     for t in 0..steps {
@@ -72,9 +80,9 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
         }
         let c = block(t + 1);
         let last = t + 1 == steps;
-        for j in 0..nseg {
+        for j in 0..nseg(c) {
             tr.wait(recvs[t][j])?;
-            let (off, n) = segment(len, seg, j);
+            let (off, n) = segment(len(c), seg, j);
             if last {
                 if op == ReduceOp::Avg {
                     divide_by(dtype, unsafe { output.slice_mut(off, n) }, world);

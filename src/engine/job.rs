@@ -111,6 +111,7 @@ impl Shared {
             pool: &self.pool,
             spin: self.spin,
             piece: 0,
+            phase: 0,
             cost: &cost,
         };
         debug_assert_eq!(fingerprint.op, kind);

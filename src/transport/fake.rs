@@ -39,8 +39,12 @@ pub struct FakeTransport {
     net: Arc<FakeNet>,
     rank: usize,
     sent: AtomicU64,
+    /// Bytes delivered to ranks on other hosts.
+    crossed: AtomicU64,
     /// What `Transport::single_copy_bytes` says (the bytes are copied alike).
     single_copy: Option<usize>,
+    /// What `Transport::host_of` says of each rank (the links are alike).
+    hosts: Arc<Vec<usize>>,
 }
 
 impl FakeNet {
@@ -53,13 +57,30 @@ impl FakeNet {
     /// The same, saying that every rank reads messages of at least
     /// `single_copy` bytes from the sender's memory (the single-copy algorithms run).
     pub fn with_single_copy(world: usize, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
+        FakeNet::build(vec![0; world], single_copy)
+    }
+
+    /// The endpoints of a new network whose rank r says it runs on host
+    /// `hosts[r]` (numbered in the order of their lowest rank), so that the
+    /// algorithms for groups on several hosts run.
+    pub fn on_hosts(hosts: Vec<usize>) -> Vec<Arc<FakeTransport>> {
+        FakeNet::build(hosts, None)
+    }
+
+    fn build(hosts: Vec<usize>, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
+        let world = hosts.len();
+        let hosts = Arc::new(hosts);
         let net = Arc::new(FakeNet {
             inbox: (0..world).map(|_| (0..world).map(|src| Mutex::new(Mailbox::new(src))).collect()).collect(),
             any: (0..world).map(|_| Mutex::default()).collect(),
             cut: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
         });
         (0..world)
-            .map(|rank| Arc::new(FakeTransport { net: net.clone(), rank, sent: AtomicU64::new(0), single_copy }))
+            .map(|rank| {
+                let (net, hosts) = (net.clone(), hosts.clone());
+                let (sent, crossed) = (AtomicU64::new(0), AtomicU64::new(0));
+                Arc::new(FakeTransport { net, rank, sent, crossed, single_copy, hosts })
+            })
             .collect()
     }
 }
@@ -68,6 +89,12 @@ impl FakeTransport {
     /// Messages this endpoint has delivered so far (tests tell algorithms apart by it).
     pub fn sent(&self) -> u64 {
         self.sent.load(Ordering::SeqCst)
+    }
+
+    /// Bytes this endpoint has delivered to ranks on other hosts so far:
+    /// what would have crossed its host's link.
+    pub fn crossed(&self) -> u64 {
+        self.crossed.load(Ordering::SeqCst)
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -141,6 +168,9 @@ impl Transport for FakeTransport {
         self.net.inbox[peer][self.rank].lock().unwrap().stash(key, bytes.to_vec(), &self.net.any[peer]);
         drop(cut);
         self.sent.fetch_add(1, Ordering::SeqCst);
+        if self.hosts[peer] != self.hosts[self.rank] {
+            self.crossed.fetch_add(len as u64, Ordering::SeqCst);
+        }
         status.finish(Ok(len as i64));
         Ok(())
     }
@@ -218,5 +248,9 @@ impl Transport for FakeTransport {
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
         self.check_peer(peer).is_ok().then_some("fake")
+    }
+
+    fn host_of(&self, peer: usize) -> usize {
+        self.hosts[peer]
     }
 }

@@ -61,6 +61,7 @@ impl Rank<'_> {
             pool: &self.pool,
             spin: Duration::ZERO,
             piece: 0,
+            phase: 0,
             cost: &Default::default(),
         };
         let fingerprint = call_check::Fingerprint::of(&part);
@@ -81,19 +82,54 @@ pub fn on_ranks<T: Send>(world: usize, small: usize, f: impl Fn(&mut Rank) -> T 
     on_net(&FakeNet::new(world), small, f)
 }
 
-/// The networks the data-moving algorithms are checked on: plain (the ring
-/// algorithms), and one where every message of 64 bytes or more may go as
-/// its address (the single-copy algorithms, for buffers that large).
-pub const NETS: [(&str, Option<usize>); 2] = [("ring", None), ("single copy from 64 bytes", Some(64))];
+/// A kind of network the data-moving algorithms are checked on.
+#[derive(Clone, Copy, Debug)]
+pub enum Net {
+    /// One host (the ring algorithms).
+    Plain,
+    /// One host where every message of this many bytes or more may go as its
+    /// address (the single-copy algorithms, for buffers that large).
+    SingleCopy(usize),
+    /// Rank r of W on host `host(r, W)` (the algorithms for several hosts:
+    /// hierarchical where every host holds as many ranks, at least two; a
+    /// ring in host order otherwise).
+    Hosts(fn(usize, usize) -> usize),
+}
+
+impl Net {
+    pub fn endpoints(self, world: usize) -> Vec<Arc<FakeTransport>> {
+        match self {
+            Net::Plain => FakeNet::new(world),
+            Net::SingleCopy(from) => FakeNet::with_single_copy(world, Some(from)),
+            Net::Hosts(host) => FakeNet::on_hosts((0..world).map(|r| host(r, world)).collect()),
+        }
+    }
+
+    /// From what size messages may go as their address.
+    pub fn single_copy(self) -> Option<usize> {
+        match self {
+            Net::SingleCopy(from) => Some(from),
+            _ => None,
+        }
+    }
+
+    /// Whether the ranks run on several hosts (for more than one rank).
+    pub fn hosts(self) -> bool {
+        matches!(self, Net::Hosts(_))
+    }
+}
+
+/// The networks every data-moving algorithm is checked on.
+pub const NETS: [(&str, Net); 4] = [
+    ("ring", Net::Plain),
+    ("single copy from 64 bytes", Net::SingleCopy(64)),
+    ("hosts of two ranks", Net::Hosts(|r, _| r / 2)),
+    ("two hosts, ranks alternating", Net::Hosts(|r, _| r % 2)),
+];
 
 /// `on_ranks` on one of `NETS`.
-pub fn on_ranks_via<T: Send>(
-    single_copy: Option<usize>,
-    world: usize,
-    small: usize,
-    f: impl Fn(&mut Rank) -> T + Sync,
-) -> Vec<T> {
-    on_net(&FakeNet::with_single_copy(world, single_copy), small, f)
+pub fn on_ranks_via<T: Send>(net: Net, world: usize, small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> Vec<T> {
+    on_net(&net.endpoints(world), small, f)
 }
 
 pub fn on_net<T: Send>(net: &[Arc<FakeTransport>], small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> Vec<T> {

@@ -1,0 +1,35 @@
+//! Hierarchical all-gather, for a group of H hosts with L ranks each: the
+//! i-th ranks of all hosts gather their blocks around a ring of their own,
+//! then for each host g, the ranks of each host all-gather the blocks of
+//! host g's ranks among themselves. Each host's link carries (H-1)/H of the
+//! output each way, where one ring over all W ranks carries (W-1)/W. Every
+//! block lands straight in its place. Groups whose hosts hold different
+//! numbers of ranks, or one each, take one ring in host order.
+//!
+//! Bytes copied (`Cost`), per rank, for blocks of b bytes: b (its own) +
+//! 2(H-1)b across hosts + H times 2(L-1)b on the host (see the ring algorithm;
+//! less what single copy saves).
+
+use super::hosts::Hosts;
+use super::{ring_allgather, OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::subgroup::Subgroup;
+
+/// `outputs[r]` receives rank r's `input`.
+pub fn hierarchical_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], hosts: &Hosts) -> Result<()> {
+    let Some(_) = hosts.per_host() else {
+        let ring = hosts.ring_view(ctx.transport);
+        let outputs: Vec<RawBuf> = hosts.ring().iter().map(|&r| outputs[r]).collect();
+        return ring_allgather(&ctx.phase(&ring, ctx.phase), input, &outputs);
+    };
+    let (host, i) = hosts.locate(ctx.transport.rank());
+    let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
+    let theirs: Vec<RawBuf> = hosts.members.iter().map(|m| outputs[m[i]]).collect();
+    ring_allgather(&ctx.phase(&across, 1), input, &theirs)?;
+    let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
+    for (g, members) in hosts.members.iter().enumerate() {
+        let blocks: Vec<RawBuf> = members.iter().map(|&r| outputs[r]).collect();
+        ring_allgather(&ctx.phase(&on_host, 2 + g as u64), outputs[members[i]], &blocks)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,55 @@
+//! Hierarchical reduce-scatter, for a group of H hosts with L ranks each.
+//! Rank r's block is summed first on every host, then across hosts: for each
+//! host g, a reduce-scatter among each host's ranks leaves its i-th rank with
+//! the host's sum of the block of host g's i-th rank; then the i-th ranks of
+//! all hosts reduce-scatter those H partial blocks around a ring of their
+//! own. Each host's link carries (H-1)/H of a rank's input each way, where
+//! one ring over all W ranks carries (W-1)/W. Groups whose hosts hold
+//! different numbers of ranks, or one each, take one ring in host order.
+//!
+//! Bytes copied (`Cost`), per rank, for blocks of b bytes: H times a
+//! reduce-scatter of L blocks, (1 + 3(L-1))b each, then one of H blocks,
+//! (1 + 3(H-1))b (see the ring algorithm; less what single copy saves).
+
+use super::hosts::Hosts;
+use super::{ring_reduce_scatter, OpCtx, RawBuf};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::divide_by;
+use crate::transport::subgroup::Subgroup;
+
+/// `inputs[r]` is this rank's contribution to rank r's block; `output` gets this rank's.
+pub fn hierarchical_reduce_scatter(
+    ctx: &OpCtx,
+    inputs: &[RawBuf],
+    output: RawBuf,
+    dtype: DType,
+    op: ReduceOp,
+    hosts: &Hosts,
+) -> Result<()> {
+    let Some(_) = hosts.per_host() else {
+        let ring = hosts.ring_view(ctx.transport);
+        let inputs: Vec<RawBuf> = hosts.ring().iter().map(|&r| inputs[r]).collect();
+        return ring_reduce_scatter(&ctx.phase(&ring, ctx.phase), &inputs, output, dtype, op);
+    };
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let (host, i) = hosts.locate(rank);
+    let count = hosts.members.len();
+    let b = output.len;
+    let sum = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    // partials[g]: this host's sum of the block of host g's i-th rank.
+    let mut scratch = ctx.scratch(count * b);
+    let base = scratch.raw().ptr;
+    let partials: Vec<RawBuf> = (0..count).map(|g| RawBuf::new(unsafe { base.add(g * b) }, b)).collect();
+    let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
+    for (g, members) in hosts.members.iter().enumerate() {
+        let blocks: Vec<RawBuf> = members.iter().map(|&r| inputs[r]).collect();
+        ring_reduce_scatter(&ctx.phase(&on_host, 1 + g as u64), &blocks, partials[g], dtype, sum)?;
+    }
+    let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
+    ring_reduce_scatter(&ctx.phase(&across, 1 + count as u64), &partials, output, dtype, sum)?;
+    if op == ReduceOp::Avg {
+        divide_by(dtype, unsafe { output.slice_mut(0, b) }, world);
+    }
+    Ok(())
+}

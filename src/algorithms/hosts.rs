@@ -1,0 +1,77 @@
+//! Where the ranks of a group run (`Transport::host_of`), for the algorithms
+//! that keep bytes off the links between hosts: those links are slower than
+//! memory, so what counts across hosts is how many bytes cross them.
+
+use super::MAX_PHASES;
+use crate::transport::subgroup::Subgroup;
+use crate::transport::Transport;
+
+/// The hosts of a group and the ranks on each.
+pub struct Hosts {
+    /// The ranks of each host in rank order; hosts numbered as `host_of` does.
+    pub members: Vec<Vec<usize>>,
+}
+
+impl Hosts {
+    pub fn of(t: &dyn Transport) -> Hosts {
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        for rank in 0..t.size() {
+            let host = t.host_of(rank);
+            if members.len() <= host {
+                members.resize(host + 1, Vec::new());
+            }
+            members[host].push(rank);
+        }
+        Hosts { members }
+    }
+
+    /// The hosts of a group that spans more than one (None, at the cost of
+    /// a look at each rank, for a group on one host).
+    pub fn apart(t: &dyn Transport) -> Option<Hosts> {
+        (0..t.size()).any(|r| t.host_of(r) != 0).then(|| Hosts::of(t))
+    }
+
+    /// How many ranks each host holds, when every host holds as many, at
+    /// least two, and there are few enough hosts for a phase of each:
+    /// what the hierarchical algorithms need.
+    pub fn per_host(&self) -> Option<usize> {
+        let local = self.members[0].len();
+        let uniform = self.members.iter().all(|m| m.len() == local);
+        (uniform && local > 1 && (self.members.len() as u64) < MAX_PHASES - 2).then_some(local)
+    }
+
+    /// This rank's host and its place among that host's ranks.
+    pub fn locate(&self, rank: usize) -> (usize, usize) {
+        self.members
+            .iter()
+            .enumerate()
+            .find_map(|(h, m)| m.iter().position(|&r| r == rank).map(|i| (h, i)))
+            .expect("every rank is on a host")
+    }
+
+    /// The `i`-th rank of every host, host by host (with `per_host`).
+    pub fn counterparts(&self, i: usize) -> Vec<usize> {
+        self.members.iter().map(|m| m[i]).collect()
+    }
+
+    /// Every rank, host after host: a ring in this order crosses each
+    /// host's link once each way, however the ranks are numbered.
+    pub fn ring(&self) -> Vec<usize> {
+        self.members.concat()
+    }
+
+    /// Every rank, `root` first, then the others of its host, then the other
+    /// hosts' ranks host by host: a chain in this order (or its reverse,
+    /// towards the root) crosses H - 1 links between hosts, once each.
+    pub fn chain(&self, root: usize) -> Vec<usize> {
+        let (host, _) = self.locate(root);
+        let mates = self.members[host].iter().filter(|&&r| r != root);
+        let others = self.members.iter().enumerate().filter(|&(h, _)| h != host).flat_map(|(_, m)| m);
+        std::iter::once(&root).chain(mates).chain(others).copied().collect()
+    }
+
+    /// The group seen in host order (`ring`): view rank k is group rank `ring()[k]`.
+    pub fn ring_view<'a>(&self, group: &'a dyn Transport) -> Subgroup<'a> {
+        Subgroup::new(group, self.ring())
+    }
+}

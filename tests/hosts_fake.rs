@@ -1,0 +1,172 @@
+//! Groups on several hosts, on the in-memory `FakeNet` whose ranks say which
+//! host they run on: the hierarchical all-reduce, reduce-scatter and
+//! all-gather, and the rings in host order of broadcast and reduce, give the
+//! right values and send across hosts only the bytes their doc comments
+//! promise, counted at each rank (`FakeTransport::crossed`), for hosts of
+//! equal and unequal sizes, ranks numbered host by host or alternating.
+//! (algorithms_fake.rs checks values on such networks too, at every size.)
+
+mod fake;
+
+use fake::*;
+
+/// Layouts: rank r of W on host `host(r)`, for W = `hosts.len()`.
+const LAYOUTS: [(&str, &[usize]); 8] = [
+    ("2 hosts x 2", &[0, 0, 1, 1]),
+    ("2 hosts x 2, alternating", &[0, 1, 0, 1]),
+    ("2 hosts x 3", &[0, 0, 0, 1, 1, 1]),
+    ("3 hosts x 2, interleaved", &[0, 1, 2, 0, 1, 2]),
+    ("2 hosts x 4, alternating", &[0, 1, 0, 1, 0, 1, 0, 1]),
+    ("4 hosts x 1", &[0, 1, 2, 3]),
+    ("hosts of 3 and 2, alternating", &[0, 1, 0, 1, 0]),
+    ("hosts of 1, 2 and 3", &[0, 1, 1, 2, 2, 2]),
+];
+
+/// Elements per rank's block: divisible by every rank count per host and host
+/// count above, so that every chunk is the same size and the counts exact.
+const BLOCK: usize = 720;
+const ES: u64 = 4; // f32
+
+/// What the call check (32 bytes to the next rank, before the ring
+/// algorithms) sends across hosts, per host.
+fn check_bytes(hosts: &[usize], host: usize) -> u64 {
+    let w = hosts.len();
+    (0..w).filter(|&r| hosts[r] == host && hosts[(r + 1) % w] != host).count() as u64 * 32
+}
+
+/// Hosts, and ranks on each, of a layout; `uniform`: every host holds as many, at least two.
+fn shape(hosts: &[usize]) -> (usize, Vec<usize>, bool) {
+    let count = hosts.iter().max().unwrap() + 1;
+    let per: Vec<usize> = (0..count).map(|h| hosts.iter().filter(|&&x| x == h).count()).collect();
+    let uniform = per.iter().all(|&l| l == per[0]) && per[0] > 1;
+    (count, per, uniform)
+}
+
+/// Run `f` on every rank of a network laid out as `hosts`; returns what each
+/// returned and the bytes each host sent across its link meanwhile.
+fn on_layout<T: Send>(hosts: &[usize], f: impl Fn(&mut Rank) -> T + Sync) -> (Vec<T>, Vec<u64>) {
+    let net = FakeNet::on_hosts(hosts.to_vec());
+    let out = on_net(&net, RING, f);
+    let mut crossed = vec![0u64; shape(hosts).0];
+    for (t, &h) in net.iter().zip(hosts) {
+        crossed[h] += t.crossed();
+    }
+    (out, crossed)
+}
+
+#[test]
+fn all_reduce_crosses_each_link_2_h_minus_1_over_h_times_the_buffer() {
+    for (name, hosts) in LAYOUTS {
+        let w = hosts.len();
+        let (count, _, uniform) = shape(hosts);
+        let n = BLOCK * w;
+        for red in [REDS[0], REDS[2]] {
+            let (out, crossed) = on_layout(hosts, |rk| {
+                let mut b = Buf::of(red.dtype, &values(rk.rank(), n, 3));
+                ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
+                b
+            });
+            let want =
+                Buf::of(red.dtype, &(0..n).map(|i| red.combine((0..w).map(|r| value(r, i, 3)))).collect::<Vec<_>>());
+            for (rank, b) in out.iter().enumerate() {
+                assert_eq!(*b, want, "{name}, {red:?}, rank {rank}");
+            }
+            let bytes = n as u64 * red.dtype.size() as u64;
+            for (h, &got) in crossed.iter().enumerate() {
+                let payload = got - check_bytes(hosts, h);
+                // Hierarchical: 2(H-1)/H of the buffer; a ring in host order
+                // crosses each link once each way: 2(W-1)/W.
+                let want = if uniform {
+                    2 * (count as u64 - 1) * bytes / count as u64
+                } else {
+                    2 * (w as u64 - 1) * bytes / w as u64
+                };
+                assert_eq!(payload, want, "{name}, {red:?}: host {h} sent {payload} bytes across, not {want}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() {
+    let red = REDS[2]; // AVG: divided once, by W
+    for (name, hosts) in LAYOUTS {
+        let w = hosts.len();
+        let (count, per, uniform) = shape(hosts);
+        let contribution = |r: usize, c: usize, i: usize| value(r, i + 1000 * c, 5);
+        let (out, crossed) = on_layout(hosts, |rk| {
+            let r = rk.rank();
+            let mut inputs: Vec<Buf> = (0..w)
+                .map(|c| Buf::of(red.dtype, &(0..BLOCK).map(|i| contribution(r, c, i)).collect::<Vec<_>>()))
+                .collect();
+            let kept = inputs.clone();
+            let mut output = Buf::of(red.dtype, &vec![-7.0; BLOCK]);
+            let part =
+                Collective::ReduceScatter { inputs: raws(&mut inputs), output: output.raw(), red: red.reduction() };
+            ok(rk.run(part), "reduce_scatter");
+            assert_eq!(inputs, kept, "{name}: rank {r}'s inputs changed");
+            output
+        });
+        for (rank, output) in out.iter().enumerate() {
+            let want: Vec<f64> = (0..BLOCK).map(|i| red.combine((0..w).map(|k| contribution(k, rank, i)))).collect();
+            assert_eq!(*output, Buf::of(red.dtype, &want), "{name}: reduce_scatter, rank {rank}");
+        }
+        let b = BLOCK as u64 * 8;
+        for (h, &got) in crossed.iter().enumerate() {
+            let payload = got - check_bytes(hosts, h);
+            // Hierarchical: each of the host's L ranks sends H-1 blocks; a ring: W-1.
+            let want = if uniform { per[h] as u64 * (count as u64 - 1) * b } else { (w as u64 - 1) * b };
+            assert_eq!(payload, want, "{name}: reduce_scatter: host {h} sent {payload} bytes across, not {want}");
+        }
+
+        let (out, crossed) = on_layout(hosts, |rk| {
+            let r = rk.rank();
+            let mut input = Buf::bytes_of(&pattern(r, 1, BLOCK * ES as usize));
+            let mut outputs: Vec<Buf> = (0..w).map(|_| Buf::filled(BLOCK * ES as usize, 0xEE)).collect();
+            ok(rk.run(Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) }), "all_gather");
+            outputs
+        });
+        for (rank, outputs) in out.iter().enumerate() {
+            for (p, o) in outputs.iter().enumerate() {
+                assert_eq!(o.bytes(), pattern(p, 1, BLOCK * ES as usize), "{name}: all_gather, rank {rank}, block {p}");
+            }
+        }
+        let b = BLOCK as u64 * ES;
+        for (h, &got) in crossed.iter().enumerate() {
+            let payload = got - check_bytes(hosts, h);
+            let want = if uniform { per[h] as u64 * (count as u64 - 1) * b } else { (w as u64 - 1) * b };
+            assert_eq!(payload, want, "{name}: all_gather: host {h} sent {payload} bytes across, not {want}");
+        }
+    }
+}
+
+#[test]
+fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
+    let red = REDS[0];
+    for (name, hosts) in LAYOUTS {
+        let w = hosts.len();
+        let count = shape(hosts).0;
+        let len = BLOCK * ES as usize;
+        for root in 0..w {
+            let (out, crossed) = on_layout(hosts, |rk| {
+                let mut b = if rk.rank() == root { Buf::bytes_of(&pattern(root, 2, len)) } else { Buf::filled(len, 0) };
+                ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
+                b
+            });
+            assert!(out.iter().all(|b| b.bytes() == pattern(root, 2, len)), "{name}: broadcast from {root}");
+            let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
+            // A chain through the hosts: H-1 links carry the buffer once.
+            assert_eq!(payload, (count as u64 - 1) * len as u64, "{name}: broadcast from {root} crossed {payload}");
+
+            let (out, crossed) = on_layout(hosts, |rk| {
+                let mut b = Buf::of(red.dtype, &values(rk.rank(), BLOCK, 1));
+                ok(rk.run(Collective::Reduce { buf: b.raw(), root, red: red.reduction() }), "reduce");
+                b
+            });
+            let want: Vec<f64> = (0..BLOCK).map(|i| red.combine((0..w).map(|r| value(r, i, 1)))).collect();
+            assert_eq!(out[root], Buf::of(red.dtype, &want), "{name}: reduce to {root}");
+            let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
+            assert_eq!(payload, (count as u64 - 1) * BLOCK as u64 * 8, "{name}: reduce to {root} crossed {payload}");
+        }
+    }
+}
