@@ -5,8 +5,10 @@ use crate::error::{Error, Result};
 
 /// Bumped whenever ranks of two versions could not understand each other
 /// (v2: ranks publish their host and shared-memory socket; v3: and the
-/// settings every rank must share; v4: messages sent as their address).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// settings every rank must share; v4: messages sent as their address; v5:
+/// groups on several hosts run hierarchical algorithms, which ranks of v4
+/// would not join).
+pub const PROTOCOL_VERSION: u32 = 5;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
 pub const HEADER_LEN: usize = 32;
