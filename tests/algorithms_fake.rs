@@ -93,8 +93,8 @@ fn broadcast_from_every_root() {
     for (net, kind) in NETS {
         let single_copy = kind.single_copy();
         for world in 1..=5 {
-            for root in 0..world {
-                let out = on_ranks_via(kind, world, RING, |rk| {
+            for (root, (path, small)) in (0..world).flat_map(|root| PATHS.map(|p| (root, p))) {
+                let out = on_ranks_via(kind, world, small, |rk| {
                     [0, 1, 63, 64, 65, 1000]
                         .map(|len| {
                             let mut b = if rk.rank() == root {
@@ -110,12 +110,16 @@ fn broadcast_from_every_root() {
                 });
                 for (rank, got) in out.into_iter().enumerate() {
                     for (len, b, sent) in got {
-                        let at = format!("{net}, world {world}, root {root}, rank {rank}, {len} bytes");
+                        let at = format!("{net}, world {world}, {path}, root {root}, rank {rank}, {len} bytes");
                         assert_eq!(b.bytes(), pattern(root, len, len), "{at}");
                         if single_copy.is_some_and(|from| len >= from) && world > 1 {
                             // A fingerprint to every peer, and the root its buffer to every peer.
                             let want = if rank == root { 2 * (world - 1) } else { world - 1 };
                             assert_eq!(sent, want as u64, "{at}: not the single-copy broadcast");
+                        } else if small == DIRECT && world > 2 && !kind.hosts() {
+                            // The tree: a fingerprint to the next rank, and the root its buffer to every rank.
+                            let want = if rank == root { world } else { 1 };
+                            assert_eq!(sent, want as u64, "{at}: not the tree broadcast");
                         }
                     }
                 }

@@ -44,9 +44,9 @@ fn shape(hosts: &[usize]) -> (usize, Vec<usize>, bool) {
 
 /// Run `f` on every rank of a network laid out as `hosts`; returns what each
 /// returned and the bytes each host sent across its link meanwhile.
-fn on_layout<T: Send>(hosts: &[usize], f: impl Fn(&mut Rank) -> T + Sync) -> (Vec<T>, Vec<u64>) {
+fn on_layout<T: Send>(hosts: &[usize], small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> (Vec<T>, Vec<u64>) {
     let net = FakeNet::on_hosts(hosts.to_vec());
-    let out = on_net(&net, RING, f);
+    let out = on_net(&net, small, f);
     let mut crossed = vec![0u64; shape(hosts).0];
     for (t, &h) in net.iter().zip(hosts) {
         crossed[h] += t.crossed();
@@ -61,7 +61,7 @@ fn all_reduce_crosses_each_link_2_h_minus_1_over_h_times_the_buffer() {
         let (count, _, uniform) = shape(hosts);
         let n = BLOCK * w;
         for red in [REDS[0], REDS[2]] {
-            let (out, crossed) = on_layout(hosts, |rk| {
+            let (out, crossed) = on_layout(hosts, RING, |rk| {
                 let mut b = Buf::of(red.dtype, &values(rk.rank(), n, 3));
                 ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
                 b
@@ -94,7 +94,7 @@ fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() 
         let w = hosts.len();
         let (count, per, uniform) = shape(hosts);
         let contribution = |r: usize, c: usize, i: usize| value(r, i + 1000 * c, 5);
-        let (out, crossed) = on_layout(hosts, |rk| {
+        let (out, crossed) = on_layout(hosts, RING, |rk| {
             let r = rk.rank();
             let mut inputs: Vec<Buf> = (0..w)
                 .map(|c| Buf::of(red.dtype, &(0..BLOCK).map(|i| contribution(r, c, i)).collect::<Vec<_>>()))
@@ -119,7 +119,7 @@ fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() 
             assert_eq!(payload, want, "{name}: reduce_scatter: host {h} sent {payload} bytes across, not {want}");
         }
 
-        let (out, crossed) = on_layout(hosts, |rk| {
+        let (out, crossed) = on_layout(hosts, RING, |rk| {
             let r = rk.rank();
             let mut input = Buf::bytes_of(&pattern(r, 1, BLOCK * ES as usize));
             let mut outputs: Vec<Buf> = (0..w).map(|_| Buf::filled(BLOCK * ES as usize, 0xEE)).collect();
@@ -148,17 +148,27 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
         let count = shape(hosts).0;
         let len = BLOCK * ES as usize;
         for root in 0..w {
-            let (out, crossed) = on_layout(hosts, |rk| {
-                let mut b = if rk.rank() == root { Buf::bytes_of(&pattern(root, 2, len)) } else { Buf::filled(len, 0) };
-                ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
-                b
-            });
-            assert!(out.iter().all(|b| b.bytes() == pattern(root, 2, len)), "{name}: broadcast from {root}");
-            let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
-            // A chain through the hosts: H-1 links carry the buffer once.
-            assert_eq!(payload, (count as u64 - 1) * len as u64, "{name}: broadcast from {root} crossed {payload}");
+            // The chain, and for small messages the tree: H-1 links carry the buffer once.
+            for (path, small) in PATHS {
+                let (out, crossed) = on_layout(hosts, small, |rk| {
+                    let mut b =
+                        if rk.rank() == root { Buf::bytes_of(&pattern(root, 2, len)) } else { Buf::filled(len, 0) };
+                    let before = rk.t.sent();
+                    ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
+                    (b, rk.t.sent() - before)
+                });
+                let at = format!("{name}, {path}: broadcast from {root}");
+                assert!(out.iter().all(|(b, _)| b.bytes() == pattern(root, 2, len)), "{at}");
+                let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
+                assert_eq!(payload, (count as u64 - 1) * len as u64, "{at}: crossed {payload}");
+                if small == DIRECT {
+                    // A fingerprint, and the message to the root's host mates and the other hosts' first ranks.
+                    let (root_host, per) = (hosts[root], shape(hosts).1);
+                    assert_eq!(out[root].1, 1 + per[root_host] as u64 - 1 + count as u64 - 1, "{at}: not the tree");
+                }
+            }
 
-            let (out, crossed) = on_layout(hosts, |rk| {
+            let (out, crossed) = on_layout(hosts, RING, |rk| {
                 let mut b = Buf::of(red.dtype, &values(rk.rank(), BLOCK, 1));
                 ok(rk.run(Collective::Reduce { buf: b.raw(), root, red: red.reduction() }), "reduce");
                 b

@@ -13,7 +13,7 @@ use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
     hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct, ring_allgather, ring_allreduce,
     ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather, single_copy_allreduce,
-    single_copy_broadcast, single_copy_reduce_scatter, OpCtx, RawBuf, Scratch,
+    single_copy_broadcast, single_copy_reduce_scatter, tree_broadcast, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -82,6 +82,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         }
         Collective::Broadcast { buf, root } => match check.filter(|_| single_copy(ctx, part)) {
             Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
+            _ if small_broadcast(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart),
             _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
         },
         Collective::AllGather { input, outputs } => match (check.filter(|_| single_copy(ctx, part)), apart) {
@@ -114,6 +115,17 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             sparse_allreduce(ctx, (*indices, *index_row), (*values, *value_row), out)
         }
     }
+}
+
+/// Whether a broadcast of `bytes` takes the tree (two hops at most) rather
+/// than the pipelined chain (W-1 hops): messages as small as the direct
+/// all-reduce's, where the root sends to at most SMALL_MAX_WORLD ranks.
+fn small_broadcast(ctx: &OpCtx, bytes: usize, apart: Option<&Hosts>) -> bool {
+    let fanout = match apart {
+        Some(hosts) => hosts.members.len() + hosts.members.iter().map(Vec::len).max().unwrap_or(0),
+        None => ctx.transport.size(),
+    };
+    prefers_direct(bytes, fanout, ctx.small_allreduce_bytes)
 }
 
 /// Which way the data of a rooted chain flows.

@@ -30,6 +30,7 @@ mod ring_reduce_scatter;
 mod single_copy_allgather;
 mod single_copy_broadcast;
 mod single_copy_reduce;
+mod tree_broadcast;
 
 pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
@@ -47,6 +48,7 @@ pub use ring_reduce_scatter::ring_reduce_scatter;
 pub use single_copy_allgather::single_copy_allgather;
 pub use single_copy_broadcast::single_copy_broadcast;
 pub use single_copy_reduce::{single_copy_allreduce, single_copy_reduce_scatter};
+pub use tree_broadcast::tree_broadcast;
 
 /// What an algorithm needs to know about the op it runs.
 pub struct OpCtx<'a> {
