@@ -1,77 +1,87 @@
-"""Two machines for real: two network namespaces joined by a veth pair, each running
-`torchrun --nnodes 2` with two ranks, so ranks see different IP addresses exactly as on two
-hosts (pitfall 11: works on one machine, fails on two). Needs root and iproute2, as CI has."""
+"""Several machines for real: "hosts" of rustc10d.testbed (network namespaces joined by a
+bridge, links optionally capped with tc), so ranks on different hosts see different IP
+addresses exactly as on separate machines (pitfall 11: works on one machine, fails on two).
+Jobs start as users start them: `torchrun --nnodes H` in each host, or plain processes with
+RANK/WORLD_SIZE/MASTER_ADDR (env://). Needs root and iproute2, as CI has; skips without."""
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 
 import checks
 import harness
+from rustc10d import testbed
+from rustc10d.testbed import Hosts
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
-)
+pytestmark = pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d jobs")
 
-SUBNET = "10.213.{}.{}"  # private addresses that exist only inside the namespaces we make
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+TWO_HOSTS_JOB = str(harness.REPO / "tests" / "two_hosts_job.py")
+HOSTS_JOB = str(harness.REPO / "tests" / "hosts_job.py")
+PORT = 29400  # free: every test bed is a fresh set of namespaces
+LINK_GBIT = 2  # the cap on each link of the capped jobs, each way
+CHECKS = 50  # what hosts_job.py counts when every check ran
 
 
 @pytest.fixture
-def two_hosts():
-    """Two namespaces, A (10.213.N.1) and B (10.213.N.2), joined by a veth pair."""
-    tag = uuid.uuid4().hex[:6]
-    ns = [f"rc10d-a-{tag}", f"rc10d-b-{tag}"]
-    veth = [f"rca{tag}", f"rcb{tag}"]
-    net = int(tag, 16) % 250
-    addrs = [SUBNET.format(net, 1), SUBNET.format(net, 2)]
-    try:
-        for n in ns:
-            ip("netns", "add", n)
-        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
-        for n, v, a in zip(ns, veth, addrs):
-            ip("link", "set", v, "netns", n)
-            ip("-n", n, "addr", "add", f"{a}/24", "dev", v)
-            ip("-n", n, "link", "set", v, "up")
-            ip("-n", n, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as e:
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {e.stderr.decode().strip()}")
-    yield ns, addrs
-    for n in ns:
-        subprocess.run(["ip", "netns", "del", n], capture_output=True, timeout=10)
+def make_hosts():
+    """make_hosts(count, **Hosts options): a test bed, torn down after the test; skips the test
+    where namespaces cannot be made."""
+    beds = []
+
+    def make(count: int, **options) -> Hosts:
+        bed = Hosts(count, **options)
+        try:
+            bed.start()
+        except testbed.TestbedUnavailable as e:
+            pytest.skip(f"no network namespaces here: {e}")
+        beds.append(bed)
+        return bed
+
+    yield make
+    for bed in beds:
+        bed.close()
 
 
-def torchrun_on_both(two_hosts, *args: str) -> dict[str, list[str]]:
-    """`torchrun --nnodes 2` of two_hosts_job.py in each namespace, 2 ranks each."""
-    (ns_a, ns_b), (addr_a, addr_b) = two_hosts
-    port = 29000 + int(uuid.uuid4().int % 2000)
-    script = str(harness.REPO / "tests" / "two_hosts_job.py")
-
-    def node(ns: str, addr: str, host: str) -> list[str]:
-        return ["ip", "netns", "exec", ns, "env", f"RUSTC10D_TEST_HOST={host}",
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr_a}:{port}", "--rdzv-id", "two-hosts",
-                "--rdzv-conf", f"is_host={int(host == 'A')}", "--local-addr", addr, script, *args]
-
-    return {"hostA": node(ns_a, addr_a, "A"), "hostB": node(ns_b, addr_b, "B")}
+def torchrun(hosts: Hosts, nproc: int, script: str, *args: str, label=str, env_of=lambda h: {}) -> dict[str, list[str]]:
+    """`torchrun --nnodes H --nproc-per-node nproc script args` in every host, host 0 hosting the
+    rendezvous; RUSTC10D_TEST_HOST=label(h) and the variables env_of(h) in host h."""
+    def node(h: int) -> list[str]:
+        env = {"RUSTC10D_TEST_HOST": label(h), **env_of(h)}
+        return hosts.command(h, [
+            "env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(hosts.count), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}", "--rdzv-id", "hosts",
+            "--rdzv-conf", f"is_host={int(h == 0)}", "--local-addr", hosts.addrs[h], script, *args])
+    return {f"host{label(h)}": node(h) for h in range(hosts.count)}
 
 
-@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="a rustc10d job")
+def plain_ranks(hosts: Hosts, world: int, script: str, *args: str, env_of=lambda h: {}) -> dict[str, list[str]]:
+    """Ranks as plain processes (init_method env://), rank r on host r % H (interleaved), with
+    the variables env_of(host) besides the usual ones."""
+    def rank(r: int) -> list[str]:
+        h = r % hosts.count
+        env = {"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": r // hosts.count, "MASTER_ADDR": hosts.addrs[0],
+               "MASTER_PORT": PORT, "RUSTC10D_TEST_HOST": h, **env_of(h)}
+        return hosts.command(h, ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, script, *args])
+    return {f"rank{r}": rank(r) for r in range(world)}
+
+
+def assert_all_ok(procs: list[harness.Proc], world: int, hosts_of: list[int]):
+    for proc in procs:
+        assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    out = "".join(p.stdout for p in procs)
+    for rank, host in enumerate(hosts_of):
+        assert f"rank {rank} on host {host} ok ({CHECKS} checks" in out, out
+
+
 @pytest.mark.timeout(180)
-def test_two_hosts_all_reduce_p2p_and_ddp(two_hosts, tmp_path):
-    procs = harness.run_processes(torchrun_on_both(two_hosts), timeout=150, log_dir=tmp_path)
+def test_two_hosts_all_reduce_p2p_and_ddp(make_hosts, tmp_path):
+    hosts = make_hosts(2)
+    cmds = torchrun(hosts, 2, TWO_HOSTS_JOB, label="AB".__getitem__)
+    procs = harness.run_processes(cmds, timeout=150, log_dir=tmp_path)
     for proc in procs:
         assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     out = "".join(p.stdout for p in procs)
@@ -79,31 +89,66 @@ def test_two_hosts_all_reduce_p2p_and_ddp(two_hosts, tmp_path):
         assert f"rank {rank} on {host} ok" in out, out
 
 
-@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="a rustc10d job")
 @pytest.mark.timeout(180)
-def test_partition_fails_both_sides_within_the_timeout(two_hosts, tmp_path):
+def test_partition_fails_both_sides_within_the_timeout(make_hosts, tmp_path):
     """Cut the link between the hosts mid-job: ranks on both sides raise within the group's 5 s
     timeout (plus slack), instead of hanging."""
-    (ns_a, _), _ = two_hosts
+    hosts = make_hosts(2)
     result = {}
     runner = threading.Thread(target=lambda: result.update(procs=harness.run_processes(
-        torchrun_on_both(two_hosts, "partition"), timeout=150, log_dir=tmp_path)))
+        torchrun(hosts, 2, TWO_HOSTS_JOB, "partition", label="AB".__getitem__), timeout=150, log_dir=tmp_path)))
     runner.start()
     outputs = [tmp_path / "hostA.out", tmp_path / "hostB.out"]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(
             p.exists() and p.read_text().count(" ok") == 2 for p in outputs):
         time.sleep(0.2)
-    veth = subprocess.run(["ip", "-n", ns_a, "-o", "link", "show", "type", "veth"], capture_output=True,
-                          text=True).stdout.split(":")[1].strip().split("@")[0]
-    ip("-n", ns_a, "link", "set", veth, "down")
+    hosts.link_down(0)
     # Once every rank has raised, mend the link so the torchrun agents can wind up.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and sum(p.read_text().count("raised after") for p in outputs) < 4:
         time.sleep(0.2)
-    ip("-n", ns_a, "link", "set", veth, "up")
+    hosts.link_up(0)
     runner.join()
     out = "".join(p.stdout for p in result["procs"])
     raised = [float(x) for x in re.findall(r"raised after ([\d.]+) s", out)]
     assert len(raised) == 4, out
     assert all(x < 20 for x in raised), raised
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nhosts, per_host", [(3, 1), (2, 3)], ids=["3x1", "2x3"])
+def test_torchrun_hosts_against_arithmetic(make_hosts, tmp_path, nhosts, per_host):
+    """`torchrun --nnodes H --nproc-per-node L` over links capped at LINK_GBIT: every collective
+    against arithmetic (tests/hosts_job.py), roots on another host, the same bits everywhere."""
+    hosts = make_hosts(nhosts, link_gbit=LINK_GBIT)
+    env = harness.worker_env({"GLOO_SOCKET_IFNAME": "rc0"})
+    procs = harness.run_processes(torchrun(hosts, per_host, HOSTS_JOB), timeout=150, log_dir=tmp_path, env=env)
+    assert_all_ok(procs, nhosts * per_host, [r // per_host for r in range(nhosts * per_host)])
+
+
+@pytest.mark.timeout(180)
+def test_interleaved_ranks_against_arithmetic(make_hosts, tmp_path):
+    """Rank r on host r % 2 (2 hosts x 2 ranks), started as plain processes with env://: each
+    host's ranks are not a block of consecutive ranks, so no ring neighbour is on the same host."""
+    hosts = make_hosts(2, link_gbit=LINK_GBIT)
+    procs = harness.run_processes(plain_ranks(hosts, 4, HOSTS_JOB), timeout=150, log_dir=tmp_path)
+    assert_all_ok(procs, 4, [r % 2 for r in range(4)])
+
+
+@pytest.mark.timeout(120)
+def test_hosts_with_different_shared_settings_fail_at_init(make_hosts, tmp_path):
+    """Host 1 runs another RUSTC10D_SINGLE_COPY_BYTES (a setting every rank must share): every
+    rank, on both hosts, fails init at once (not at the 30 s timeout), naming it."""
+    hosts = make_hosts(2)
+    cmds = torchrun(hosts, 2, HOSTS_JOB, "init", env_of=lambda h: {"RUSTC10D_SINGLE_COPY_BYTES": 131072} if h else {})
+    procs = harness.run_processes(cmds, timeout=90, log_dir=tmp_path)
+    out = "".join(p.stdout for p in procs)
+    failed = re.findall(r"rank (\d) on host \d: init failed after ([\d.]+) s: (.*)", out)
+    assert sorted(rank for rank, _, _ in failed) == ["0", "1", "2", "3"], "\n".join(p.describe() for p in procs) + out
+    for rank, seconds, error in failed:
+        assert float(seconds) < 15, out
+        assert "single_copy_bytes (RUSTC10D_SINGLE_COPY_BYTES)" in error, out
+        assert "65536" in error and "131072" in error, out
+    for proc in procs:
+        assert proc.returncode not in (0, None), proc.describe()
