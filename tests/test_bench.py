@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from rustc10d.bench import OPS
+from rustc10d import testbed
 
 TIMEOUT = 240  # --quick takes well under 2 minutes on 2 cores
 
@@ -45,3 +46,39 @@ def test_quick_bench(tmp_path):
                 assert gloo["status"] in ("ok", "unsupported"), f"{where}: gloo {gloo}"
     assert set(report["idle_cpu_fraction"]) == {"2"} and 0 <= report["idle_cpu_fraction"]["2"] < 1, report
     assert plot_path.exists() or "matplotlib is not installed" in output
+
+
+@pytest.mark.timeout(120)
+def test_hosts_bench_counts_link_bytes(tmp_path):
+    """--hosts 2 --link-gbit 1 at W=4 (2 ranks a host), tiny sizes: the results are right and each
+    carries, per backend, the bytes every host sent over its link; the ring and Gloo send at
+    least the (W-1)/W of an all-gather's payload that must cross."""
+    try:  # skip where the test bed cannot be built, as the bench itself would
+        with testbed.Hosts(2):
+            pass
+    except testbed.TestbedUnavailable as e:
+        pytest.skip(f"no network namespaces here: {e}")
+    report_path = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "rustc10d.bench", "--hosts", "2", "--link-gbit", "1", "--worlds", "4",
+           "--ops", "all_reduce,all_gather_into_tensor,broadcast", "--dtypes", "float32", "--min-size", "8",
+           "--max-size", "64K", "--step", "8192", "--rounds", "1", "--budget", "0.01", "--plot", "none",
+           "--json", str(report_path), "--timeout", "80"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"bench --hosts exited {proc.returncode}; output tail:\n{output[-4000:]}"
+    assert "2(H-1)/H = 1.00" in output and "link B/B" in output, output[-4000:]
+
+    report = json.loads(report_path.read_text())
+    assert report["ok"] and not report["failures"], report["failures"]
+    assert report["reference"]["link_GBps"] > 0, report["reference"]
+    assert len(report["results"]) == 6, [(e["op"], e["bytes"]) for e in report["results"]]
+    for e in report["results"]:
+        assert set(e["backends"]) == {"rustc10d-auto", "gloo"}, e["backends"].keys()
+        for series, res in e["backends"].items():
+            where = f"{e['op']} {e['bytes']} B {series}"
+            assert res["status"] == "ok", f"{where}: {res}"
+            link = res["link"]
+            assert len(link["tx_bytes"]) == len(link["fence_bytes"]) == 2, f"{where}: {link}"
+            assert link["per_byte"] == max(link["tx_bytes"]) / e["bytes"], f"{where}: {link}"
+            if e["op"] == "all_gather_into_tensor" and e["bytes"] >= 64 << 10:  # half the blocks cross
+                assert 0.5 <= link["per_byte"] < 1.0, f"{where}: {link}"

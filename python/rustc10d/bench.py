@@ -21,11 +21,26 @@ arithmetic; a failed check is reported loudly and makes the exit code 1. That ca
 rustc10d's costs that do not depend on the machine (`rustc10d.stats()`): bytes each rank copied
 per payload byte, and how often a waiting thread slept; the tables show the busiest rank's, the
 JSON every rank's.
+
+Across hosts (--hosts H, root and iproute2 needed): the launcher builds H network namespaces
+joined by a bridge (rustc10d.testbed.Hosts), each link capped at --link-gbit each way with tc,
+and starts the W ranks inside them, W/H per host: ranks 0..W/H-1 on host 0 and so on, or rank r
+on host r % H with --interleave. Ranks advertise their host's link (GLOO_SOCKET_IFNAME and
+RUSTC10D_SOCKET_IFNAME are rc0), rank 0 hosts the TCPStore at host 0's address, and the config
+comes in a file. The series are rustc10d-auto (shared memory inside a host, TCP across: what
+users get) and gloo. Around the checked call the first rank of each host reads how many bytes
+its host sent over its link (rc0's tx_bytes: Ethernet, IP and TCP headers and ACKs included),
+less what an empty window of the same Gloo barriers sent; the tables' "link B/B" is the busiest
+host's per payload byte ("bytes" as above), the JSON has every host's. A hierarchical
+all_reduce sends 2(H-1)/H per byte.
+
+    python -m rustc10d.bench --hosts 2 --link-gbit 2 --worlds 4 --max-size 4M --plot none
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -47,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 import rustc10d  # registers the "rustc10d" backend
+from rustc10d.testbed import IFNAME, Hosts, TestbedUnavailable
 
 BASELINE = "gloo"  # what every rustc10d series is compared with
 COLORS = {"rustc10d-shm": "tab:red", "rustc10d-auto": "tab:red", "rustc10d-tcp": "tab:orange", BASELINE: "tab:blue"}
@@ -55,6 +71,9 @@ IDLE_SECONDS = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LATENCY_MAX_BYTES = 64 * 1024  # the latency plot shows sizes up to this
 MODULE = __spec__.name if __spec__ else "rustc10d.bench"  # what the ranks run: this very module
+# --hosts: where a rank finds its config and the store (rank 0 hosts it on this port of host 0)
+CONFIG_VAR, STORE_VAR, HOSTS_STORE_PORT = "RUSTC10D_BENCH_CONFIG", "RUSTC10D_BENCH_STORE", 29500
+TX_BYTES = Path(f"/sys/class/net/{IFNAME}/statistics/tx_bytes")  # as seen from inside a host
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +237,8 @@ class Rank:
     cfg: dict
     sync: object  # the default Gloo group: barriers and agreement, never timed
     groups: dict  # series ("rustc10d-shm", ..., "gloo") -> group under test, in timing order
+    host: int | None = None  # --hosts: this rank's host
+    host_leader: bool = False  # --hosts: the first rank of its host, which reads the link's counter
 
     def agree(self, value: float, error: str) -> float:
         """MAX of value over ranks; raises BackendFailed on every rank if any rank had an error,
@@ -256,6 +277,17 @@ class Rank:
                 return max(1, min(cap, round(n * budget / t)))
             n = min(cap, max(2 * n, math.ceil(n * budget / 4 / t * 1.2)))
 
+    def link_window(self, fn):
+        """fn() on every rank, and the bytes this rank's host sent over its link meanwhile (on
+        the first rank of each host; 0 on the others): (bytes, what fn returned). The sync
+        group's barriers that fence fn off also cross the link: an empty window measures them."""
+        dist.barrier(group=self.sync)
+        start = int(TX_BYTES.read_text()) if self.host_leader else 0
+        dist.barrier(group=self.sync)
+        out = fn()
+        dist.barrier(group=self.sync)
+        return (int(TX_BYTES.read_text()) - start if self.host_leader else 0), out
+
     def bench(self, name: str, dtype_name: str, size: int) -> dict:
         op, dtype = OPS[name], DTYPES[dtype_name]
         n = _elements(op, dtype, size, self.world)
@@ -278,18 +310,29 @@ class Rank:
             if res["status"] == "ok":  # once more on fresh buffers, checked against arithmetic
                 bufs = op.make(n, dtype, self.rank, self.world)
                 dist.barrier(group=self.sync)
-                error, ours = "", b != BASELINE
+                ours = b != BASELINE
+                fences = self.link_window(lambda: None)[0] if self.host is not None else 0
                 before = _cost(self.groups[b]) if ours else None
-                try:
-                    op.run(bufs, self.groups[b], self.rank, self.world)
-                    error = op.check(bufs, self.rank, self.world) or ""
-                except Exception as e:  # noqa: BLE001
-                    error = f"{type(e).__name__}: {e}"
+                call = partial(_attempt, partial(op.run, bufs, self.groups[b], self.rank, self.world))
+                sent, error = self.link_window(call) if self.host is not None else (0, call())
+                if not error:
+                    try:
+                        error = op.check(bufs, self.rank, self.world) or ""
+                    except Exception as e:  # noqa: BLE001
+                        error = f"{type(e).__name__}: {e}"
                 if ours:  # what this one call cost each rank, in counts independent of the machine
                     spent = {k: v - before[k] for k, v in _cost(self.groups[b]).items()}
                     every = [None] * self.world
                     dist.all_gather_object(every, spent, group=self.sync)
                     res["cost"] = {k: [r[k] for r in every] for k in spent}
+                if self.host is not None:  # what each host sent over its link, fences taken off
+                    every = [None] * self.world
+                    dist.all_gather_object(every, (self.host, sent - fences, fences) if self.host_leader else None,
+                                           group=self.sync)
+                    hosts = sorted(x for x in every if x)
+                    net = [max(0, s) for _, s, _ in hosts]
+                    res["link"] = {"tx_bytes": net, "fence_bytes": [f for _, _, f in hosts],
+                                   "per_byte": max(net) / max(n * dtype.itemsize, 1)}
                 try:
                     self.agree(0.0, error)
                 except BackendFailed as e:
@@ -297,6 +340,15 @@ class Rank:
                 del bufs
         return {"world": self.world, "op": name, "dtype": dtype_name, "size": size,
                 "bytes": n * dtype.itemsize, "busbw_factor": op.busbw(self.world), "backends": out}
+
+
+def _attempt(run) -> str:
+    """run(), and what went wrong ("" if nothing did)."""
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - reported, and the check fails
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _cost(group) -> dict:
@@ -315,8 +367,13 @@ def _watch_parent(deadline: float):
 
 def worker_main(rank: int, world: int, port: int) -> int:
     torch.set_num_threads(1)  # W ranks share the machine's cores, as the tests do
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-    cfg = json.loads(store.get("bench/config"))
+    if os.environ.get(CONFIG_VAR):  # --hosts: in a namespace, where the launcher's store is out of reach
+        store = dist.TCPStore(os.environ[STORE_VAR], port, world, is_master=rank == 0, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        cfg = json.loads(Path(os.environ[CONFIG_VAR]).read_text())
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+        cfg = json.loads(store.get("bench/config"))
     threading.Thread(target=_watch_parent, args=(time.monotonic() + cfg["timeout"],), daemon=True).start()
     pg_timeout = timedelta(seconds=cfg["pg_timeout"])
     # the sync group waits out a backend's failing op (up to pg_timeout) before it can agree
@@ -327,6 +384,9 @@ def worker_main(rank: int, world: int, port: int) -> int:
         groups[f"rustc10d-{t}"] = dist.new_group(backend="rustc10d", timeout=pg_timeout)
     groups[BASELINE] = dist.new_group(backend=BASELINE, timeout=pg_timeout)
     me = Rank(rank, world, cfg, dist.group.WORLD, groups)
+    if "host_of" in cfg:
+        me.host = cfg["host_of"][rank]
+        me.host_leader = cfg["host_of"].index(me.host) == rank
     with open(cfg["results"], "a") if rank == 0 else open(os.devnull, "w") as results:
         for name, dtype_name, size in cfg["plan"]:
             results.write(json.dumps(me.bench(name, dtype_name, size)) + "\n")
@@ -351,24 +411,40 @@ def _cpu_seconds() -> float:
 # ----------------------------------------------------------------------------------------------
 # The launcher.
 
-def run_world(world: int, cfg: dict, workdir: Path, on_result) -> tuple[list[dict], str | None]:
-    """Start `world` ranks and wait for them; returns their results and, if the job failed, why."""
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+def host_of(world: int, hosts: int, interleave: bool) -> list[int]:
+    """The host of each rank: blocks of world/hosts consecutive ranks, or round robin."""
+    return [r % hosts if interleave else r // (world // hosts) for r in range(world)]
+
+
+def run_world(world: int, cfg: dict, workdir: Path, on_result,
+              hosts: Hosts | None = None) -> tuple[list[dict], str | None]:
+    """Start `world` ranks (inside `hosts`' namespaces, if given) and wait for them; returns
+    their results and, if the job failed, why."""
     results = workdir / f"w{world}.jsonl"
     results.touch()
-    store.set("bench/config", json.dumps(dict(cfg, results=str(results))))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+    if hosts is None:
+        store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        store.set("bench/config", json.dumps(dict(cfg, results=str(results))))
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+        port, where = store.port, []
+    else:  # rank 0 hosts the store at host 0's address; each world its own port (no TIME_WAIT)
+        where = host_of(world, hosts.count, cfg["interleave"])
+        config = workdir / f"w{world}-config.json"
+        config.write_text(json.dumps(dict(cfg, results=str(results), host_of=where)))
+        env.update({CONFIG_VAR: str(config), STORE_VAR: hosts.addrs[0], "GLOO_SOCKET_IFNAME": IFNAME,
+                    "RUSTC10D_SOCKET_IFNAME": IFNAME})
+        port = HOSTS_STORE_PORT + world
     procs, logs = [], []
     for rank in range(world):
         log = workdir / f"w{world}-rank{rank}.log"
         logs.append(log)
+        argv = [sys.executable, "-m", MODULE, "--worker", str(rank), str(world), str(port)]
         with open(log, "wb") as f:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", MODULE, "--worker", str(rank), str(world), str(store.port)],
-                env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(argv if hosts is None else hosts.command(where[rank], argv),
+                                          env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     got, offset, failure = [], 0, None
     deadline = time.monotonic() + cfg["timeout"]
     try:
@@ -515,6 +591,12 @@ def _cost_cell(entry: dict, res: dict) -> str:
     return f"{copies:8.2f} {max(cost['wakeups']):6d}"
 
 
+def _link_cell(res: dict) -> str:
+    """Bytes the busiest host sent over its link per payload byte, in the checked call."""
+    link = res.get("link")
+    return f"{link['per_byte']:10.3f}" if link else f"{'-':^10}"
+
+
 def _series(entries: list[dict]) -> list[str]:
     return list(dict.fromkeys(b for e in entries for b in e["backends"]))
 
@@ -523,14 +605,17 @@ def print_table(world: int, name: str, dtype: str, entries: list[dict]):
     factor = OPS[name].busbw(world)
     series = _series(entries)
     ours = [b for b in series if b != BASELINE]
+    linked = [b for b in series if any("link" in e["backends"][b] for e in entries)]  # --hosts
     print(f"\n{name} {dtype}  W={world}  busbw = algbw x {factor:.2f}"
           f"{'  time = half round trip' if OPS[name].round_trip else ''}")
     print(f"{'':>10} | " + " | ".join(f"{b:^26}" for b in series) + " | "
           + " | ".join(f"{'ratio ' + b.removeprefix('rustc10d-'):^19}" for b in ours) + " | "
-          + " | ".join(f"{'cost ' + b.removeprefix('rustc10d-'):^15}" for b in ours))
+          + " | ".join(f"{'cost ' + b.removeprefix('rustc10d-'):^15}" for b in ours)
+          + "".join(f" | {'link ' + b.removeprefix('rustc10d-'):^10}" for b in linked))
     print(f"{'size':>10} | " + f"{'time':>10} {'busbw GB/s':>10} {'':4} | " * len(series)
           + " | ".join(f"{'min / median / max':^19}" for _ in ours) + " | "
-          + " | ".join(f"{'copies/B wakes':^15}" for _ in ours))
+          + " | ".join(f"{'copies/B wakes':^15}" for _ in ours)
+          + "".join(f" | {'link B/B':^10}" for _ in linked))
     for e in entries:
         ratios = []
         for b in ours:
@@ -538,7 +623,8 @@ def print_table(world: int, name: str, dtype: str, entries: list[dict]):
             ratios.append(f"{r['min']:5.2f} /{r['median']:5.2f} /{r['max']:5.2f}" if r else f"{'-':^19}")
         costs = [_cost_cell(e, e["backends"][b]) for b in ours]
         print(f"{_size(e['bytes']):>10} | " + " | ".join(_cells(e["backends"][b]) for b in series) + " | "
-              + " | ".join(ratios) + " | " + " | ".join(costs))
+              + " | ".join(ratios) + " | " + " | ".join(costs)
+              + "".join(f" | {_link_cell(e['backends'][b])}" for b in linked))
     notes = {(b, res["status"], res["error"][:300]) for e in entries for b, res in e["backends"].items() if "error" in res}
     for b, status, error in sorted(notes):
         print(f"  {b} {status}: {error}")
@@ -609,7 +695,8 @@ def plot(report: dict, path: Path):
                     ax.plot(px, [s["median"] * scale for _, s in pts], "o-", ms=3, color=color, label=b)
                     ax.fill_between(px, [s["min"] * scale for _, s in pts], [s["max"] * scale for _, s in pts],
                                     color=color, alpha=0.2)
-            for label, key, style in (("TCP loopback", "tcp_loopback_GBps", "--"), ("memcpy 1 core", "memcpy_1core_GBps", ":")):
+            for label, key, style in (("TCP loopback", "tcp_loopback_GBps", "--"), ("memcpy 1 core", "memcpy_1core_GBps", ":"),
+                                      ("link, one stream", "link_GBps", "-.")):
                 if ref.get(key):
                     bw_ax.axhline(ref[key], color="gray", ls=style, lw=1, label=label)
             for ax, what, unit in ((bw_ax, "busbw", "GB/s"), (lat_ax, "latency", "us")):
@@ -650,15 +737,28 @@ def sizes(lo: int, hi: int, step: int) -> list[int]:
     return out + [hi] if out and out[-1] != hi else out
 
 
+def _unique_prefix(name: str, known) -> str | None:
+    """The one known name that starts with `name`, if exactly one does."""
+    found = [k for k in known if k.startswith(name)]
+    return found[0] if len(found) == 1 else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rustc10d.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="W=2, 8 B..4 MiB, 3 rounds, short budget: a smoke run (under 2 minutes)")
     p.add_argument("--worlds", help="world sizes, e.g. 2,4 (default 2,4; quick: 2)")
-    p.add_argument("--ops", default=",".join(OPS), help="ops to run (default: all): " + ", ".join(OPS))
-    p.add_argument("--transports", default=",".join(TRANSPORTS),
-                   help="rustc10d transports to time, each as a series of its own (default shm,tcp)")
+    p.add_argument("--ops", default=",".join(OPS),
+                   help="ops to run (default: all; a unique prefix will do, e.g. all_gather): " + ", ".join(OPS))
+    p.add_argument("--transports",
+                   help="rustc10d transports to time, each as a series of its own (default shm,tcp; --hosts: auto)")
+    p.add_argument("--hosts", type=int,
+                   help="run the ranks in H network namespaces joined by a bridge (root; see above); "
+                        "every world size must be a multiple of H")
+    p.add_argument("--link-gbit", type=float, help="--hosts: cap each host's link at this many Gbit/s each way")
+    p.add_argument("--interleave", action="store_true",
+                   help="--hosts: rank r on host r %% H (default: consecutive ranks on each host)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="dtypes to run, where an op has them (all_reduce and reduce_scatter: float32 and "
                         "bfloat16; the others float32)")
@@ -681,8 +781,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rounds = args.rounds or (3 if quick else 5)
     args.budget = args.budget or (0.02 if quick else 0.1)
     args.timeout = args.timeout or (150 if quick else 3600)
-    args.ops = args.ops.split(",")
-    args.transports = args.transports.split(",")
+    args.ops = [name if name in OPS else _unique_prefix(name, OPS) or name for name in args.ops.split(",")]
+    args.transports = (args.transports or ("auto" if args.hosts else ",".join(TRANSPORTS))).split(",")
     for t in args.transports:
         if t not in ("auto",) + TRANSPORTS:
             p.error(f"unknown transport {t!r}; known: auto, {', '.join(TRANSPORTS)}")
@@ -695,7 +795,30 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
     if any(w < 2 for w in args.worlds):
         p.error("world sizes must be at least 2")
+    if args.hosts is None and (args.link_gbit or args.interleave):
+        p.error("--link-gbit and --interleave go with --hosts")
+    if args.hosts is not None:
+        if args.hosts < 2:
+            p.error("--hosts must be at least 2")
+        if any(w % args.hosts for w in args.worlds):
+            p.error(f"every world size must be a multiple of --hosts {args.hosts}: {args.worlds}")
+        if args.link_gbit is not None and args.link_gbit <= 0:
+            p.error("--link-gbit must be positive")
     return args
+
+
+def print_hosts_header(args: argparse.Namespace, hosts: Hosts, reference: dict):
+    """What --hosts built, a measure of its link (into `reference`), and how to read link B/B."""
+    h = args.hosts
+    cap = f"capped at {args.link_gbit:g} Gbit/s each way (tc tbf)" if args.link_gbit else "not capped (veth)"
+    print(f"hosts: {h} network namespaces joined by a bridge, links {cap}; W/{h} ranks per host, "
+          + ("rank r on host r % H" if args.interleave else "consecutive ranks on each host"))
+    gbit = hosts.throughput_gbit(0, 1)
+    reference["link_GBps"] = gbit / 8
+    print(f"link: one TCP stream from host 0 to host 1 carries {gbit:.2f} Gbit/s ({gbit / 8:.3f} GB/s)")
+    print(f"link B/B: bytes the busiest host sent over its link per payload byte in the checked call (headers "
+          f"and ACKs included, the fencing Gloo barriers taken off); a hierarchical all_reduce sends "
+          f"2(H-1)/H = {2 * (h - 1) / h:.2f}")
 
 
 def main(argv=None) -> int:
@@ -709,6 +832,8 @@ def main(argv=None) -> int:
         return 2
     cfg = {"plan": plan, "transports": args.transports, "rounds": args.rounds, "budget": args.budget, "warmup": args.warmup,
            "max_iters": args.max_iters, "pg_timeout": args.pg_timeout, "timeout": args.timeout}
+    if args.hosts:
+        cfg.update(hosts=args.hosts, link_gbit=args.link_gbit, interleave=args.interleave)
 
     print(f"rustc10d {rustc10d.__version__} vs Gloo, torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"W={args.worlds}, {_size(args.min_size)}..{_size(args.max_size)}, {args.rounds} rounds of "
@@ -726,9 +851,18 @@ def main(argv=None) -> int:
 
     results, job_failures, idle = [], [], {}
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rustc10d-bench-") as workdir:
+    with contextlib.ExitStack() as stack:
+        hosts = None
+        if args.hosts:
+            try:
+                hosts = stack.enter_context(Hosts(args.hosts, link_gbit=args.link_gbit))
+            except TestbedUnavailable as e:
+                print(f"--hosts: {e}", file=sys.stderr)
+                return 2
+            print_hosts_header(args, hosts, reference)
+        workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rustc10d-bench-"))
         for world in args.worlds:
-            got, failure = run_world(world, cfg, Path(workdir), progress)
+            got, failure = run_world(world, cfg, Path(workdir), progress, hosts)
             idle.update({world: e["idle_cpu_fraction"] for e in got if "idle_cpu_fraction" in e})
             got = [e for e in got if "op" in e]
             results += got
