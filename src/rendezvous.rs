@@ -236,9 +236,8 @@ fn single_copy_group(
     store.set(&keys.vote(rank), if reads_all { b"1" } else { b"0" })?;
     let mut all = true;
     for peer in 0..records.len() {
-        let vote = store.get(&keys.vote(peer), timeout).map_err(|e| {
-            Error::timed_out(timeout, format_args!("rank {rank} was waiting for rank {peer}'s single-copy vote: {e}"))
-        })?;
+        let what = format!("rank {rank} was waiting for rank {peer}'s single-copy vote");
+        let vote = wait_for(store, &keys.vote(peer), timeout, &what)?;
         all &= vote == b"1";
     }
     if !all {
@@ -297,20 +296,32 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
         store.set(&key, &t)?;
         t.to_vec()
     } else {
-        store.get(&key, timeout).map_err(|e| {
-            Error::timed_out(
-                timeout,
-                format_args!("rank {rank} was waiting for rank 0 to publish the group token: {e}"),
-            )
-        })?
+        wait_for(store, &key, timeout, &format!("rank {rank} was waiting for rank 0 to publish the group token"))?
     };
     bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
 }
 
+/// The value of `key` once some rank has set it. A Store that fails well
+/// before `timeout` did not time out: its connection broke (the process
+/// that hosts it may have exited), and the error says so.
+fn wait_for(store: &dyn Store, key: &str, timeout: Duration, what: &str) -> Result<Vec<u8>> {
+    let start = Instant::now();
+    store.get(key, timeout).map_err(|e| {
+        let after = start.elapsed();
+        if after + after / 8 >= timeout {
+            Error::timed_out(timeout, format_args!("{what}: {e}"))
+        } else {
+            let after = after.as_secs_f64();
+            Error::io(format!(
+                "rustc10d: {what}, and the Store failed after {after:.1} s (has the process that hosts it exited?): {e}"
+            ))
+        }
+    })
+}
+
 fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<Published> {
-    let raw = store.get(&keys.addr(peer), timeout).map_err(|e| {
-        Error::timed_out(timeout, format_args!("rank {rank} was waiting for rank {peer} to publish its address: {e}"))
-    })?;
+    let what = format!("rank {rank} was waiting for rank {peer} to publish its address");
+    let raw = wait_for(store, &keys.addr(peer), timeout, &what)?;
     let text = String::from_utf8_lossy(&raw);
     if let Some(why) = text.strip_prefix(&format!("v{PROTOCOL_VERSION} refused ")) {
         return Err(Error::aborted(format!("rustc10d: rank {peer} could not join the group: {why}")));
@@ -461,5 +472,32 @@ mod tests {
         };
         let records: Vec<Published> = ["b", "a", "b", "unknown", "a", "unknown"].into_iter().map(on).collect();
         assert_eq!(number_hosts(&records), [0, 1, 0, 2, 1, 3]);
+    }
+
+    /// A Store whose connection broke: every get fails at once.
+    struct BrokenStore;
+
+    impl Store for BrokenStore {
+        fn set(&self, _: &str, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+        fn add(&self, _: &str, _: i64) -> Result<i64> {
+            Ok(0)
+        }
+        fn get(&self, key: &str, _: Duration) -> Result<Vec<u8>> {
+            Err(Error::timeout(format!("store get {key}: Connection was likely closed")))
+        }
+    }
+
+    #[test]
+    fn a_store_that_breaks_early_is_not_called_a_timeout() {
+        let err = lookup_peer(&BrokenStore, &Keys(0), 1, 0, Duration::from_secs(30)).unwrap_err();
+        assert_eq!(err.kind, crate::error::ErrorKind::Io, "{}", err.message);
+        assert!(!err.message.contains("Timed out"), "{}", err.message);
+        for part in ["rank 1 was waiting for rank 0", "the Store failed after", "likely closed"] {
+            assert!(err.message.contains(part), "{part}: {}", err.message);
+        }
+        let err = lookup_peer(&MemStore::default(), &Keys(0), 1, 0, Duration::from_millis(20)).unwrap_err();
+        assert!(err.message.contains("Timed out after 20 ms"), "{}", err.message);
     }
 }
