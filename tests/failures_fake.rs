@@ -74,8 +74,11 @@ fn ring_mismatch_far_from_a_rank_leaves_its_buffer_alone() {
 /// reasons name the lost rank.
 #[test]
 fn a_cut_link_during_an_op_fails_every_rank_promptly_naming_the_lost_peer() {
-    for world in 2..=5 {
-        let net = FakeNet::new(world);
+    // One host, and hosts whose all-reduce is hierarchical, in pieces whose phases overlap.
+    let on_hosts = |w: usize, host: fn(usize) -> usize| FakeNet::on_hosts((0..w).map(host).collect());
+    let nets = (2..=5).map(FakeNet::new).chain([on_hosts(4, |r| r / 2), on_hosts(6, |r| r % 2)]);
+    for net in nets {
+        let world = net.len();
         let victim = world - 1;
         let (joined, join) = std::sync::mpsc::channel::<()>();
         let join = Mutex::new(join);

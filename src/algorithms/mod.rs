@@ -142,8 +142,11 @@ pub struct RawBuf {
     pub ptr: *mut u8,
     pub len: usize,
 }
-// The op's owner keeps the memory alive until the op finishes.
+// The op's owner keeps the memory alive until the op finishes. Sharing the
+// descriptor between an op's threads is safe: touching the memory is unsafe
+// (`slice`, `slice_mut`), and each phase of an op touches ranges of its own.
 unsafe impl Send for RawBuf {}
+unsafe impl Sync for RawBuf {}
 
 impl RawBuf {
     /// Empty tensors may have no storage (a null pointer); slices still need
