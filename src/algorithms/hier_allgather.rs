@@ -4,13 +4,16 @@
 //! host g's ranks among themselves. Each host's link carries (H-1)/H of the
 //! output each way, where one ring over all W ranks carries (W-1)/W. Every
 //! block lands straight in its place. Groups whose hosts hold different
-//! numbers of ranks, or one each, take one ring in host order.
+//! numbers of ranks, or one each, take one ring in host order. A large
+//! output goes in pieces (`pipelined`): while one piece crosses the link,
+//! the one before is gathered on the host.
 //!
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: b (its own) +
 //! 2(H-1)b across hosts + H times 2(L-1)b on the host (see the ring algorithm;
 //! less what single copy saves).
 
 use super::hosts::Hosts;
+use super::pipeline::{piece, piece_count, pipelined};
 use super::{ring_allgather, OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::subgroup::Subgroup;
@@ -24,12 +27,25 @@ pub fn hierarchical_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], ho
     };
     let (host, i) = hosts.locate(ctx.transport.rank());
     let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
-    let theirs: Vec<RawBuf> = hosts.members.iter().map(|m| outputs[m[i]]).collect();
-    ring_allgather(&ctx.phase(&across, 1), input, &theirs)?;
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
-    for (g, members) in hosts.members.iter().enumerate() {
-        let blocks: Vec<RawBuf> = members.iter().map(|&r| outputs[r]).collect();
-        ring_allgather(&ctx.phase(&on_host, 2 + g as u64), outputs[members[i]], &blocks)?;
+    // Each piece takes a phase across hosts and one on the host per host.
+    let keys = 1 + hosts.members.len();
+    let count = piece_count(ctx, outputs.iter().map(|o| o.len).sum(), keys);
+    let stage = |stage: usize, k: usize| -> Result<()> {
+        let cut = |b: RawBuf| piece(b, 1, count, k);
+        let phase = 1 + (k * keys) as u64;
+        if stage == 0 {
+            let theirs: Vec<RawBuf> = hosts.members.iter().map(|m| cut(outputs[m[i]])).collect();
+            return ring_allgather(&ctx.phase(&across, phase), cut(input), &theirs);
+        }
+        for (g, members) in hosts.members.iter().enumerate() {
+            let blocks: Vec<RawBuf> = members.iter().map(|&r| cut(outputs[r])).collect();
+            ring_allgather(&ctx.phase(&on_host, phase + 1 + g as u64), blocks[i], &blocks)?;
+        }
+        Ok(())
+    };
+    if count == 1 {
+        return (0..2).try_for_each(|s| stage(s, 0));
     }
-    Ok(())
+    pipelined(ctx, 2, count, stage)
 }

@@ -23,6 +23,7 @@ mod hier_allreduce;
 mod hier_reduce_scatter;
 pub mod hosts;
 mod monitored_barrier;
+mod pipeline;
 mod ring_allgather;
 mod ring_allreduce;
 mod ring_reduce;
