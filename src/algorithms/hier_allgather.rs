@@ -22,8 +22,7 @@ use crate::transport::subgroup::Subgroup;
 pub fn hierarchical_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], hosts: &Hosts) -> Result<()> {
     let Some(_) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
-        let outputs: Vec<RawBuf> = hosts.ring().iter().map(|&r| outputs[r]).collect();
-        return ring_allgather(&ctx.phase(&ring, ctx.phase), input, &outputs);
+        return ring_allgather(&ctx.phase(&ring, ctx.phase), input, &hosts.in_ring_order(outputs));
     };
     let (host, i) = hosts.locate(ctx.transport.rank());
     let across = Subgroup::new(ctx.transport, hosts.counterparts(i));

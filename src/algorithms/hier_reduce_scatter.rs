@@ -29,8 +29,7 @@ pub fn hierarchical_reduce_scatter(
 ) -> Result<()> {
     let Some(_) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
-        let inputs: Vec<RawBuf> = hosts.ring().iter().map(|&r| inputs[r]).collect();
-        return ring_reduce_scatter(&ctx.phase(&ring, ctx.phase), &inputs, output, dtype, op);
+        return ring_reduce_scatter(&ctx.phase(&ring, ctx.phase), &hosts.in_ring_order(inputs), output, dtype, op);
     };
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let (host, i) = hosts.locate(rank);

@@ -2,7 +2,7 @@
 //! that keep bytes off the links between hosts: those links are slower than
 //! memory, so what counts across hosts is how many bytes cross them.
 
-use super::MAX_PHASES;
+use super::{RawBuf, MAX_PHASES};
 use crate::transport::subgroup::Subgroup;
 use crate::transport::Transport;
 
@@ -68,6 +68,11 @@ impl Hosts {
         let mates = self.members[host].iter().filter(|&&r| r != root);
         let others = self.members.iter().enumerate().filter(|&(h, _)| h != host).flat_map(|(_, m)| m);
         std::iter::once(&root).chain(mates).chain(others).copied().collect()
+    }
+
+    /// `per_rank` (one buffer per group rank) in host order, as the ring view's ranks hold them.
+    pub fn in_ring_order(&self, per_rank: &[RawBuf]) -> Vec<RawBuf> {
+        self.members.iter().flatten().map(|&r| per_rank[r]).collect()
     }
 
     /// The group seen in host order (`ring`): view rank k is group rank `ring()[k]`.

@@ -24,11 +24,6 @@ impl<'a> Subgroup<'a> {
         Subgroup { group, members, me }
     }
 
-    /// The group's rank of the view's rank `i`.
-    pub fn member(&self, i: usize) -> usize {
-        self.members[i]
-    }
-
     /// The view's rank of the group's rank `rank`, if it is a member.
     pub fn position(&self, rank: usize) -> Option<usize> {
         self.members.iter().position(|&r| r == rank)
