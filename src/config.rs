@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::fault::Faults;
+pub use crate::transport::striping::LaneCount;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,8 +49,9 @@ pub struct Config {
     pub single_copy_bytes: usize,
     // This rank's own.
     pub transport: TransportMode,
-    /// TCP connections this rank opens to each peer it sends to.
-    pub nsocks: usize,
+    /// TCP connections this rank sends to each peer on (`auto`: chosen by
+    /// measuring, see `transport::striping`).
+    pub nsocks: LaneCount,
     /// How long a waiter polls before it sleeps.
     pub spin: Duration,
     /// The interface whose address this rank advertises.
@@ -71,7 +73,7 @@ impl Default for Config {
             shm_ring_bytes: 1 << 20,
             stage_piece_bytes: 8 << 20,
             transport: TransportMode::Auto,
-            nsocks: 1,
+            nsocks: LaneCount::Auto,
             single_copy_bytes: 64 << 10,
             spin: Duration::from_micros(50),
             socket_ifname: None,
@@ -168,10 +170,16 @@ const SETTINGS: &[Setting] = &[
         env: "RUSTC10D_NSOCKS",
         shared: false,
         set: |c, v| {
-            c.nsocks = number(v, 1, 16)? as usize;
+            c.nsocks = match v.to_ascii_lowercase().as_str() {
+                "auto" => LaneCount::Auto,
+                _ => LaneCount::Fixed(number(v, 1, 16).map_err(|_| "expected auto or a number from 1 to 16")? as usize),
+            };
             Ok(())
         },
-        show: |c| c.nsocks.to_string(),
+        show: |c| match c.nsocks {
+            LaneCount::Auto => "auto".to_string(),
+            LaneCount::Fixed(n) => n.to_string(),
+        },
     },
     Setting {
         option: "spin_us",
@@ -351,10 +359,14 @@ mod tests {
     #[test]
     fn defaults_then_environment_then_options() {
         let cfg = Config::build(env(&[]), &BTreeMap::new()).unwrap();
-        assert_eq!((cfg.segment_bytes, cfg.nsocks, cfg.cuda), (1 << 20, 1, true));
+        assert_eq!((cfg.segment_bytes, cfg.nsocks, cfg.cuda), (1 << 20, LaneCount::Auto, true));
         let vars = [("RUSTC10D_SEGMENT_BYTES", "65536"), ("RUSTC10D_NSOCKS", "3"), ("RUSTC10D_CUDA", "0")];
         let cfg = Config::build(env(&vars), &options(&[("segment_bytes", "4096")])).unwrap();
-        assert_eq!((cfg.segment_bytes, cfg.nsocks, cfg.cuda), (4096, 3, false), "options win over the environment");
+        assert_eq!(
+            (cfg.segment_bytes, cfg.nsocks, cfg.cuda),
+            (4096, LaneCount::Fixed(3), false),
+            "options win over the environment"
+        );
         assert_eq!(cfg.transport, TransportMode::Auto);
     }
 
@@ -364,7 +376,7 @@ mod tests {
             (("RUSTC10D_SEGMENT_BYTES", "lots"), "RUSTC10D_SEGMENT_BYTES=\"lots\": expected a whole number"),
             (("RUSTC10D_SEGMENT_BYTES", "0"), "0 is out of range"),
             (("RUSTC10D_SHM_RING_BYTES", "100000"), "100000 is not a power of two"),
-            (("RUSTC10D_NSOCKS", "17"), "17 is out of range (1 to 16)"),
+            (("RUSTC10D_NSOCKS", "17"), "RUSTC10D_NSOCKS=\"17\": expected auto or a number from 1 to 16"),
             (("RUSTC10D_TRANSPORT", "udp"), "expected auto, shm or tcp"),
             (("RUSTC10D_CUDA", "yes"), "RUSTC10D_CUDA=\"yes\": expected 0 or 1"),
             (("RUSTC10D_LOG", "loud"), "expected error, warn"),
@@ -383,8 +395,8 @@ mod tests {
     #[test]
     fn shared_settings_are_compared_by_name() {
         let a = Config::default();
-        let b = Config { small_allreduce_bytes: 1, nsocks: 4, ..Config::default() };
-        let c = Config { nsocks: 4, ..Config::default() };
+        let b = Config { small_allreduce_bytes: 1, nsocks: LaneCount::Fixed(4), ..Config::default() };
+        let c = Config { nsocks: LaneCount::Fixed(4), ..Config::default() };
         a.check_shared(&c.shared(), 0, 1).unwrap();
         let err = a.check_shared(&b.shared(), 0, 2).unwrap_err();
         assert!(

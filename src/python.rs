@@ -123,6 +123,20 @@ fn links(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
     Ok(out.unbind())
 }
 
+/// {peer rank: connections collectives send to it on} for the peers this rank has connected with.
+#[pyfunction]
+fn connections(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
+    let t = watched(group_name, |g| g.transport.upgrade())?;
+    let out = PyDict::new(py);
+    for peer in (0..t.size()).filter(|&p| p != t.rank()) {
+        match t.lanes(peer) {
+            0 => {}
+            n => out.set_item(peer, n)?,
+        }
+    }
+    Ok(out.unbind())
+}
+
 /// stderr logging, once per process, at RUSTC10D_LOG's level (a bad value
 /// logs at the default level here, and fails init_process_group with Config's error).
 fn init_logging() {
@@ -143,6 +157,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(create_backend, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(links, m)?)?;
+    m.add_function(wrap_pyfunction!(connections, m)?)?;
     m.add("TORCH_VERSION", env!("RUSTC10D_TORCH_VERSION"))?;
     // Which of the torch APIs that differ across releases this build found (build.rs).
     let features = PyDict::new(m.py());

@@ -5,6 +5,9 @@ layout of ranks over hosts. RUSTC10D_TEST_HOST is the index of this rank's host.
     hosts_job.py           every collective against arithmetic, at sizes that divide by neither
                            the world nor the ranks per host; every rank ends with the same bits
     hosts_job.py init      init_process_group and a barrier only; prints how it went
+    hosts_job.py striping  all_reduce of 16 MiB, 24 times, against arithmetic; prints the
+                           connections this rank ends up sending on to each peer
+                           (rustc10d.connections()) and the first and last calls' times
 
 Prints `rank R on host H ok (N checks)` when everything held; a failed check raises (the process
 exits non-zero with the check in its traceback)."""
@@ -52,8 +55,32 @@ def init_only() -> int:
     return 0
 
 
+def striping() -> int:
+    global RANK
+    dist.init_process_group("rustc10d", timeout=TIMEOUT)
+    RANK = rank = dist.get_rank()
+    world = dist.get_world_size()
+    n = 16 * MIB // 4
+    want = sum(pattern(n, torch.float32, r + 1) for r in range(world))
+    times = []
+    for _ in range(24):
+        t = pattern(n, torch.float32, rank + 1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+        expect("all_reduce of 16 MiB", t, want)
+    print(f"rank {rank} on host {HOST}: connections {rustc10d.connections()} first {times[0]:.3f} s "
+          f"last {min(times[-4:]):.3f} s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 if sys.argv[1:] == ["init"]:
     sys.exit(init_only())
+if sys.argv[1:] == ["striping"]:
+    sys.exit(striping())
 
 dist.init_process_group("rustc10d", timeout=TIMEOUT)
 RANK, WORLD = dist.get_rank(), dist.get_world_size()

@@ -124,7 +124,7 @@ def test_a_bad_setting_fails_its_rank_and_the_others_at_once(tmp_path):
     bad = results[1]["first"]
     assert bad["raised"], bad
     assert bad["error"] == (
-        'ValueError: rustc10d: rustc10d.Options(nsocks="0"): 0 is out of range (1 to 16)'
+        'ValueError: rustc10d: rustc10d.Options(nsocks="0"): expected auto or a number from 1 to 16'
     ), bad["error"]
     for rank in (0, 2):
         first = results[rank]["first"]

@@ -152,3 +152,25 @@ def test_hosts_with_different_shared_settings_fail_at_init(make_hosts, tmp_path)
         assert "65536" in error and "131072" in error, out
     for proc in procs:
         assert proc.returncode not in (0, None), proc.describe()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("caps, lanes", [({"link_gbit": 2, "flow_gbit": 0.5}, (4, 8)), ({"link_gbit": 1}, (1,))],
+                         ids=["per-connection-cap", "link-cap"])
+def test_connections_are_chosen_by_measured_throughput(make_hosts, tmp_path, caps, lanes):
+    """nsocks=auto (the default), 2 hosts x 1 rank, 16 MiB all_reduces against arithmetic. Where
+    each TCP connection is capped at a quarter of the link, each rank opens more connections to
+    the other, until the link is full (4; 8 where two of the 4 landed in one of the test bed's
+    hash buckets), and the all_reduce gets that much faster. Where one connection fills the
+    link, more do not pay and each rank stays at one."""
+    hosts = make_hosts(2, **caps)
+    procs = harness.run_processes(torchrun(hosts, 1, HOSTS_JOB, "striping"), timeout=150, log_dir=tmp_path)
+    out = "".join(p.stdout for p in procs)
+    for proc in procs:
+        assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    found = re.findall(r"rank (\d) on host \d: connections \{(\d): (\d+)\} first ([\d.]+) s last ([\d.]+) s", out)
+    assert sorted(rank for rank, *_ in found) == ["0", "1"], out
+    for rank, peer, count, first, last in found:
+        assert int(count) in lanes, out
+        if lanes != (1,):
+            assert float(last) < 0.5 * float(first), out  # the link, 4x one connection, caps both

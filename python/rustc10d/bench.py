@@ -380,8 +380,11 @@ def worker_main(rank: int, world: int, port: int) -> int:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=3 * pg_timeout)
     groups = {}
     for t in cfg["transports"]:
-        os.environ["RUSTC10D_TRANSPORT"] = t  # read when the group is created
-        groups[f"rustc10d-{t}"] = dist.new_group(backend="rustc10d", timeout=pg_timeout)
+        for n in cfg.get("nsocks") or [None]:
+            os.environ["RUSTC10D_TRANSPORT"] = t  # read when the group is created
+            options = rustc10d.Options(nsocks=n) if n else None
+            name = f"rustc10d-{t}" + (f"-nsocks{n}" if n else "")
+            groups[name] = dist.new_group(backend="rustc10d", timeout=pg_timeout, pg_options=options)
     groups[BASELINE] = dist.new_group(backend=BASELINE, timeout=pg_timeout)
     me = Rank(rank, world, cfg, dist.group.WORLD, groups)
     if "host_of" in cfg:
@@ -757,6 +760,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the ranks in H network namespaces joined by a bridge (root; see above); "
                         "every world size must be a multiple of H")
     p.add_argument("--link-gbit", type=float, help="--hosts: cap each host's link at this many Gbit/s each way")
+    p.add_argument("--flow-gbit", type=float,
+                   help="--hosts: cap each TCP connection at this many Gbit/s too, as one stream that cannot "
+                        "fill a fast link (testbed.Hosts flow_gbit)")
+    p.add_argument("--nsocks", help="rustc10d series per nsocks value, e.g. 1,auto (default: one, as configured)")
     p.add_argument("--interleave", action="store_true",
                    help="--hosts: rank r on host r %% H (default: consecutive ranks on each host)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
@@ -795,8 +802,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
     if any(w < 2 for w in args.worlds):
         p.error("world sizes must be at least 2")
-    if args.hosts is None and (args.link_gbit or args.interleave):
-        p.error("--link-gbit and --interleave go with --hosts")
+    if args.hosts is None and (args.link_gbit or args.flow_gbit or args.interleave):
+        p.error("--link-gbit, --flow-gbit and --interleave go with --hosts")
+    args.nsocks = args.nsocks.split(",") if args.nsocks else None
     if args.hosts is not None:
         if args.hosts < 2:
             p.error("--hosts must be at least 2")
@@ -804,6 +812,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"every world size must be a multiple of --hosts {args.hosts}: {args.worlds}")
         if args.link_gbit is not None and args.link_gbit <= 0:
             p.error("--link-gbit must be positive")
+        if args.flow_gbit is not None and args.flow_gbit <= 0:
+            p.error("--flow-gbit must be positive")
     return args
 
 
@@ -811,11 +821,17 @@ def print_hosts_header(args: argparse.Namespace, hosts: Hosts, reference: dict):
     """What --hosts built, a measure of its link (into `reference`), and how to read link B/B."""
     h = args.hosts
     cap = f"capped at {args.link_gbit:g} Gbit/s each way (tc tbf)" if args.link_gbit else "not capped (veth)"
+    if args.flow_gbit:
+        cap += f", each TCP connection at {args.flow_gbit:g} Gbit/s (tc htb)"
     print(f"hosts: {h} network namespaces joined by a bridge, links {cap}; W/{h} ranks per host, "
           + ("rank r on host r % H" if args.interleave else "consecutive ranks on each host"))
     gbit = hosts.throughput_gbit(0, 1)
     reference["link_GBps"] = gbit / 8
     print(f"link: one TCP stream from host 0 to host 1 carries {gbit:.2f} Gbit/s ({gbit / 8:.3f} GB/s)")
+    if args.flow_gbit:
+        gbit4 = hosts.throughput_gbit(0, 1, streams=4)
+        reference["link_4_streams_GBps"] = gbit4 / 8
+        print(f"link: four TCP streams together carry {gbit4:.2f} Gbit/s")
     print(f"link B/B: bytes the busiest host sent over its link per payload byte in the checked call (headers "
           f"and ACKs included, the fencing Gloo barriers taken off); a hierarchical all_reduce sends "
           f"2(H-1)/H = {2 * (h - 1) / h:.2f}")
@@ -833,7 +849,9 @@ def main(argv=None) -> int:
     cfg = {"plan": plan, "transports": args.transports, "rounds": args.rounds, "budget": args.budget, "warmup": args.warmup,
            "max_iters": args.max_iters, "pg_timeout": args.pg_timeout, "timeout": args.timeout}
     if args.hosts:
-        cfg.update(hosts=args.hosts, link_gbit=args.link_gbit, interleave=args.interleave)
+        cfg.update(hosts=args.hosts, link_gbit=args.link_gbit, flow_gbit=args.flow_gbit, interleave=args.interleave)
+    if args.nsocks:
+        cfg["nsocks"] = args.nsocks
 
     print(f"rustc10d {rustc10d.__version__} vs Gloo, torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"W={args.worlds}, {_size(args.min_size)}..{_size(args.max_size)}, {args.rounds} rounds of "
@@ -855,7 +873,7 @@ def main(argv=None) -> int:
         hosts = None
         if args.hosts:
             try:
-                hosts = stack.enter_context(Hosts(args.hosts, link_gbit=args.link_gbit))
+                hosts = stack.enter_context(Hosts(args.hosts, link_gbit=args.link_gbit, flow_gbit=args.flow_gbit))
             except TestbedUnavailable as e:
                 print(f"--hosts: {e}", file=sys.stderr)
                 return 2

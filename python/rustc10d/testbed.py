@@ -6,7 +6,10 @@ see different IP addresses and reach each other only through that link, as on re
 and ranks in the same host share its network namespace (and so, for rustc10d, shared memory).
 With ``link_gbit`` every link is capped in both directions by a token bucket (``tc qdisc ...
 tbf``): host side ``rc0`` egress is what the host sends, the switch port's egress what it
-receives. Needs root and iproute2 (``ip``; ``tc`` for a cap)::
+receives. With ``flow_gbit`` each TCP connection is capped on its own as well, the way one
+stream fails to fill a fast link on real machines (``htb``, with a class per hash of the
+connection's port; see ``flow_cap_batch``). Needs root and iproute2 (``ip``; ``tc`` for a
+cap)::
 
     from rustc10d.testbed import Hosts, TestbedUnavailable
 
@@ -32,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -67,14 +71,17 @@ class Hosts:
     manager (or call ``start()`` and ``close()``). ``names[h]`` is host h's namespace,
     ``addrs[h]`` its address on rc0, ``switch`` the bridge's namespace."""
 
-    def __init__(self, count: int, link_gbit: float | None = None, mtu: int = 9000, timeout: float = 10.0):
+    def __init__(self, count: int, link_gbit: float | None = None, mtu: int = 9000, timeout: float = 10.0,
+                 flow_gbit: float | None = None):
         if not 1 <= count <= 250:
             raise ValueError(f"count must be 1 to 250, not {count}")
-        if link_gbit is not None and not link_gbit > 0:
-            raise ValueError(f"link_gbit must be positive, not {link_gbit}")
+        for name, rate in (("link_gbit", link_gbit), ("flow_gbit", flow_gbit)):
+            if rate is not None and not rate > 0:
+                raise ValueError(f"{name} must be positive, not {rate}")
         if not 1280 <= mtu <= 65535:
             raise ValueError(f"mtu must be 1280 to 65535, not {mtu}")
         self.count, self.link_gbit, self.mtu, self.timeout = count, link_gbit, mtu, timeout
+        self.flow_gbit = flow_gbit
         tag = secrets.token_hex(3)
         net = 1 + secrets.randbelow(254)
         self.switch = f"rc10d-{tag}-sw"
@@ -97,7 +104,7 @@ class Hosts:
         machine does not allow it."""
         if os.geteuid() != 0:
             raise TestbedUnavailable("network namespaces need root")
-        for tool in ("ip",) + (("tc",) if self.link_gbit else ()):
+        for tool in ("ip",) + (("tc",) if self.link_gbit or self.flow_gbit else ()):
             if shutil.which(tool) is None:
                 raise TestbedUnavailable(f"no {tool!r} on PATH (iproute2)")
         try:
@@ -125,8 +132,13 @@ class Hosts:
             _run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"], t)
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFNAME], t)
             _run(["ip", "-n", ns, "link", "set", IFNAME, "up"], t)
-            if self.link_gbit:
-                for where, dev in ((ns, IFNAME), (sw, port)):
+            for where, dev in ((ns, IFNAME), (sw, port)):
+                if self.flow_gbit:
+                    with tempfile.NamedTemporaryFile("w", suffix=".tc") as batch:
+                        batch.write("\n".join(self.flow_cap_batch(dev)) + "\n")
+                        batch.flush()
+                        _run(["tc", "-n", where, "-batch", batch.name], t)
+                elif self.link_gbit:
                     _run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", *self.tbf_args()], t)
         _run(["ip", "-n", sw, "link", "set", "br0", "mtu", str(self.mtu), "up"], t)
 
@@ -139,6 +151,36 @@ class Hosts:
         rate_bytes = self.link_gbit * 1e9 / 8
         burst = max(4 * self.mtu, 64 << 10, int(rate_bytes / 1000))
         return ["tbf", "rate", f"{int(self.link_gbit * 1e9)}bit", "burst", str(burst), "latency", TBF_LATENCY]
+
+    def flow_cap_batch(self, dev: str) -> list[str]:
+        """``tc -batch`` lines that cap each TCP connection leaving ``dev`` at flow_gbit, and
+        all of them together at link_gbit (uncapped: 100 Gbit/s). An htb class per bucket,
+        256 buckets, each capped; u32 filters put a connection in the bucket of bits 1 to 8 of
+        its port on this machine's side of the connect: the source port where it is even (Linux
+        gives connect() even ports), else the destination port (the packet leaves a listening
+        socket, whose port bind() made odd). So the connections of one process to one peer,
+        dialled one after another, land in different buckets; two may share one by chance."""
+        assert self.flow_gbit
+        link = int((self.link_gbit or 100) * 1e9)
+        flow = int(self.flow_gbit * 1e9)
+        burst = max(4 * self.mtu, 64 << 10, link // 8 // 1000)
+        # quantum: bytes a class sends per turn; at least a frame, small enough to share fairly.
+        q = f"quantum {max(self.mtu, 16 << 10)}"
+        # A class's rate is assured to it whatever its parent's: the buckets' share of the link
+        # is; each borrows up to its ceil, the cap of a connection, while the link has room.
+        share = min(flow, link // 257)
+        lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
+                 f"class add dev {dev} parent 1: classid 1:1 htb rate {link}bit ceil {link}bit burst {burst} {q}"]
+        lines += [f"class add dev {dev} parent 1:1 classid 1:{c:x} htb rate {share}bit ceil {flow}bit {q}"
+                  for c in [2, *range(0x100, 0x200)]]
+        for table, mask, parity in ((2, "0x01fe0000", 0), (3, "0x000001fe", 1)):
+            lines.append(f"filter add dev {dev} parent 1: prio 1 handle {table}: protocol ip u32 divisor 256")
+            lines += [f"filter add dev {dev} parent 1: prio 1 protocol ip u32 ht {table}:{b:x}: match u32 0 0 "
+                      f"flowid 1:{0x100 + b:x}" for b in range(256)]
+            # The ports' word is at byte 20 of an IPv4 packet without options (TCP's are off here).
+            lines.append(f"filter add dev {dev} parent 1: prio 1 protocol ip u32 ht 800:: match ip protocol 6 0xff "
+                         f"match ip sport {parity} 0x0001 hashkey mask {mask} at 20 link {table}:")
+        return lines
 
     def close(self) -> None:
         """Kill what still runs in the namespaces, then delete them (idempotent, never raises)."""
@@ -162,6 +204,7 @@ class Hosts:
 
     def __repr__(self) -> str:
         cap = f", {self.link_gbit:g} gbit" if self.link_gbit else ""
+        cap += f", {self.flow_gbit:g} gbit per connection" if self.flow_gbit else ""
         return f"Hosts({self.count}{cap}, mtu {self.mtu}: {', '.join(self.addrs)})"
 
     # -- using it ------------------------------------------------------------------------------
@@ -190,28 +233,40 @@ class Hosts:
         """Mend host h's link (its address and route come back with it)."""
         _run(["ip", "-n", self.names[h], "link", "set", IFNAME, "up"], self.timeout)
 
-    def throughput_gbit(self, src: int, dst: int, seconds: float = 1.0, port: int = 5201) -> float:
-        """Gbit/s of one TCP stream from host src to host dst over `seconds` (an iperf-like
-        check of the cap; Python sockets, so on a slow machine the CPU may be the limit)."""
+    def throughput_gbit(self, src: int, dst: int, seconds: float = 1.0, port: int = 5201, streams: int = 1) -> float:
+        """Gbit/s of `streams` TCP streams together from host src to host dst over `seconds` (an
+        iperf-like check of the caps; Python sockets, so on a slow machine the CPU may be the
+        limit). Stream k uses port + k."""
         limit = seconds + 30
-        sink = subprocess.Popen(self.command(dst, [sys.executable, "-c", _SINK, self.addrs[dst], str(port)]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        sinks = [subprocess.Popen(self.command(dst, [sys.executable, "-c", _SINK, self.addrs[dst], str(port + k)]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+                 for k in range(streams)]
+        sources: list[subprocess.Popen] = []
         try:
-            assert sink.stdout is not None
-            started = select.select([sink.stdout], [], [], limit)[0]
-            if not started or sink.stdout.readline().strip() != "ready":
-                raise TestbedError(f"throughput sink did not start: {sink.communicate(timeout=limit)[1]}")
-            _run(self.command(src, [sys.executable, "-c", _SOURCE, self.addrs[dst], str(port), str(seconds)]),
-                 limit)
-            out, err = sink.communicate(timeout=limit)
-            if sink.returncode != 0:
-                raise TestbedError(f"throughput sink failed: {err.strip()}")
-            nbytes, elapsed = out.split()
-            return int(nbytes) * 8 / float(elapsed) / 1e9
+            for sink in sinks:
+                assert sink.stdout is not None
+                started = select.select([sink.stdout], [], [], limit)[0]
+                if not started or sink.stdout.readline().strip() != "ready":
+                    raise TestbedError(f"throughput sink did not start: {sink.communicate(timeout=limit)[1]}")
+            sources = [subprocess.Popen(self.command(src, [sys.executable, "-c", _SOURCE, self.addrs[dst],
+                                                           str(port + k), str(seconds)]),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                        text=True) for k in range(streams)]
+            total = 0.0
+            for source, sink in zip(sources, sinks):
+                if source.wait(timeout=limit) != 0:
+                    raise TestbedError(f"throughput source failed: {source.communicate()[1].strip()}")
+                out, err = sink.communicate(timeout=limit)
+                if sink.returncode != 0:
+                    raise TestbedError(f"throughput sink failed: {err.strip()}")
+                nbytes, elapsed = out.split()
+                total += int(nbytes) * 8 / float(elapsed) / 1e9
+            return total
         finally:
-            if sink.poll() is None:
-                sink.kill()
-                sink.wait()
+            for p in sources + sinks:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 # The two ends of throughput_gbit (only the standard library: starts in a blink). The sink times

@@ -127,6 +127,23 @@ impl Conn {
         }
     }
 
+    /// Bytes written into a TCP socket that the peer has not acknowledged yet
+    /// (0 for shared memory, or if the kernel will not say).
+    pub fn unsent(&self) -> u64 {
+        match self {
+            Conn::Tcp(s) => {
+                let mut n: libc::c_int = 0;
+                let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+                if rc == 0 {
+                    n.max(0) as u64
+                } else {
+                    0
+                }
+            }
+            Conn::Shm(_) => 0,
+        }
+    }
+
     /// Read `buf.len()` bytes at `addr` in the peer's memory (a message it
     /// sent as its address).
     pub fn read_peer(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {

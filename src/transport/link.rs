@@ -12,6 +12,7 @@ use super::peer::{ConnId, Event};
 use super::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
 use super::reader::{Reader, Stop};
 use super::readers::{Next, Readers};
+use super::striping::Striping;
 use super::writer::{finish_written, Flushed, Outbox, SendReq};
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
@@ -152,6 +153,8 @@ impl Link {
 
     /// Queue a frame and write what the connection takes now.
     pub fn send(self: &Arc<Self>, req: SendReq) {
+        // Before it is queued, so that its writing is reported after this.
+        self.measure(|striping, unsent| striping.queued(req.len(), Instant::now(), unsent));
         {
             let mut outbox = self.outbox.lock().unwrap();
             if let Some(why) = self.closed.lock().unwrap().clone() {
@@ -162,6 +165,17 @@ impl Link {
             outbox.push(req);
         }
         self.write();
+    }
+
+    /// Tell the peer's striping (TCP only) about a send.
+    fn measure(&self, report: impl FnOnce(&mut Striping, &dyn Fn() -> u64)) {
+        if self.conn.is_shm() {
+            return;
+        }
+        if let Some(core) = self.core.upgrade() {
+            let slot = &core.peers[self.peer];
+            report(&mut slot.striping.lock().unwrap(), &|| slot.unsent());
+        }
     }
 
     /// A thread starts polling (see `readers`): the peer need not wake the reactor.
@@ -309,6 +323,10 @@ impl Link {
             }
             flushed
         };
+        if !done.is_empty() {
+            let now = Instant::now();
+            self.measure(|striping, unsent| done.iter().for_each(|r| striping.written(r.len(), now, unsent)));
+        }
         finish_written(done);
         match flushed {
             Flushed::All | Flushed::Waiting | Flushed::Full => {}

@@ -12,6 +12,7 @@ use super::mailbox::{Fold, Mailbox, PostedRecv, RecvBuf};
 use super::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
 use super::peer::Peer;
 use super::reactor::{Reactor, READABLE};
+use super::striping::Striping;
 use super::writer::SendReq;
 use super::{Ready, Transport};
 use crate::config::Config;
@@ -93,6 +94,7 @@ impl Mesh {
                 state: Mutex::new(Peer::new(describe(&addrs, p))),
                 linked: Condvar::new(),
                 links: Mutex::default(),
+                striping: Mutex::new(Striping::new(cfg.nsocks)),
             })
             .collect();
         let core = Arc::new(Core {
@@ -112,7 +114,6 @@ impl Mesh {
             direct_from: cfg.single_copy_bytes,
             single_copy_group: layout.single_copy,
             hosts: layout.hosts,
-            nsocks: cfg.nsocks,
             spin: cfg.spin,
         });
         let mesh = Mesh { core: core.clone() };
@@ -129,7 +130,7 @@ impl Mesh {
             core.listeners.lock().unwrap().push((token, source));
         }
         for &p in eager {
-            core.lane(p, 0, deadline)?;
+            core.lane(p, 0, false, deadline)?;
         }
         for &p in expect {
             core.wait_linked(p, deadline)?;
@@ -173,8 +174,9 @@ impl Transport for Mesh {
         deadline: Instant,
         ready: Option<Ready>,
     ) -> Result<()> {
-        let lane = if key.kind == KIND_P2P { 0 } else { key.sub as usize };
-        let link = self.core.lane(peer, lane, deadline)?;
+        // Point-to-point keeps to one connection, so that it stays in order.
+        let spread = key.kind != KIND_P2P;
+        let link = self.core.lane(peer, key.sub as usize, spread, deadline)?;
         link.send(SendReq::new(key, data, len, status, ready));
         Ok(())
     }
@@ -272,6 +274,12 @@ impl Transport for Mesh {
 
     fn host_of(&self, peer: usize) -> usize {
         self.core.hosts[peer]
+    }
+
+    fn lanes(&self, peer: usize) -> usize {
+        let Some(slot) = self.core.peers.get(peer) else { return 0 };
+        let open = slot.state.lock().unwrap().lanes().len();
+        open.min(slot.striping.lock().unwrap().lanes())
     }
 }
 

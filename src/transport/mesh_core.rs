@@ -12,6 +12,7 @@ use super::mailbox::{AnyPosted, Mailbox};
 use super::mesh::PeerAddr;
 use super::peer::{Action, ConnId, Event, Peer};
 use super::reactor::{Membership, Reactor, Token};
+use super::striping::Striping;
 use crate::error::{Error, Result};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -48,7 +49,6 @@ pub struct Core {
     pub(super) single_copy_group: bool,
     /// Each rank's host (`Transport::host_of`).
     pub(super) hosts: Vec<usize>,
-    pub(super) nsocks: usize,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,
 }
@@ -59,6 +59,15 @@ pub struct PeerSlot {
     /// Notified when a connection is adopted or the peer is lost.
     pub(super) linked: Condvar,
     pub(super) links: Mutex<Vec<Arc<Link>>>,
+    /// How many TCP connections to send on, and its measurement.
+    pub(super) striping: Mutex<Striping>,
+}
+
+impl PeerSlot {
+    /// Bytes this rank's TCP connections to the peer hold, not yet delivered.
+    pub(super) fn unsent(&self) -> u64 {
+        self.links.lock().unwrap().iter().map(|l| l.conn.unsent()).sum()
+    }
 }
 
 pub(super) fn describe(addrs: &[PeerAddr], peer: usize) -> String {
@@ -82,46 +91,70 @@ impl Core {
         describe(&self.addrs, peer)
     }
 
-    /// The connection to send to `peer` on (`lane` picks one of several),
-    /// dialling the peer first if there is none.
-    pub(super) fn lane(self: &Arc<Self>, peer: usize, lane: usize, deadline: Instant) -> Result<Arc<Link>> {
+    /// The connection to send to `peer` on (`lane` picks one of several:
+    /// `spread` sends go over as many TCP connections as the peer's striping
+    /// says, others take the first), dialling the peer first, or more
+    /// connections to it where there are too few.
+    pub(super) fn lane(
+        self: &Arc<Self>,
+        peer: usize,
+        lane: usize,
+        spread: bool,
+        deadline: Instant,
+    ) -> Result<Arc<Link>> {
         if peer == self.rank() || peer >= self.peers.len() {
             return Err(Error::invalid(format!("rank {} cannot send to rank {peer}", self.rank())));
         }
         let slot = &self.peers[peer];
+        let shm = match (&self.addrs[peer].shm, self.ring_bytes) {
+            (Some(name), Some(ring_bytes)) => Some((name, ring_bytes)),
+            _ => None,
+        };
+        let want = if spread && shm.is_none() { slot.striping.lock().unwrap().lanes() } else { 1 };
+        let mut dialled = false;
         loop {
-            {
-                let state = slot.state.lock().unwrap();
+            let have = {
+                let mut state = slot.state.lock().unwrap();
                 if let Some(err) = state.lost() {
                     return Err(err.clone());
                 }
-                if let Some(&id) = state.lanes().get(lane % state.lanes().len().max(1)) {
+                if (1..want).contains(&state.lanes().len()) {
+                    state.on(Event::Widen { lanes: want }, false);
+                }
+                let lanes = state.lanes();
+                // After one round of dialling, take what there is: a
+                // connection another thread dialled meanwhile may have
+                // become read-only, and one lane is enough to go on with.
+                if !lanes.is_empty() && (lanes.len() >= want || dialled) {
+                    let id = lanes[lane % want.min(lanes.len())];
                     let links = slot.links.lock().unwrap();
                     if let Some(l) = links.iter().find(|l| l.id == id) {
                         return Ok(l.clone());
                     }
                 }
-            }
+                lanes.len()
+            };
             let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
-            match (&self.addrs[peer].shm, self.ring_bytes) {
-                (Some(name), Some(ring_bytes)) => {
+            match shm {
+                Some((name, ring_bytes)) => {
                     let conn = dialler.shm(name, ring_bytes, self.direct_from)?;
                     self.adopt(peer, conn);
                 }
-                _ => {
-                    for _ in 0..self.nsocks {
+                None => {
+                    for _ in have..want.max(1) {
                         let conn = dialler.tcp(self.addrs[peer].tcp, || self.stopping.load(Ordering::SeqCst))?;
                         self.adopt(peer, conn);
                     }
                 }
             }
+            dialled = true;
         }
     }
 
     /// Take a connection that passed its handshake into service.
     pub fn adopt(self: &Arc<Self>, peer: usize, conn: Conn) {
         let id = self.next_conn.fetch_add(1, Ordering::SeqCst);
-        let lanes = if conn.is_shm() { 1 } else { self.nsocks };
+        let lanes = if conn.is_shm() { 1 } else { self.peers[peer].striping.lock().unwrap().lanes() };
         if self.stopping.load(Ordering::SeqCst) {
             return conn.shutdown();
         }

@@ -18,6 +18,7 @@ pub mod reactor;
 mod reader;
 mod readers;
 pub mod ring;
+pub mod striping;
 pub mod subgroup;
 mod writer;
 
@@ -117,6 +118,11 @@ pub trait Transport: Send + Sync {
 
     /// How bytes reach `peer` now: "shm", "tcp", or None before the first connection.
     fn link_kind(&self, peer: usize) -> Option<&'static str>;
+
+    /// How many connections collectives send to `peer` on now (0 before the first).
+    fn lanes(&self, _peer: usize) -> usize {
+        0
+    }
 
     /// Which host `peer` runs on, as a number that every rank of the group
     /// gives the same host (hosts are numbered in the order of their lowest

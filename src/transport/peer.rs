@@ -16,6 +16,9 @@ pub enum Event {
     /// A connection passed its handshake (`lanes`: how many this rank sends
     /// on at most, for its kind).
     Adopted { conn: ConnId, lanes: usize },
+    /// This rank now sends on up to `lanes` connections: open ones that it
+    /// only read from so far become lanes (the mesh dials any still missing).
+    Widen { lanes: usize },
     /// The peer said why it gives up, on `conn` (which it then closes).
     Reason { conn: ConnId, why: Error },
     /// `conn` ended: cleanly between frames (None), or with an error.
@@ -89,6 +92,12 @@ impl Peer {
                 }
                 vec![]
             }
+            Event::Widen { lanes } => {
+                let idle: Vec<ConnId> = self.open.iter().filter(|c| !self.lanes.contains(c)).copied().collect();
+                let more = lanes.saturating_sub(self.lanes.len());
+                self.lanes.extend(idle.into_iter().take(more));
+                vec![]
+            }
             Event::Reason { conn, why } => {
                 // Data the peer sent on its other connections before it gave
                 // up still counts: the peer is gone once they are drained too.
@@ -145,6 +154,21 @@ mod tests {
             Action::Lost(e) => Some(e.message.clone()),
             _ => None,
         })
+    }
+
+    #[test]
+    fn widening_takes_the_read_only_connections_first_and_keeps_the_first_lane() {
+        let mut p = Peer::new("rank 1");
+        p.on(Event::Adopted { conn: 1, lanes: 1 }, false);
+        p.on(Event::Adopted { conn: 2, lanes: 1 }, false);
+        p.on(Event::Widen { lanes: 4 }, false);
+        assert_eq!(p.lanes(), &[1, 2], "conn 2 was only read from; two are still missing");
+        assert_eq!(p.on(Event::Adopted { conn: 3, lanes: 4 }, false), vec![Action::Send(3)]);
+        p.on(Event::Widen { lanes: 2 }, false);
+        assert_eq!(p.lanes(), &[1, 2, 3], "never narrows: sends may be queued on each");
+        p.on(Event::GiveUp { why: Error::aborted("x") }, false);
+        p.on(Event::Widen { lanes: 8 }, false);
+        assert!(p.lanes().is_empty(), "a lost peer gets no lanes");
     }
 
     #[test]

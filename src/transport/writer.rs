@@ -45,6 +45,11 @@ impl SendReq {
     pub fn new(key: Key, data: *const u8, len: usize, status: Arc<Status>, ready: Option<Ready>) -> SendReq {
         SendReq { key, data, len, status, ready: ready.map_or(Readiness::Now, Readiness::Later), head: None }
     }
+
+    /// Payload bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
 }
 
 /// Why a flush stopped.

@@ -1,0 +1,223 @@
+//! How many TCP connections carry the sends to one peer. One TCP stream
+//! often cannot fill a fast link (a core's worth of kernel work per stream,
+//! a window too small for the path, a per-flow limit in the network), so
+//! with `nsocks=auto` each rank measures the throughput of its large sends
+//! to each peer with 1 connection, then 2, 4, up to `AUTO_MAX_LANES`, and
+//! keeps doubling while a doubling gains at least `GAIN`; at the first that
+//! does not, it goes back to the best count and stays there.
+//!
+//! The throughput is bytes delivered per second while sends of at least
+//! `MEASURED_SEND` bytes were queued to the peer: from when one is queued
+//! with none before it to when the last is written into the sockets, less
+//! the bytes the sockets still hold then (and plus those they held at the
+//! start), so that bigger socket buffers with more connections do not pass
+//! for speed. Small sends measure latency, not throughput, and are left out.
+//!
+//! No I/O and no clock: the link reports what it queued and wrote, with the
+//! time and a way to ask the sockets what they still hold.
+
+use std::time::{Duration, Instant};
+
+/// Sends this large or larger are measured.
+pub const MEASURED_SEND: usize = 256 << 10;
+/// Bytes each measurement spans (several busy spells of the link add up).
+pub const SAMPLE_BYTES: u64 = 32 << 20;
+/// How much faster a doubled count must be to be kept.
+pub const GAIN: f64 = 1.2;
+/// The most connections `auto` opens to one peer.
+pub const AUTO_MAX_LANES: usize = 8;
+
+/// What the configuration asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneCount {
+    Fixed(usize),
+    Auto,
+}
+
+#[derive(Debug)]
+pub struct Striping {
+    lanes: usize,
+    tuning: Tuning,
+    meter: Meter,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tuning {
+    /// Nothing to choose.
+    Fixed,
+    /// Measuring `lanes`; the best count so far with its bytes per second.
+    Trying {
+        best: Option<(usize, f64)>,
+    },
+    Settled,
+}
+
+#[derive(Debug, Default)]
+struct Meter {
+    /// Bytes of measured sends queued and not yet written into the sockets.
+    pending: u64,
+    /// The busy spell under way: since when, what the sockets held then,
+    /// and the bytes written since.
+    spell: Option<(Instant, u64, u64)>,
+    /// The sample so far: bytes delivered, in how long.
+    bytes: u64,
+    busy: Duration,
+}
+
+impl Striping {
+    pub fn new(count: LaneCount) -> Striping {
+        let (lanes, tuning) = match count {
+            LaneCount::Fixed(n) => (n.max(1), Tuning::Fixed),
+            LaneCount::Auto => (1, Tuning::Trying { best: None }),
+        };
+        Striping { lanes, tuning, meter: Meter::default() }
+    }
+
+    /// The connections to spread sends over now.
+    pub fn lanes(&self) -> usize {
+        self.lanes
+    }
+
+    /// Whether the count is chosen and will not change.
+    pub fn settled(&self) -> bool {
+        !matches!(self.tuning, Tuning::Trying { .. })
+    }
+
+    /// A send of `len` bytes was queued. `unsent`: the bytes the peer's
+    /// sockets hold, not yet delivered (asked only when a busy spell starts).
+    pub fn queued(&mut self, len: usize, now: Instant, unsent: impl FnOnce() -> u64) {
+        if self.settled() || len < MEASURED_SEND {
+            return;
+        }
+        let m = &mut self.meter;
+        if m.pending == 0 {
+            m.spell = Some((now, unsent(), 0));
+        }
+        m.pending += len as u64;
+    }
+
+    /// A send of `len` bytes was written into its socket in full (or failed
+    /// with its connection). `unsent` as for `queued` (asked when a spell ends).
+    pub fn written(&mut self, len: usize, now: Instant, unsent: impl FnOnce() -> u64) {
+        if self.settled() || len < MEASURED_SEND {
+            return;
+        }
+        let m = &mut self.meter;
+        let Some((start, held, written)) = m.spell.as_mut() else { return };
+        *written += len as u64;
+        m.pending = m.pending.saturating_sub(len as u64);
+        if m.pending > 0 {
+            return;
+        }
+        // Delivered in the spell: what was written, plus what the sockets
+        // held at its start, less what they still hold.
+        m.bytes += (*written + *held).saturating_sub(unsent());
+        m.busy += now.saturating_duration_since(*start);
+        m.spell = None;
+        if m.bytes >= SAMPLE_BYTES && !m.busy.is_zero() {
+            let rate = m.bytes as f64 / m.busy.as_secs_f64();
+            self.measured(rate);
+        }
+    }
+
+    /// A sample at `self.lanes` came out at `rate` bytes per second (the
+    /// meter is idle: its spell has just ended).
+    fn measured(&mut self, rate: f64) {
+        self.meter = Meter::default();
+        let Tuning::Trying { best } = &mut self.tuning else { return };
+        if let Some((lanes, best_rate)) = *best {
+            if rate < best_rate * GAIN {
+                self.lanes = lanes;
+                self.tuning = Tuning::Settled;
+                return;
+            }
+        }
+        *best = Some((self.lanes, rate));
+        if self.lanes >= AUTO_MAX_LANES {
+            self.tuning = Tuning::Settled;
+        } else {
+            self.lanes *= 2;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: usize = 1 << 20;
+
+    /// Sends `count` messages of `len` bytes back to back on a link that
+    /// delivers `rate(lanes)` bytes per second, with sockets that hold
+    /// `buffer` bytes per connection; returns the clock after.
+    fn spell(
+        s: &mut Striping,
+        t: Instant,
+        count: usize,
+        len: usize,
+        rate: impl Fn(usize) -> f64,
+        buffer: u64,
+    ) -> Instant {
+        let lanes = s.lanes();
+        let held = buffer * lanes as u64;
+        for _ in 0..count {
+            s.queued(len, t, || 0);
+        }
+        // The sockets take the bytes as fast as the link delivers them, and
+        // hold `held` of them when the last is written.
+        let delivered = (count * len) as u64 - held;
+        let t = t + Duration::from_secs_f64(delivered as f64 / rate(lanes));
+        for _ in 0..count {
+            s.written(len, t, || held);
+        }
+        t + Duration::from_secs_f64(held as f64 / rate(lanes)) + Duration::from_millis(5)
+    }
+
+    fn tune(rate: impl Fn(usize) -> f64 + Copy, buffer: u64) -> Striping {
+        let mut s = Striping::new(LaneCount::Auto);
+        let mut t = Instant::now();
+        for _ in 0..40 {
+            t = spell(&mut s, t, 16, 4 * MB, rate, buffer);
+        }
+        assert!(s.settled());
+        s
+    }
+
+    #[test]
+    fn doubles_while_it_pays_and_stops_where_the_link_is_full() {
+        // A per-stream limit of 60 MB/s under a 250 MB/s link: 4 connections fill it.
+        let capped = |lanes: usize| (lanes as f64 * 60e6).min(250e6);
+        assert_eq!(tune(capped, 4 * MB as u64).lanes(), 4);
+        // One stream fills the link: stays at one, however big the socket buffers.
+        assert_eq!(tune(|_| 250e6, 4 * MB as u64).lanes(), 1);
+        assert_eq!(tune(|_| 250e6, 0).lanes(), 1);
+        // Every doubling pays: stops at the most it opens.
+        assert_eq!(tune(|lanes| lanes as f64 * 1e8, MB as u64).lanes(), AUTO_MAX_LANES);
+        // A gain under GAIN is noise, not a reason for more connections.
+        assert_eq!(tune(|lanes| if lanes == 1 { 1e8 } else { 1.1e8 }, 0).lanes(), 1);
+    }
+
+    #[test]
+    fn small_sends_and_fixed_counts_are_left_alone() {
+        let mut s = Striping::new(LaneCount::Auto);
+        let mut t = Instant::now();
+        for _ in 0..1000 {
+            t = spell(&mut s, t, 8, MEASURED_SEND - 1, |_| 1e6, 0);
+        }
+        assert!(!s.settled() && s.lanes() == 1, "latency-bound sends do not count");
+        let mut f = Striping::new(LaneCount::Fixed(3));
+        spell(&mut f, t, 40, 4 * MB, |l| l as f64 * 1e8, 0);
+        assert!(f.settled() && f.lanes() == 3);
+    }
+
+    #[test]
+    fn idle_time_between_spells_is_not_counted() {
+        // 1 MB at a time with long gaps: still 100 MB/s, so one connection.
+        let mut s = Striping::new(LaneCount::Auto);
+        let mut t = Instant::now();
+        for _ in 0..200 {
+            t = spell(&mut s, t, 1, MB, |lanes| if lanes == 1 { 1e8 } else { 1.05e8 }, 0) + Duration::from_secs(1);
+        }
+        assert_eq!((s.settled(), s.lanes()), (true, 1));
+    }
+}
