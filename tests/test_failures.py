@@ -17,11 +17,22 @@ pytestmark = [pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d'
 SCRIPT = harness.REPO / "tests" / "failure_job.py"
 
 
+class Reported(dict):
+    """rank -> RESULT; asking for a rank that reported none fails with what became of it."""
+
+    def __init__(self, procs):
+        super().__init__()
+        self.procs = procs
+
+    def __missing__(self, rank):
+        raise AssertionError(f"rank {rank} reported no RESULT: {self.procs[rank].describe()}")
+
+
 def run(scenario: str, world: int, tmp_path, env=None) -> dict[int, dict]:
     """rank -> its RESULT, for the ranks that reported one."""
     procs = harness.launch_ranks(world, [scenario], timeout=90, log_dir=tmp_path, script=SCRIPT,
                                  env=harness.worker_env(env))
-    results = {}
+    results = Reported(procs)
     for rank, proc in enumerate(procs):
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):

@@ -23,7 +23,13 @@ def threads() -> int:
 
 
 def names() -> list[str]:
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    def name(task):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                return f.read().strip()
+        except OSError:  # a thread that ended since the listing
+            return None
+    return sorted(n for n in map(name, os.listdir("/proc/self/task")) if n is not None)
 
 
 def main():
