@@ -180,3 +180,64 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
         }
     }
 }
+
+#[test]
+fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
+    const SMALL: usize = 64; // elements: the direct exchange's sizes
+    for (name, hosts) in LAYOUTS {
+        let w = hosts.len();
+        let (count, per, uniform) = shape(hosts);
+        // Bytes host h sends across for a small all-reduce of `bytes`: on hosts of as many
+        // ranks, each rank sends its host's sum and its fingerprint to one rank of each
+        // other host, and its fingerprint to its right neighbour if that is on another
+        // host and not one of those; otherwise each rank sends both to every rank elsewhere.
+        let place = |r: usize| (0..r).filter(|&q| hosts[q] == hosts[r]).count();
+        let across = |h: usize, bytes: u64| -> u64 {
+            let mine = per[h] as u64;
+            if !uniform {
+                return mine * (w as u64 - mine) * (bytes + 32);
+            }
+            let neighbours = (0..w)
+                .filter(|&r| hosts[r] == h && hosts[(r + 1) % w] != h && place((r + 1) % w) != place(r))
+                .count() as u64;
+            mine * (count as u64 - 1) * (bytes + 32) + neighbours * 32
+        };
+        for red in [REDS[0], REDS[2]] {
+            let (out, crossed) = on_layout(hosts, DIRECT, |rk| {
+                let mut b = Buf::of(red.dtype, &values(rk.rank(), SMALL, 4));
+                ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
+                b
+            });
+            let want = (0..SMALL).map(|i| red.combine((0..w).map(|r| value(r, i, 4)))).collect::<Vec<_>>();
+            for (rank, b) in out.iter().enumerate() {
+                assert_eq!(*b, Buf::of(red.dtype, &want), "{name}, {red:?}, rank {rank}");
+            }
+            let bytes = SMALL as u64 * red.dtype.size() as u64;
+            for (h, &got) in crossed.iter().enumerate() {
+                let want = across(h, bytes);
+                assert_eq!(got, want, "{name}, {red:?}: host {h} sent {got} bytes across, not {want}");
+            }
+        }
+        let (_, crossed) = on_layout(hosts, DIRECT, |rk| ok(rk.run(Collective::Barrier), "barrier"));
+        for (h, &got) in crossed.iter().enumerate() {
+            assert_eq!(got, across(h, 1), "{name}: barrier: host {h} sent {got} bytes across");
+        }
+    }
+}
+
+/// One rank calls a small all-reduce of another size than the others (the
+/// same path, or, larger than the threshold, the hierarchical ring), or a
+/// reduce: every rank fails promptly naming the mismatch, no buffer changes.
+#[test]
+fn small_all_reduce_mismatch_on_any_rank_fails_every_rank_and_touches_no_buffer() {
+    const SMALL: usize = 96; // bytes: 8 and 9 i64 take the direct path, 16 the ring
+    for (name, hosts) in LAYOUTS {
+        for odd in 0..hosts.len() {
+            for case in ["byte count", "larger than small", "op"] {
+                let t0 = Instant::now();
+                let (out, _) = on_layout(hosts, SMALL, |rk| mismatched_call(rk, odd, case));
+                assert_mismatch_everywhere(out, t0, &format!("{name}: rank {odd} differs in {case}"));
+            }
+        }
+    }
+}

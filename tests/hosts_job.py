@@ -144,8 +144,14 @@ for dtype in (torch.float32, torch.bfloat16):
         assert len(set(digests)) == 1, f"all_reduce {dtype} x {n}: ranks differ in bits: {digests}"
         checks += 1
 
-# shared memory with the ranks of this host, TCP to every other (all peers are connected by now:
-# the small all_reduce exchanges with every rank)
+# all_to_all_single: rank r's block for rank p holds 1000 r + p (it exchanges with every rank,
+# so all peers are connected for the look at the links below)
+out = torch.empty(WORLD, dtype=torch.int64)
+dist.all_to_all_single(out, torch.arange(WORLD, dtype=torch.int64) + 1000 * RANK)
+expect("all_to_all_single", out, torch.arange(WORLD, dtype=torch.int64) * 1000 + RANK)
+checks += 1
+
+# shared memory with the ranks of this host, TCP to every other
 links = rustc10d.links()
 want = {p: "shm" if hosts_of[p] == HOST else "tcp" for p in range(WORLD) if p != RANK}
 assert links == want, f"rank {RANK} on host {HOST} (hosts of ranks: {hosts_of}): links {links}, expected {want}"

@@ -4,7 +4,9 @@
 //! neighbour. Around the ring, all ranks that pass agree with their left
 //! neighbour; a rank that fails breaks the group, so nobody completes a
 //! collective from a mismatched call set. The smallest all-reduces check all
-//! peers' fingerprints alongside their data exchange instead (`Agreement`).
+//! peers' fingerprints alongside their data exchange instead (`Agreement`);
+//! on several hosts, those of their host's ranks, their counterparts on the
+//! other hosts and their left neighbour.
 
 use super::{OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
@@ -129,27 +131,63 @@ pub fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, mine: &Fingerprint) -> Re
 pub struct Agreement {
     mine: Fingerprint,
     out: [u8; Fingerprint::LEN],
+    peers: Peers,
     /// (peer, its fingerprint, the receive), the left neighbour first.
     theirs: Vec<(usize, [u8; Fingerprint::LEN], Option<TransferId>)>,
-    with_all: bool,
+}
+
+/// Whom an Agreement hears from and tells.
+enum Peers {
+    /// The ring neighbours, or (`true`) every rank.
+    Ring { with_all: bool },
+    /// These ranks (the left neighbour first), and these; each rank that
+    /// hears from a rank must be among those that rank tells.
+    Listed { from: Vec<usize>, to: Vec<usize> },
 }
 
 impl Agreement {
     pub fn new(mine: &Fingerprint, with_all: bool) -> Agreement {
-        Agreement { mine: *mine, out: mine.encode(), theirs: Vec::new(), with_all }
+        Agreement::with(mine, Peers::Ring { with_all })
+    }
+
+    /// Hear from the left neighbour and `others`; tell the right one and
+    /// `others` (ranks that list each other; this rank may be among them).
+    pub fn among(mine: &Fingerprint, ctx: &OpCtx, others: &[usize]) -> Agreement {
+        let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+        let listed = |first: usize| {
+            let mut peers = vec![first];
+            peers.extend(others.iter().filter(|&&p| p != rank && p != first));
+            peers.retain(|&p| p != rank);
+            peers
+        };
+        let (from, to) = (listed((rank + world - 1) % world), listed((rank + 1) % world));
+        Agreement::with(mine, Peers::Listed { from, to })
+    }
+
+    fn with(mine: &Fingerprint, peers: Peers) -> Agreement {
+        Agreement { mine: *mine, out: mine.encode(), peers, theirs: Vec::new() }
     }
 
     pub fn post(&mut self, ctx: &OpCtx, tr: &mut Transfers) -> Result<()> {
         let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
         let key = Key::collective(ctx.seq, u64::MAX);
-        let count = if self.with_all { world - 1 } else { world.min(2) - 1 };
-        // Peers counting down from the left neighbour; we send to those counting up from the right.
-        self.theirs = (1..=count).map(|k| ((rank + world - k) % world, [0u8; Fingerprint::LEN], None)).collect();
+        let (from, to): (Vec<usize>, Vec<usize>) = match &self.peers {
+            Peers::Ring { with_all } => {
+                let count = if *with_all { world - 1 } else { world.min(2) - 1 };
+                // Peers counting down from the left neighbour; we send to those counting up from the right.
+                (
+                    (1..=count).map(|k| (rank + world - k) % world).collect(),
+                    (1..=count).map(|k| (rank + k) % world).collect(),
+                )
+            }
+            Peers::Listed { from, to } => (from.clone(), to.clone()),
+        };
+        self.theirs = from.into_iter().map(|peer| (peer, [0u8; Fingerprint::LEN], None)).collect();
         for (peer, buf, id) in &mut self.theirs {
             *id = Some(unsafe { tr.recv(*peer, key, buf.as_mut_ptr(), buf.len())? });
         }
-        for k in 1..=count {
-            unsafe { tr.send((rank + k) % world, key, &self.out)? };
+        for peer in to {
+            unsafe { tr.send(peer, key, &self.out)? };
         }
         Ok(())
     }

@@ -11,9 +11,9 @@ use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
-    hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct, ring_allgather, ring_allreduce,
-    ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather, single_copy_allreduce,
-    single_copy_broadcast, single_copy_reduce_scatter, tree_broadcast, OpCtx, RawBuf, Scratch,
+    hierarchical_direct_allreduce, hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
+    ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
+    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, tree_broadcast, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -67,7 +67,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             match (check.filter(|_| !direct && single_copy(ctx, part)), apart.filter(|_| !direct)) {
                 (Some(check), _) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
                 (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts),
-                _ => all_reduce(ctx, *buf, red.dtype, op, check),
+                _ => all_reduce(ctx, *buf, red.dtype, op, check, apart),
             }
         }
         Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
@@ -106,7 +106,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::Barrier => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, check)
+            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, check, apart)
         }
         Collective::MonitoredBarrier { wait_all, timeout } => {
             monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
@@ -154,10 +154,22 @@ fn chained(
     f(&ctx.phase(&chain, ctx.phase), chain.position(root).expect("the root is in the chain"))
 }
 
-/// Small messages: one direct exchange; large ones: the bandwidth-optimal ring.
-fn all_reduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, check: Option<&Fingerprint>) -> Result<()> {
+/// Small messages: one direct exchange (on several hosts of as many ranks
+/// each, one on each host, then one across); large ones: the
+/// bandwidth-optimal ring.
+fn all_reduce(
+    ctx: &OpCtx,
+    buf: RawBuf,
+    dtype: DType,
+    op: ReduceOp,
+    check: Option<&Fingerprint>,
+    apart: Option<&Hosts>,
+) -> Result<()> {
     if prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) {
-        direct_allreduce(ctx, buf, dtype, op, check)
+        match apart.filter(|hosts| hosts.per_host().is_some()) {
+            Some(hosts) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check),
+            None => direct_allreduce(ctx, buf, dtype, op, check),
+        }
     } else {
         debug_assert!(check.is_none(), "the ring checks the call before it starts");
         ring_allreduce(ctx, buf, dtype, op)

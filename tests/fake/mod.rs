@@ -268,3 +268,36 @@ pub fn ok(r: Result<()>, what: impl std::fmt::Display) {
 /// Element counts: empty, one, fewer than the ranks, odd, either side of
 /// 64 bytes, and many segments.
 pub const COUNTS: [usize; 12] = [0, 1, 2, 3, 7, 8, 9, 16, 17, 64, 257, 1000];
+
+/// Run on rank `rk` an all-reduce of 8 i64, or, on rank `odd`, the call of
+/// `case`: "byte count" (9 i64), "larger than small" (16 i64: past a small
+/// threshold between 72 and 128 bytes), "op" (a reduce of 8). Returns how
+/// the op ended, and whether the buffer is as it was.
+pub fn mismatched_call(rk: &mut Rank, odd: usize, case: &str) -> (Result<()>, bool) {
+    let r = rk.rank();
+    let n = match case {
+        "byte count" if r == odd => 9,
+        "larger than small" if r == odd => 16,
+        _ => 8,
+    };
+    let mut b = Buf::of(DType::I64, &values(r, n, 0));
+    let kept = b.clone();
+    let red = Reduction::new(DType::I64, ReduceOp::Sum);
+    let part = if case == "op" && r == odd {
+        Collective::Reduce { buf: b.raw(), root: 0, red }
+    } else {
+        Collective::AllReduce { buf: b.raw(), red }
+    };
+    (rk.run(part), b == kept)
+}
+
+/// Every rank of a mismatched call (`mismatched_call`) failed naming the
+/// mismatch, promptly (since `t0`), and left its buffer alone.
+pub fn assert_mismatch_everywhere(out: Vec<(Result<()>, bool)>, t0: Instant, at: &str) {
+    assert!(t0.elapsed() < PROMPT, "{at}: took {:?}", t0.elapsed());
+    for (rank, (r, untouched)) in out.into_iter().enumerate() {
+        let e = r.expect_err(&format!("{at}: rank {rank} completed"));
+        assert!(e.message.contains("does not match"), "{at}: rank {rank}: {}", e.message);
+        assert!(untouched, "{at}: rank {rank}'s buffer changed");
+    }
+}
