@@ -90,30 +90,37 @@ def test_two_hosts_all_reduce_p2p_and_ddp(make_hosts, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_partition_fails_both_sides_within_the_timeout(make_hosts, tmp_path):
-    """Cut the link between the hosts mid-job: ranks on both sides raise within the group's 5 s
-    timeout (plus slack), instead of hanging."""
-    hosts = make_hosts(2)
+@pytest.mark.parametrize("nhosts, cut", [(2, 0), (3, 2)], ids=["2 hosts, host 0 cut", "3 hosts, host 2 cut"])
+def test_partition_fails_every_rank_within_the_timeout(make_hosts, tmp_path, nhosts, cut):
+    """Cut one host's link mid-job (2 ranks per host, small all_reduces in a loop): every rank
+    raises within the group's 5 s timeout (plus slack), instead of hanging. With 3 hosts, the
+    ranks of the two hosts that still reach each other name a rank of the one cut off."""
+    hosts = make_hosts(nhosts)
+    labels = "ABC"[:nhosts]
     result = {}
     runner = threading.Thread(target=lambda: result.update(procs=harness.run_processes(
-        torchrun(hosts, 2, TWO_HOSTS_JOB, "partition", label="AB".__getitem__), timeout=150, log_dir=tmp_path)))
+        torchrun(hosts, 2, TWO_HOSTS_JOB, "partition", label=labels.__getitem__), timeout=150, log_dir=tmp_path)))
     runner.start()
-    outputs = [tmp_path / "hostA.out", tmp_path / "hostB.out"]
+    outputs = [tmp_path / f"host{label}.out" for label in labels]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(
             p.exists() and p.read_text().count(" ok") == 2 for p in outputs):
         time.sleep(0.2)
-    hosts.link_down(0)
+    hosts.link_down(cut)
     # Once every rank has raised, mend the link so the torchrun agents can wind up.
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and sum(p.read_text().count("raised after") for p in outputs) < 4:
+    while time.monotonic() < deadline and sum(p.read_text().count("raised after") for p in outputs) < 2 * nhosts:
         time.sleep(0.2)
-    hosts.link_up(0)
+    hosts.link_up(cut)
     runner.join()
     out = "".join(p.stdout for p in result["procs"])
-    raised = [float(x) for x in re.findall(r"raised after ([\d.]+) s", out)]
-    assert len(raised) == 4, out
-    assert all(x < 20 for x in raised), raised
+    raised = {int(r): (float(s), why) for r, s, why in re.findall(r"rank (\d+) raised after ([\d.]+) s: (.*)", out)}
+    assert sorted(raised) == list(range(2 * nhosts)), out
+    assert all(s < 20 for s, _ in raised.values()), raised
+    if nhosts > 2:
+        lost = (f"rank {2 * cut}", f"rank {2 * cut + 1}")
+        for rank, (_, why) in raised.items():
+            assert rank // 2 == cut or any(name in why for name in lost), (rank, why)
 
 
 @pytest.mark.timeout(180)

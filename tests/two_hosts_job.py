@@ -1,4 +1,4 @@
-"""One rank of the two-host jobs (tests/test_two_hosts.py): 2 "hosts" (network namespaces)
+"""One rank of the two-host jobs (tests/test_two_hosts.py): 2 or 3 "hosts" (network namespaces)
 with 2 ranks each. Ranks on different hosts can only reach each other if every rank
 advertised an address of its own host, not loopback. With `partition`, after the checks every
 rank keeps all-reducing until the test cuts the link, and reports how long the failure took."""
@@ -21,7 +21,7 @@ t = torch.full((100_003,), float(rank))
 dist.all_reduce(t)
 assert torch.all(t == sum(range(world))), t
 
-# point to point with the same local rank on the other host
+# point to point with the rank half the world away (on another host)
 peer = (rank + world // 2) % world
 got = torch.zeros(5)
 if rank < peer:
@@ -44,7 +44,7 @@ everyone = [torch.zeros_like(flat) for _ in range(world)]
 dist.all_gather(everyone, flat)
 assert all(torch.equal(everyone[0], x) for x in everyone), "DDP replicas diverged"
 
-# shared memory with the rank on this host, TCP to the other host (torchrun: node 0 has ranks 0, 1)
+# shared memory with the rank on this host, TCP to other hosts (torchrun: node 0 has ranks 0, 1)
 links = rustc10d.links()
 want = {p: "shm" if p // 2 == rank // 2 else "tcp" for p in links}
 assert links == want and "shm" in links.values() and "tcp" in links.values(), links
