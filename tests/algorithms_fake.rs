@@ -57,8 +57,8 @@ fn all_reduce_on_both_paths_matches_arithmetic() {
 fn reduce_to_every_root_leaves_the_other_ranks_buffers_alone() {
     for (net, kind) in NETS {
         for world in 1..=5 {
-            for root in 0..world {
-                let out = on_ranks_via(kind, world, RING, |rk| {
+            for (root, (path, small)) in (0..world).flat_map(|root| PATHS.map(|p| (root, p))) {
+                let out = on_ranks_via(kind, world, small, |rk| {
                     let mut got = Vec::new();
                     for n in [0, 1, 7, 257] {
                         for (salt, red) in REDS.into_iter().enumerate() {
@@ -79,7 +79,7 @@ fn reduce_to_every_root_leaves_the_other_ranks_buffers_alone() {
                         assert_eq!(
                             b,
                             Buf::of(red.dtype, &want),
-                            "{net}, world {world}, root {root}, rank {rank}, {n} x {red:?}"
+                            "{net}, {path}, world {world}, root {root}, rank {rank}, {n} x {red:?}"
                         );
                     }
                 }

@@ -1,7 +1,7 @@
 //! Groups on several hosts, on the in-memory `FakeNet` whose ranks say which
 //! host they run on: the hierarchical all-reduce, reduce-scatter and
-//! all-gather, and the rings in host order of broadcast and reduce, give the
-//! right values and send across hosts only the bytes their doc comments
+//! all-gather, the rings in host order of broadcast and reduce, and for small
+//! messages the two-step all-reduce and the trees, give the right values and send across hosts only the bytes their doc comments
 //! promise, counted at each rank (`FakeTransport::crossed`), for hosts of
 //! equal and unequal sizes, ranks numbered host by host or alternating.
 //! (algorithms_fake.rs checks values on such networks too, at every size.)
@@ -168,15 +168,26 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                 }
             }
 
-            let (out, crossed) = on_layout(hosts, RING, |rk| {
-                let mut b = Buf::of(red.dtype, &values(rk.rank(), BLOCK, 1));
-                ok(rk.run(Collective::Reduce { buf: b.raw(), root, red: red.reduction() }), "reduce");
-                b
-            });
-            let want: Vec<f64> = (0..BLOCK).map(|i| red.combine((0..w).map(|r| value(r, i, 1)))).collect();
-            assert_eq!(out[root], Buf::of(red.dtype, &want), "{name}: reduce to {root}");
-            let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
-            assert_eq!(payload, (count as u64 - 1) * BLOCK as u64 * 8, "{name}: reduce to {root} crossed {payload}");
+            // The chain, and for small messages the tree: H-1 links carry a partial sum once.
+            for (path, small) in PATHS {
+                let (out, crossed) = on_layout(hosts, small, |rk| {
+                    let mut b = Buf::of(red.dtype, &values(rk.rank(), BLOCK, 1));
+                    let before = rk.t.sent();
+                    ok(rk.run(Collective::Reduce { buf: b.raw(), root, red: red.reduction() }), "reduce");
+                    (b, rk.t.sent() - before)
+                });
+                let at = format!("{name}, {path}: reduce to {root}");
+                let want: Vec<f64> = (0..BLOCK).map(|i| red.combine((0..w).map(|r| value(r, i, 1)))).collect();
+                assert_eq!(out[root].0, Buf::of(red.dtype, &want), "{at}");
+                let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
+                assert_eq!(payload, (count as u64 - 1) * BLOCK as u64 * 8, "{at}: crossed {payload}");
+                if small == DIRECT {
+                    // A fingerprint, and (but the root) one message up the tree.
+                    for (rank, (_, sent)) in out.iter().enumerate() {
+                        assert_eq!(*sent, 1 + (rank != root) as u64, "{at}: rank {rank} sent {sent}: not the tree");
+                    }
+                }
+            }
         }
     }
 }

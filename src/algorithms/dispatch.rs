@@ -13,7 +13,8 @@ use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
     hierarchical_direct_allreduce, hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
     ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
-    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, tree_broadcast, OpCtx, RawBuf, Scratch,
+    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, tree_broadcast, tree_reduce, OpCtx,
+    RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -70,19 +71,23 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
                 _ => all_reduce(ctx, *buf, red.dtype, op, check, apart),
             }
         }
-        Collective::Reduce { buf, root, red } if ctx.transport.rank() == *root => {
-            let op = premultiply(buf, red);
-            chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, *buf, root, red.dtype, op))
-        }
         Collective::Reduce { buf, root, red } => {
             // Not the root: the caller's buffer must stay as it was.
             let mut copy = Scratch::new(0);
-            let input = premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red);
-            chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input[0], root, red.dtype, red.op))
+            let (input, op) = if ctx.transport.rank() == *root {
+                (*buf, premultiply(buf, red))
+            } else {
+                (premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red)[0], red.op)
+            };
+            if small_tree(ctx, buf.len, apart) {
+                tree_reduce(ctx, input, *root, red.dtype, op, apart)
+            } else {
+                chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input, root, red.dtype, op))
+            }
         }
         Collective::Broadcast { buf, root } => match check.filter(|_| single_copy(ctx, part)) {
             Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
-            _ if small_broadcast(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart),
+            _ if small_tree(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart),
             _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
         },
         Collective::AllGather { input, outputs } => match (check.filter(|_| single_copy(ctx, part)), apart) {
@@ -117,10 +122,10 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
     }
 }
 
-/// Whether a broadcast of `bytes` takes the tree (two hops at most) rather
-/// than the pipelined chain (W-1 hops): messages as small as the direct
-/// all-reduce's, where the root sends to at most SMALL_MAX_WORLD ranks.
-fn small_broadcast(ctx: &OpCtx, bytes: usize, apart: Option<&Hosts>) -> bool {
+/// Whether a broadcast or reduce of `bytes` takes the tree (two hops at
+/// most) rather than the pipelined chain (W-1 hops): messages as small as the
+/// direct all-reduce's, where the root exchanges with at most SMALL_MAX_WORLD ranks.
+fn small_tree(ctx: &OpCtx, bytes: usize, apart: Option<&Hosts>) -> bool {
     let fanout = match apart {
         Some(hosts) => hosts.members.len() + hosts.members.iter().map(Vec::len).max().unwrap_or(0),
         None => ctx.transport.size(),

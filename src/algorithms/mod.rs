@@ -33,6 +33,7 @@ mod single_copy_allgather;
 mod single_copy_broadcast;
 mod single_copy_reduce;
 mod tree_broadcast;
+mod tree_reduce;
 
 pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
@@ -52,6 +53,7 @@ pub use single_copy_allgather::single_copy_allgather;
 pub use single_copy_broadcast::single_copy_broadcast;
 pub use single_copy_reduce::{single_copy_allreduce, single_copy_reduce_scatter};
 pub use tree_broadcast::tree_broadcast;
+pub use tree_reduce::tree_reduce;
 
 /// What an algorithm needs to know about the op it runs.
 pub struct OpCtx<'a> {

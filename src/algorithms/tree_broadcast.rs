@@ -13,15 +13,10 @@ use super::{OpCtx, RawBuf};
 use crate::error::Result;
 
 pub fn tree_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, hosts: Option<&Hosts>) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    if world == 1 {
+    if ctx.transport.size() == 1 {
         return Ok(());
     }
-    let (parent, children) = match hosts {
-        None if rank == root => (None, ctx.peers().collect()),
-        None => (Some(root), Vec::new()),
-        Some(hosts) => tree(hosts, rank, root),
-    };
+    let (parent, children) = tree(ctx, root, hosts);
     let tr = &mut ctx.transfers();
     if let Some(parent) = parent {
         let id = unsafe { tr.recv(parent, ctx.key(0), buf.ptr, buf.len)? };
@@ -33,9 +28,19 @@ pub fn tree_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, hosts: Option<&Host
     tr.wait_all()
 }
 
-/// Whom `rank` hears the message from (None: it is the root) and whom it
-/// passes it on to, in a group on several hosts.
-fn tree(hosts: &Hosts, rank: usize, root: usize) -> (Option<usize>, Vec<usize>) {
+/// Whom this rank hears the message from (None: it is the root) and whom it
+/// passes it on to (`tree_reduce` sends the other way): on one host the root
+/// and every other rank; on several (`hosts`), the tree described above.
+pub(super) fn tree(ctx: &OpCtx, root: usize, hosts: Option<&Hosts>) -> (Option<usize>, Vec<usize>) {
+    let rank = ctx.transport.rank();
+    match hosts {
+        None if rank == root => (None, ctx.peers().collect()),
+        None => (Some(root), Vec::new()),
+        Some(hosts) => host_tree(hosts, rank, root),
+    }
+}
+
+fn host_tree(hosts: &Hosts, rank: usize, root: usize) -> (Option<usize>, Vec<usize>) {
     let (root_host, _) = hosts.locate(root);
     let (host, _) = hosts.locate(rank);
     // The rank of host h that hears first: the root on its own, the lowest elsewhere.
