@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import job_args
+import own_threads
 import rustc10d  # noqa: F401
 
 
@@ -34,13 +35,7 @@ def timed_failure(fn) -> dict:
 
 
 def rustc10d_threads() -> int:
-    def name(task):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                return f.read().strip()
-        except OSError:  # a thread that ended since the listing (CI once lost a RESULT to one)
-            return ""
-    return sum(name(t).startswith("rustc10d") for t in os.listdir("/proc/self/task"))
+    return sum(n.startswith("rustc10d") for n in own_threads.names())
 
 
 def sockets() -> int:

@@ -1,9 +1,10 @@
 //! Groups on several hosts, on the in-memory `FakeNet` whose ranks say which
 //! host they run on: the hierarchical all-reduce, reduce-scatter and
 //! all-gather, the rings in host order of broadcast and reduce, and for small
-//! messages the two-step all-reduce and the trees, give the right values and send across hosts only the bytes their doc comments
-//! promise, counted at each rank (`FakeTransport::crossed`), for hosts of
-//! equal and unequal sizes, ranks numbered host by host or alternating.
+//! messages the two-step all-reduce and the trees, give the right values and
+//! send across hosts only the bytes their doc comments promise, counted at
+//! each rank (`FakeTransport::crossed`), for hosts of equal and unequal
+//! sizes, ranks numbered host by host or alternating.
 //! (algorithms_fake.rs checks values on such networks too, at every size.)
 
 mod fake;
@@ -194,7 +195,7 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
 
 #[test]
 fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
-    const SMALL: usize = 64; // elements: the direct exchange's sizes
+    const N: usize = 64; // elements: the direct exchange's sizes
     for (name, hosts) in LAYOUTS {
         let w = hosts.len();
         let (count, per, uniform) = shape(hosts);
@@ -215,15 +216,15 @@ fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
         };
         for red in [REDS[0], REDS[2]] {
             let (out, crossed) = on_layout(hosts, DIRECT, |rk| {
-                let mut b = Buf::of(red.dtype, &values(rk.rank(), SMALL, 4));
+                let mut b = Buf::of(red.dtype, &values(rk.rank(), N, 4));
                 ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
                 b
             });
-            let want = (0..SMALL).map(|i| red.combine((0..w).map(|r| value(r, i, 4)))).collect::<Vec<_>>();
+            let want = (0..N).map(|i| red.combine((0..w).map(|r| value(r, i, 4)))).collect::<Vec<_>>();
             for (rank, b) in out.iter().enumerate() {
                 assert_eq!(*b, Buf::of(red.dtype, &want), "{name}, {red:?}, rank {rank}");
             }
-            let bytes = SMALL as u64 * red.dtype.size() as u64;
+            let bytes = N as u64 * red.dtype.size() as u64;
             for (h, &got) in crossed.iter().enumerate() {
                 let want = across(h, bytes);
                 assert_eq!(got, want, "{name}, {red:?}: host {h} sent {got} bytes across, not {want}");

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import job_args
+import own_threads
 
 
 def threads() -> int:
@@ -23,13 +24,7 @@ def threads() -> int:
 
 
 def names() -> list[str]:
-    def name(task):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                return f.read().strip()
-        except OSError:  # a thread that ended since the listing
-            return None
-    return sorted(n for n in map(name, os.listdir("/proc/self/task")) if n is not None)
+    return sorted(own_threads.names())
 
 
 def main():

@@ -154,11 +154,9 @@ impl Agreement {
     /// `others` (ranks that list each other; this rank may be among them).
     pub fn among(mine: &Fingerprint, ctx: &OpCtx, others: &[usize]) -> Agreement {
         let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-        let listed = |first: usize| {
-            let mut peers = vec![first];
-            peers.extend(others.iter().filter(|&&p| p != rank && p != first));
-            peers.retain(|&p| p != rank);
-            peers
+        let listed = |first: usize| -> Vec<usize> {
+            let rest = others.iter().copied().filter(|&p| p != first);
+            std::iter::once(first).chain(rest).filter(|&p| p != rank).collect()
         };
         let (from, to) = (listed((rank + world - 1) % world), listed((rank + 1) % world));
         Agreement::with(mine, Peers::Listed { from, to })

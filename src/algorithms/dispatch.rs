@@ -72,7 +72,8 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             }
         }
         Collective::Reduce { buf, root, red } => {
-            // Not the root: the caller's buffer must stay as it was.
+            // PREMUL_SUM scales the root's buffer, which the op overwrites, in
+            // place; the others' must stay as they were, so they send a scaled copy.
             let mut copy = Scratch::new(0);
             let (input, op) = if ctx.transport.rank() == *root {
                 (*buf, premultiply(buf, red))
