@@ -300,3 +300,56 @@ fn barrier_waits_for_the_last_rank_on_both_paths() {
         }
     }
 }
+
+/// A send may read its memory long after it was posted (behind a busy
+/// connection, or where the peer reads it from our memory): everything an
+/// algorithm sends must live until the op's transfers end, the call check's
+/// fingerprints too. Rank 0's link to rank 1 is held for the whole op and
+/// released once rank 0 waits for its last sends; every result must match.
+#[test]
+fn sends_held_behind_a_busy_link_still_carry_what_was_sent() {
+    let world = 3;
+    let sum = Red { dtype: DType::F32, op: ReduceOp::Sum, premul: None };
+    for (net, kind) in NETS {
+        for (path, small) in PATHS {
+            let out = on_ranks_via(kind, world, small, |rk| {
+                let r = rk.rank();
+                let mut red_buf = Buf::of(DType::F32, &values(r, 100, 0));
+                let mut bcast = if r == 0 { Buf::bytes_of(&pattern(0, 1, 300)) } else { Buf::filled(300, 0xEE) };
+                let mut input = Buf::bytes_of(&pattern(r, 2, 200));
+                let mut outputs: Vec<Buf> = (0..world).map(|_| Buf::filled(200, 0xEE)).collect();
+                let parts = [
+                    Collective::AllReduce { buf: red_buf.raw(), red: sum.reduction() },
+                    Collective::Broadcast { buf: bcast.raw(), root: 0 },
+                    Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) },
+                ];
+                for part in parts {
+                    let kind = part.kind().name();
+                    if r == 0 {
+                        rk.t.hold(1);
+                        let t = rk.t;
+                        std::thread::scope(|s| {
+                            s.spawn(|| {
+                                std::thread::sleep(Duration::from_millis(50));
+                                t.release(1);
+                            });
+                            ok(rk.run(part), kind);
+                        });
+                    } else {
+                        ok(rk.run(part), kind);
+                    }
+                }
+                (red_buf, bcast, outputs)
+            });
+            for (rank, (red_buf, bcast, outputs)) in out.into_iter().enumerate() {
+                let at = format!("{net}, {path}, rank {rank}");
+                let sums: Vec<f64> = (0..100).map(|i| sum.combine((0..world).map(|r| value(r, i, 0)))).collect();
+                assert_eq!(red_buf, Buf::of(DType::F32, &sums), "{at}: all_reduce");
+                assert_eq!(bcast.bytes(), pattern(0, 1, 300), "{at}: broadcast");
+                for (p, b) in outputs.iter().enumerate() {
+                    assert_eq!(b.bytes(), pattern(p, 2, 200), "{at}: all_gather block {p}");
+                }
+            }
+        }
+    }
+}

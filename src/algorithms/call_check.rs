@@ -128,12 +128,14 @@ pub fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, mine: &Fingerprint) -> Re
 /// its check must not trust a peer that only its own neighbour could vouch
 /// for. The left neighbour's is checked first: it is sent in both modes, so
 /// a mismatch with a rank that checks only its neighbours is still caught.
+///
+/// The fingerprints travel in memory the Transfers owns, so an Agreement
+/// may end before the sends it posted do (a peer may read ours late).
 pub struct Agreement {
     mine: Fingerprint,
-    out: [u8; Fingerprint::LEN],
     peers: Peers,
-    /// (peer, its fingerprint, the receive), the left neighbour first.
-    theirs: Vec<(usize, [u8; Fingerprint::LEN], Option<TransferId>)>,
+    /// (peer, the receive of its fingerprint), the left neighbour first.
+    theirs: Vec<(usize, TransferId)>,
 }
 
 /// Whom an Agreement hears from and tells.
@@ -163,7 +165,7 @@ impl Agreement {
     }
 
     fn with(mine: &Fingerprint, peers: Peers) -> Agreement {
-        Agreement { mine: *mine, out: mine.encode(), peers, theirs: Vec::new() }
+        Agreement { mine: *mine, peers, theirs: Vec::new() }
     }
 
     pub fn post(&mut self, ctx: &OpCtx, tr: &mut Transfers) -> Result<()> {
@@ -180,21 +182,22 @@ impl Agreement {
             }
             Peers::Listed { from, to } => (from.clone(), to.clone()),
         };
-        self.theirs = from.into_iter().map(|peer| (peer, [0u8; Fingerprint::LEN], None)).collect();
-        for (peer, buf, id) in &mut self.theirs {
-            *id = Some(unsafe { tr.recv(*peer, key, buf.as_mut_ptr(), buf.len())? });
-        }
+        self.theirs = from
+            .into_iter()
+            .map(|peer| Ok((peer, tr.recv_owned(peer, key, Fingerprint::LEN)?)))
+            .collect::<Result<_>>()?;
+        let out = self.mine.encode();
         for peer in to {
-            unsafe { tr.send(peer, key, &self.out)? };
+            tr.send_copy(peer, key, &out)?;
         }
         Ok(())
     }
 
     pub fn check(&self, ctx: &OpCtx, tr: &Transfers) -> Result<()> {
         let rank = ctx.transport.rank();
-        for (peer, buf, id) in &self.theirs {
-            tr.wait(id.expect("posted"))?;
-            let theirs = Fingerprint::decode(buf)?;
+        for &(peer, id) in &self.theirs {
+            tr.wait(id)?;
+            let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))?;
             if theirs != self.mine {
                 return Err(Error::new(
                     ErrorKind::Mismatch,

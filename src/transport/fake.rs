@@ -7,9 +7,13 @@
 //! fails with the size mismatch, otherwise the message waits until its
 //! receive is posted. Then the send finishes with its length.
 //!
+//! A test may `hold` a link: sends over it then wait, unread, until it is
+//! released, as sends behind a busy connection do; they read their memory
+//! only then.
+//!
 //! Not modelled: partial reads or writes (a message lands whole), flow
 //! control (a send never waits for its receiver, and `deadline` is unused),
-//! timing (no latency: a send has landed when it returns), lanes, polling,
+//! timing (no latency: a send has landed when it returns, unless held), lanes, polling,
 //! and the in-flight window of a real cut: once a link is cut no more bytes
 //! cross it, but messages that landed before stay receivable, as data read
 //! before a connection closed does. A receive posted for any source
@@ -32,7 +36,22 @@ pub struct FakeNet {
     /// `cut[me][peer]`: why `me` lost `peer`, once it has. Held while a send
     /// from `me` to `peer` delivers, so that a cut waits for a delivery in progress.
     cut: Vec<Vec<Mutex<Option<Error>>>>,
+    /// `held[src][dst]`: the sends from `src` to `dst` waiting for the link's
+    /// release, in order, while the link is held (Some).
+    held: Vec<Vec<Mutex<Option<Vec<HeldSend>>>>>,
 }
+
+/// A send that has not read its memory yet.
+struct HeldSend {
+    key: Key,
+    data: *const u8,
+    len: usize,
+    status: Arc<Status>,
+}
+
+// The sender keeps `data` valid until the send's status finishes (the
+// Transport contract); the pointer is only read under the link's lock.
+unsafe impl Send for HeldSend {}
 
 /// One rank's endpoint of a `FakeNet`.
 pub struct FakeTransport {
@@ -74,6 +93,7 @@ impl FakeNet {
             inbox: (0..world).map(|_| (0..world).map(|src| Mutex::new(Mailbox::new(src))).collect()).collect(),
             any: (0..world).map(|_| Mutex::default()).collect(),
             cut: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
+            held: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
         });
         (0..world)
             .map(|rank| {
@@ -95,6 +115,23 @@ impl FakeTransport {
     /// what would have crossed its host's link.
     pub fn crossed(&self) -> u64 {
         self.crossed.load(Ordering::SeqCst)
+    }
+
+    /// From now on, sends from this rank to `peer` wait unread until `release`.
+    pub fn hold(&self, peer: usize) {
+        self.net.held[self.rank][peer].lock().unwrap().get_or_insert_with(Vec::new);
+    }
+
+    /// Deliver the sends to `peer` held since `hold`, in order, reading their
+    /// memory now; later sends go at once again.
+    pub fn release(&self, peer: usize) {
+        let held = self.net.held[self.rank][peer].lock().unwrap().take().unwrap_or_default();
+        for h in held {
+            // Delivered as if sent now: a link cut meanwhile fails it.
+            if let Err(e) = unsafe { self.send(peer, h.key, h.data, h.len, h.status.clone(), Instant::now(), None) } {
+                h.status.finish(Err(e));
+            }
+        }
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -119,6 +156,12 @@ impl FakeTransport {
         net.inbox[peer][self.rank].lock().unwrap().close(theirs.clone());
         net.any[self.rank].lock().unwrap().fail_all(&mine);
         net.any[peer].lock().unwrap().fail_all(&theirs);
+        for (from, to, why) in [(self.rank, peer, &mine), (peer, self.rank, &theirs)] {
+            let held = net.held[from][to].lock().unwrap().as_mut().map(std::mem::take).unwrap_or_default();
+            for h in held {
+                h.status.finish(Err(why.clone()));
+            }
+        }
     }
 }
 
@@ -156,13 +199,18 @@ impl Transport for FakeTransport {
             status.finish(Err(e));
             return Ok(());
         }
-        let bytes = if len == 0 { &[][..] } else { std::slice::from_raw_parts(data, len) };
         let cut = link.lock().unwrap();
         if let Some(why) = &*cut {
             // Cut while `ready` ran: like a send queued on a connection that closed.
             status.finish(Err(why.clone()));
             return Ok(());
         }
+        // Under the cut's lock, so that a cut fails every send it holds.
+        if let Some(held) = self.net.held[self.rank][peer].lock().unwrap().as_mut() {
+            held.push(HeldSend { key, data, len, status });
+            return Ok(());
+        }
+        let bytes = if len == 0 { &[][..] } else { std::slice::from_raw_parts(data, len) };
         // A frame read whole: the mailbox fills or folds a posted receive of
         // this length, fails one of another length, or keeps the message early.
         self.net.inbox[peer][self.rank].lock().unwrap().stash(key, bytes.to_vec(), &self.net.any[peer]);

@@ -185,6 +185,10 @@ struct Pending {
     /// Some for receives (they can be cancelled), None for sends.
     recv_key: Option<Key>,
     status: Arc<Status>,
+    /// The message's memory, where this `Transfers` owns it (`send_copy`,
+    /// `recv_owned`): freed only after the transfer is done, when the
+    /// `Transfers` is, however early its user returned.
+    owned: Option<Vec<u8>>,
 }
 
 /// Index of a transfer within its `Transfers`.
@@ -205,8 +209,35 @@ impl<'t> Transfers<'t> {
         self.transport
             .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None)
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
-        self.pending.push(Pending { peer, recv_key: None, status });
+        self.pending.push(Pending { peer, recv_key: None, status, owned: None });
         Ok(TransferId(self.pending.len() - 1))
+    }
+
+    /// Send a copy of `data` that this `Transfers` keeps until the send is
+    /// done: for a small message that a helper builds and may return before
+    /// the op's transfers end (a send may still read its memory then).
+    pub fn send_copy(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
+        let owned = data.to_vec();
+        // Moving the Vec below does not move its heap memory.
+        let id = unsafe { self.send(peer, key, &owned)? };
+        self.pending[id.0].owned = Some(owned);
+        Ok(id)
+    }
+
+    /// Receive `len` bytes into memory this `Transfers` owns; `received`
+    /// reads them once the receive is waited for.
+    pub fn recv_owned(&mut self, peer: usize, key: Key, len: usize) -> Result<TransferId> {
+        let mut owned = vec![0u8; len];
+        let id = unsafe { self.recv(peer, key, owned.as_mut_ptr(), len)? };
+        self.pending[id.0].owned = Some(owned);
+        Ok(id)
+    }
+
+    /// What a `recv_owned` received. Panics unless it finished well.
+    pub fn received(&self, id: TransferId) -> &[u8] {
+        let p = &self.pending[id.0];
+        assert!(matches!(p.status.result(), Some(Ok(_))), "read before the receive finished");
+        p.owned.as_deref().expect("a recv_owned")
     }
 
     /// # Safety
@@ -232,7 +263,7 @@ impl<'t> Transfers<'t> {
         self.transport
             .recv(peer, key, data, len, fold, status.clone())
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
-        self.pending.push(Pending { peer, recv_key: Some(key), status });
+        self.pending.push(Pending { peer, recv_key: Some(key), status, owned: None });
         Ok(TransferId(self.pending.len() - 1))
     }
 
