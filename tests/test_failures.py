@@ -61,6 +61,16 @@ def test_killed_rank_fails_every_other_rank_fast_and_names_it(tmp_path, transpor
         assert later["raised"] and later["seconds"] < 1 and "broken" in later["error"], later
 
 
+def test_a_staged_op_that_fails_midway_leaves_the_tensor_as_it_was(tmp_path):
+    env = {"RUSTC10D_TEST_STAGING": "1", "RUSTC10D_STAGE_PIECE_BYTES": str(1 << 20)}
+    results, procs = run("staged_killed", 3, tmp_path, env)
+    assert procs[2].returncode == -9
+    for rank in range(2):
+        r = results[rank]
+        assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
+        assert r["untouched"], f"rank {rank}'s tensor was changed"
+
+
 def test_injected_failure_fails_all_ranks(tmp_path):
     results, procs = run("injected", 3, tmp_path, {"RUSTC10D_FAULT": "rank=1,op=allreduce,seq=2,action=fail"})
     for rank in range(3):

@@ -23,10 +23,26 @@ pub(super) struct Job {
     pub status: Arc<Status>,
 }
 
+impl Job {
+    /// Fail a job that never ran: its staging settles (its copies let through,
+    /// its tensors as they were) before the completion may free the tensors.
+    pub(super) fn fail(mut self, e: Error) {
+        let settled = self.staging.as_mut().map_or(Ok(()), |s| s.settle());
+        let e = match settled {
+            Err(also) => Error::new(e.kind, format!("{}; {}", e.message, also.message)),
+            Ok(()) => e,
+        };
+        self.status.finish(Err(e));
+    }
+}
+
 impl Shared {
     pub(super) fn run(&self, mut job: Job) {
         let result = self.run_job(&mut job);
-        job.status.finish(result.map(|()| 0));
+        let (first_seq, parts) = (job.first_seq, std::mem::take(&mut job.parts));
+        let settled = job.staging.as_mut().map_or(Ok(()), |s| s.settle());
+        let settled = settled.map_err(|e| if result.is_ok() { self.staging_failed(first_seq, &parts, e) } else { e });
+        job.status.finish(result.and(settled).map(|()| 0));
     }
 
     fn run_job(&self, job: &mut Job) -> Result<()> {

@@ -10,9 +10,11 @@ mod handle;
 mod job;
 mod p2p;
 mod staging;
+mod stream;
 
 pub use handle::{OpHandle, Waited};
-pub use staging::{Device, Event, StagedBuffer, Staging};
+pub use staging::{run_in_pieces, Device, Event, Gates, StagedBuffer, Staging};
+pub use stream::{StreamOp, StreamThread};
 
 use crate::algorithms::ScratchPool;
 use crate::config::Config;
@@ -127,7 +129,13 @@ impl Engine {
         done: Callback,
     ) -> Result<OpHandle> {
         let (rank, world) = (self.rank(), self.size());
-        parts.iter().try_for_each(|p| p.check(rank, world))?;
+        let mut staging = staging;
+        let checked = parts.iter().try_for_each(|p| p.check(rank, world));
+        if let Err(e) = checked.and_then(|()| staging.as_mut().map_or(Ok(()), |s| s.queue(&parts))) {
+            // Settled (its copies let through) while `done` still holds the tensors.
+            drop(staging);
+            return Err(e);
+        }
         let queue = self.queue.lock().unwrap();
         let Some(tx) = queue.as_ref() else {
             return Err(Error::aborted("rustc10d: the process group was shut down"));
@@ -137,7 +145,7 @@ impl Engine {
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
         let job = Job { first_seq, parts, timeout, staging, status: status.clone() };
         if let Err(e) = tx.send(job) {
-            e.0.status.finish(Err(Error::aborted("rustc10d: the engine has stopped")));
+            e.0.fail(Error::aborted("rustc10d: the engine has stopped"));
         }
         Ok(OpHandle { status, seq: first_seq, source_rank: -1, expiry: None, spin: self.shared.spin })
     }

@@ -1,10 +1,12 @@
 //! Moving an op's tensors between their device and the host buffers the
 //! engine works on (CUDA tensors, staged through pinned host memory). The
 //! decisions live here: which buffers go in and come back, and whether one
-//! large all_reduce or broadcast runs in pieces, so that the device copies of
-//! one piece overlap the network transfer of another. The shim only provides
-//! the device primitives (`Device`): copy a byte range one way or the other
-//! in stream order, and wait for a copy.
+//! large all_reduce or broadcast runs in pieces, so that the copies in of
+//! later pieces overlap the network transfer of earlier ones. Results go
+//! back only once the whole op has succeeded, so a failed op leaves every
+//! tensor as it was. The shim only provides the device primitives
+//! (`Device`): copy a byte range one way or the other in stream order, and
+//! wait for a copy.
 
 use crate::algorithms::RawBuf;
 use crate::error::Result;
@@ -37,6 +39,30 @@ pub trait Device: Send {
     fn wait(&mut self, event: Event) -> Result<()>;
     /// Queue the copy of bytes [start, start + len) of buffer `index` back to the device.
     fn to_device(&mut self, index: usize, start: usize, len: usize) -> Result<()>;
+    /// Stream-ordered completion, where the device offers it.
+    fn gates(&mut self) -> Option<&mut dyn Gates> {
+        None
+    }
+}
+
+/// Stream-ordered completion: every copy of an op is queued when it is
+/// issued, the copies back behind the op's gate, which the engine opens
+/// once the op has ended. So the op's consumer (a stream) can be ordered
+/// after them before the network part is done. A failed op first makes its
+/// host copies equal to the device's bytes (which nothing has written yet),
+/// so what is copied back leaves every tensor as it was.
+pub trait Gates {
+    /// Queue the copy of bytes [start, start + len) of buffer `index` back
+    /// to the device, to run once the gate opens.
+    fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> Result<()>;
+    /// Open the gate.
+    fn open(&mut self);
+    /// Make bytes [start, start + len) of buffer `index`'s host copy what
+    /// the device holds there, now.
+    fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()>;
+    /// Block until the results are where their consumer reads them (for a
+    /// stream, at once: it is ordered after the copies back).
+    fn finish(&mut self) -> Result<()>;
 }
 
 /// An op's staged buffers and their device.
@@ -45,24 +71,70 @@ pub struct Staging {
     pub device: Box<dyn Device>,
     /// All-reduces and broadcasts of one buffer larger than this run in pieces of it (0: never).
     pub piece_bytes: usize,
+    /// With gates, once `queue` has queued every copy: the copies in (one
+    /// per piece, or per input), and whether the copies back are still held.
+    queued: Option<(Vec<Event>, bool)>,
 }
 
 impl Staging {
+    pub fn new(buffers: Vec<StagedBuffer>, device: Box<dyn Device>, piece_bytes: usize) -> Staging {
+        Staging { buffers, device, piece_bytes, queued: None }
+    }
+
+    /// At issue, on the caller's thread: where the device has gates, queue
+    /// every copy in and, behind the gate, every copy back. A device without
+    /// them is driven by the engine's thread as the op runs.
+    pub fn queue(&mut self, parts: &[Collective]) -> Result<()> {
+        if self.device.gates().is_none() {
+            return Ok(());
+        }
+        let ins = self.ins(self.pieces_for(parts));
+        // Noted first: however queueing fails, settling lets the copies through.
+        self.queued = Some((Vec::new(), true));
+        // The copies in go first: in stream order nothing passes a held copy.
+        let events = ins.into_iter().map(|(i, s, n)| self.device.to_host(i, s, n)).collect::<Result<Vec<_>>>()?;
+        self.queued.as_mut().unwrap().0 = events;
+        let outs: Vec<(usize, usize)> = self.outs().collect();
+        let gates = self.device.gates().expect("checked above");
+        outs.into_iter().try_for_each(|(i, n)| gates.to_device_held(i, 0, n))
+    }
+
+    /// The copies in, as (buffer, start, len): one per piece of a buffer
+    /// run in pieces of `pieces` bytes (whole where it is not contiguous),
+    /// else one per input.
+    fn ins(&self, pieces: Option<usize>) -> Vec<(usize, usize, usize)> {
+        match (pieces, self.buffers[0]) {
+            (Some(bytes), b) if b.contiguous => ranges(b.host.len, bytes).into_iter().map(|(s, n)| (0, s, n)).collect(),
+            (Some(_), b) => vec![(0, 0, b.host.len)],
+            (None, _) => {
+                self.buffers.iter().enumerate().filter(|(_, b)| b.copy_in).map(|(i, b)| (i, 0, b.host.len)).collect()
+            }
+        }
+    }
+
+    /// The outputs, as (buffer, len): copied back whole.
+    fn outs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.buffers.iter().enumerate().filter(|(_, b)| b.copy_out).map(|(i, b)| (i, b.host.len))
+    }
+
     /// Bring every input to the host, waiting for the copies.
     pub fn all_in(&mut self) -> Result<()> {
-        let mut events = Vec::new();
-        for (i, b) in self.buffers.iter().enumerate().filter(|(_, b)| b.copy_in) {
-            events.push(self.device.to_host(i, 0, b.host.len)?);
-        }
+        let events = match &self.queued {
+            Some((events, _)) => events.clone(),
+            None => self.ins(None).into_iter().map(|(i, s, n)| self.device.to_host(i, s, n)).collect::<Result<_>>()?,
+        };
         events.into_iter().try_for_each(|e| self.device.wait(e))
     }
 
-    /// Queue every output's copy back.
+    /// The op has succeeded: copy every output back.
     pub fn all_out(&mut self) -> Result<()> {
-        for (i, b) in self.buffers.iter().enumerate().filter(|(_, b)| b.copy_out) {
-            self.device.to_device(i, 0, b.host.len)?;
+        if let Some((_, held)) = &mut self.queued {
+            *held = false;
+            self.device.gates().expect("queued with gates").open();
+            return Ok(());
         }
-        Ok(())
+        let outs: Vec<(usize, usize)> = self.outs().collect();
+        outs.into_iter().try_for_each(|(i, n)| self.device.to_device(i, 0, n))
     }
 
     /// Queue a send's one buffer to the host now, and return the wait for it
@@ -88,6 +160,35 @@ impl Staging {
         let same = b.host.ptr == buf.ptr && b.host.len == buf.len && b.copy_in && b.copy_out;
         (same && bytes > 0 && buf.len > bytes).then_some(bytes)
     }
+
+    /// The op has ended (`ok`: it succeeded and `all_out` ran). With gates:
+    /// a copy back still held (the op failed) first gets the device's own
+    /// bytes to copy, then the gate opens, so no tensor changes and nothing
+    /// waits forever; then the results are waited for where their consumer
+    /// is the host. Call it before the op's completion runs (the device may
+    /// be gone then).
+    pub fn settle(&mut self) -> Result<()> {
+        let Some((_, held)) = self.queued.take() else { return Ok(()) };
+        let outs: Vec<(usize, usize)> = if held { self.outs().collect() } else { Vec::new() };
+        let gates = self.device.gates().expect("queued with gates");
+        let restored = outs.into_iter().try_for_each(|(i, n)| gates.restore(i, 0, n));
+        gates.open();
+        let restored = restored.map_err(|e| e.context("rustc10d: a failed op could not restore its tensors"));
+        restored.and(gates.finish())
+    }
+}
+
+impl Drop for Staging {
+    /// However the op ended, nothing stays held (`settle` has run unless
+    /// the op was dropped before it ran).
+    fn drop(&mut self) {
+        let _ = self.settle();
+    }
+}
+
+/// [start, len) of each piece of `bytes` of a buffer of `len`.
+fn ranges(len: usize, bytes: usize) -> Vec<(usize, usize)> {
+    (0..len).step_by(bytes).map(|s| (s, bytes.min(len - s))).collect()
 }
 
 /// Bytes [start, start + len) of an elementwise op's one buffer, as an op of its own.
@@ -104,36 +205,28 @@ pub fn piece_of(part: &Collective, start: usize, len: usize) -> Collective {
 }
 
 /// Run `part` in pieces of `bytes`: every piece's copy to the host is queued
-/// at once; piece i runs (`run(i, piece)`) once its copy is done, and its
-/// result is queued for the copy back right away. A buffer whose device
-/// tensor is not contiguous comes in whole before piece 0 and goes back whole
-/// after the last (every rank still cuts the op the same way).
+/// at once (at issue, with gates); piece i runs (`run(i, piece)`) once its
+/// copy is done; the results go back once every piece has succeeded. A
+/// buffer whose device tensor is not contiguous comes in whole before piece
+/// 0 (every rank still cuts the op the same way).
 pub fn run_in_pieces(
     staging: &mut Staging,
     part: &Collective,
     bytes: usize,
     mut run: impl FnMut(usize, &Collective) -> Result<()>,
 ) -> Result<()> {
-    let b = staging.buffers[0];
-    let len = b.host.len;
-    let ranges: Vec<(usize, usize)> = (0..len).step_by(bytes).map(|s| (s, bytes.min(len - s))).collect();
-    let dev = &mut staging.device;
-    let events = if b.contiguous {
-        ranges.iter().map(|&(s, n)| dev.to_host(0, s, n)).collect::<Result<Vec<_>>>()?
-    } else {
-        vec![dev.to_host(0, 0, len)?]
+    let events = match &staging.queued {
+        Some((events, _)) => events.clone(),
+        None => {
+            let ins = staging.ins(Some(bytes));
+            ins.into_iter().map(|(i, s, n)| staging.device.to_host(i, s, n)).collect::<Result<_>>()?
+        }
     };
-    for (i, &(start, n)) in ranges.iter().enumerate() {
+    for (i, (start, n)) in ranges(staging.buffers[0].host.len, bytes).into_iter().enumerate() {
         if let Some(&e) = events.get(i) {
-            dev.wait(e)?;
+            staging.device.wait(e)?;
         }
         run(i, &piece_of(part, start, n))?;
-        if b.contiguous {
-            dev.to_device(0, start, n)?;
-        }
     }
-    if !b.contiguous {
-        dev.to_device(0, 0, len)?;
-    }
-    Ok(())
+    staging.all_out()
 }

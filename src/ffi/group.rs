@@ -4,35 +4,51 @@
 use super::bridge::{self, Call, OpKind, WaitOutcome};
 use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
 use super::{Group, Op};
-use crate::engine::{OpHandle, StagedBuffer, Staging, Waited};
+use crate::engine::{Device, OpHandle, StagedBuffer, Staging, StreamThread, Waited};
 use crate::error::Result;
 use crate::ops::{self, SparseGathered};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 impl Group {
-    pub(crate) fn staging(&self, call: &Call, done: &cxx::UniquePtr<bridge::Completion>) -> Option<Staging> {
-        let completion = done.as_ref()? as *const bridge::Completion;
-        (!call.staged.is_empty()).then(|| Staging {
-            buffers: call
-                .staged
-                .iter()
-                .map(|s| StagedBuffer {
-                    host: buf(&s.host),
-                    copy_in: s.copy_in,
-                    copy_out: s.copy_out,
-                    contiguous: s.contiguous,
-                })
-                .collect(),
-            device: Box::new(ShimDevice(completion)),
-            piece_bytes: self.cfg.stage_piece_bytes,
-        })
+    /// The op's staged buffers, on the shim's device primitives. Under test
+    /// staging (host memory standing in for a device), a collective's are on
+    /// the group's stream thread, so that it completes in stream order as on
+    /// a device. Point-to-point ops complete in any order (tags, sources), so
+    /// one held in a stream would hold up the others: theirs copy back when
+    /// they complete.
+    pub(crate) fn staging(&self, call: &Call, done: &cxx::UniquePtr<bridge::Completion>) -> Result<Option<Staging>> {
+        let Some(completion) = done.as_ref().filter(|_| !call.staged.is_empty()) else { return Ok(None) };
+        let buffers = call
+            .staged
+            .iter()
+            .map(|s| StagedBuffer {
+                host: buf(&s.host),
+                copy_in: s.copy_in,
+                copy_out: s.copy_out,
+                contiguous: s.contiguous,
+            })
+            .collect();
+        let shim: Box<dyn Device> = Box::new(ShimDevice(completion));
+        let p2p = matches!(call.kind, OpKind::Send | OpKind::Recv);
+        let streamed = self.cfg.test_staging && !p2p;
+        let device: Box<dyn Device> = if streamed { Box::new(self.stream()?.op(shim)) } else { shim };
+        Ok(Some(Staging::new(buffers, device, self.cfg.stage_piece_bytes)))
+    }
+
+    /// The group's stream thread, started with its first staged op.
+    fn stream(&self) -> Result<Arc<StreamThread>> {
+        let mut stream = self.stream.lock().unwrap();
+        if stream.is_none() {
+            *stream = Some(Arc::new(StreamThread::start("rustc10d-stream")?));
+        }
+        Ok(stream.clone().unwrap())
     }
 
     // Safety of the raw buffers: the Completion owns the tensors and is
     // dropped only when the engine finishes the op.
     pub(crate) fn issue(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Result<OpHandle> {
-        let staging = self.staging(call, &done);
+        let staging = self.staging(call, &done)?;
         let e = &self.engine;
         match op_kind(call.kind)? {
             ops::OpKind::Send => {
@@ -90,6 +106,9 @@ impl Group {
 
     pub(crate) fn shutdown(&self) {
         self.engine.shutdown();
+        if let Some(stream) = self.stream.lock().unwrap().take() {
+            stream.stop();
+        }
     }
 
     pub(crate) fn cuda_allowed(&self) -> bool {

@@ -211,6 +211,8 @@ impl Store for StoreRef {
 pub struct Group {
     pub engine: Engine,
     pub cfg: Config,
+    /// Under test staging: the stream the group's copies run on.
+    pub stream: std::sync::Mutex<Option<std::sync::Arc<crate::engine::StreamThread>>>,
 }
 
 pub struct Op {

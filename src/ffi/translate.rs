@@ -129,16 +129,29 @@ pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> R
 
 /// Finishing an op completes its torch future (and releases its tensors);
 /// a sparse all-reduce hands over what it gathered, a staged receive first
-/// queues its result back to the device.
+/// copies its result back to the device (or, failed, leaves it as it was).
 pub(super) fn finish_with(
     done: cxx::UniquePtr<bridge::Completion>,
     sparse: Option<Arc<Mutex<SparseGathered>>>,
     staged_out: Option<Staging>,
 ) -> Callback {
+    // Fields drop in this order: a staging dropped before it settled (the
+    // op never ran) settles while the Completion still holds its tensors.
+    struct Finish {
+        staged: Option<Staging>,
+        sparse: Option<Arc<Mutex<SparseGathered>>>,
+        done: cxx::UniquePtr<bridge::Completion>,
+    }
+    let finish = Finish { staged: staged_out, sparse, done };
     Box::new(move |r: &Result<i64>| {
-        let r = match (r, staged_out) {
-            (Ok(_), Some(mut staging)) => staging.all_out().map(|()| 0),
-            (r, _) => r.clone(),
+        let Finish { staged, sparse, done } = finish;
+        let r = match staged {
+            Some(mut staging) => {
+                let out = r.clone().and_then(|n| staging.all_out().map(|()| n));
+                let settled = staging.settle();
+                out.and_then(|n| settled.map(|()| n))
+            }
+            None => r.clone(),
         };
         match (r, sparse) {
             (Ok(_), Some(out)) => {
