@@ -253,3 +253,34 @@ fn small_all_reduce_mismatch_on_any_rank_fails_every_rank_and_touches_no_buffer(
         }
     }
 }
+
+/// A host cut off in silence (its ranks never join the op), on 3 hosts of 2
+/// ranks: every rank of the hosts still joined times out and names a rank
+/// of the lost host, also the ranks that were waiting for a joined rank
+/// which itself waited for the lost host (they ask it, and say what it said).
+#[test]
+fn a_lost_host_is_named_by_every_rank_that_times_out() {
+    let hosts = [0, 0, 1, 1, 2, 2];
+    for (what, n) in [("small", 2), ("large", 4096)] {
+        for small in [RING, DIRECT] {
+            let (out, _) = on_layout(&hosts, small, |rk| {
+                rk.timeout = Duration::from_millis(500);
+                if hosts[rk.rank()] == 2 {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    return None;
+                }
+                let mut b = Buf::of(DType::F32, &values(rk.rank(), n, 0));
+                Some(rk.run(Collective::AllReduce { buf: b.raw(), red: Reduction::new(DType::F32, ReduceOp::Sum) }))
+            });
+            for (rank, r) in out.into_iter().enumerate().filter(|(r, _)| hosts[*r] != 2) {
+                let at = format!("{what} all_reduce, small_allreduce_bytes {small}, rank {rank}");
+                let e = r.unwrap().expect_err(&at);
+                assert!(
+                    e.message.contains("rank 4 (fake)") || e.message.contains("rank 5 (fake)"),
+                    "{at}: {}",
+                    e.message
+                );
+            }
+        }
+    }
+}

@@ -9,7 +9,8 @@
 //!
 //! A test may `hold` a link: sends over it then wait, unread, until it is
 //! released, as sends behind a busy connection do; they read their memory
-//! only then.
+//! only then. A rank that asks a peer what it waits for is answered at once
+//! (unless the link is cut or held), from what the peer's ops noted.
 //!
 //! Not modelled: partial reads or writes (a message lands whole), flow
 //! control (a send never waits for its receiver, and `deadline` is unused),
@@ -20,6 +21,7 @@
 //! fails once any peer is lost, as the mesh's does.
 
 use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
+use super::waits::{Wait, Waits};
 use super::{Fold, Key, Ready, Transport};
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -39,6 +41,8 @@ pub struct FakeNet {
     /// `held[src][dst]`: the sends from `src` to `dst` waiting for the link's
     /// release, in order, while the link is held (Some).
     held: Vec<Vec<Mutex<Option<Vec<HeldSend>>>>>,
+    /// `waits[r]`: what rank r's ops wait for; a rank that asks reads it.
+    waits: Vec<Mutex<Waits>>,
 }
 
 /// A send that has not read its memory yet.
@@ -94,6 +98,7 @@ impl FakeNet {
             any: (0..world).map(|_| Mutex::default()).collect(),
             cut: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
             held: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
+            waits: (0..world).map(|_| Mutex::default()).collect(),
         });
         (0..world)
             .map(|rank| {
@@ -300,5 +305,23 @@ impl Transport for FakeTransport {
 
     fn host_of(&self, peer: usize) -> usize {
         self.hosts[peer]
+    }
+
+    fn begin_wait(&self, wait: Wait) -> u64 {
+        self.net.waits[self.rank].lock().unwrap().begin(wait)
+    }
+
+    fn end_wait(&self, id: u64, timed_out: bool) {
+        self.net.waits[self.rank].lock().unwrap().end(id, timed_out)
+    }
+
+    /// Answered at once, unless the link is cut or held.
+    fn ask(&self, peer: usize) -> Option<String> {
+        self.check_peer(peer).ok()?;
+        let held = self.net.held[self.rank][peer].lock().unwrap().is_some();
+        if held || self.net.cut[self.rank][peer].lock().unwrap().is_some() {
+            return None;
+        }
+        Some(self.net.waits[peer].lock().unwrap().answer(|p| self.describe_peer(p)))
     }
 }

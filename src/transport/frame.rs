@@ -7,8 +7,8 @@ use crate::error::{Error, Result};
 /// (v2: ranks publish their host and shared-memory socket; v3: and the
 /// settings every rank must share; v4: messages sent as their address; v5:
 /// groups on several hosts run hierarchical algorithms, which ranks of v4
-/// would not join).
-pub const PROTOCOL_VERSION: u32 = 5;
+/// would not join; v6: a rank that timed out asks its peer what it waits for).
+pub const PROTOCOL_VERSION: u32 = 6;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
 pub const HEADER_LEN: usize = 32;
@@ -21,6 +21,12 @@ pub const KIND_P2P: u8 = 2;
 /// The sender gives up on the group; the payload says why (UTF-8, at most ABORT_MAX bytes).
 pub const KIND_ABORT: u8 = 3;
 pub const ABORT_MAX: u64 = 4096;
+/// "What are you waiting for?" (no payload), from a rank that timed out
+/// waiting for the receiver; answered with a message of `KIND_ANSWER`.
+pub const KIND_ASK: u8 = 4;
+pub const KIND_ANSWER: u8 = 5;
+/// An answer's length: UTF-8, NUL-padded (see waits.rs).
+pub const ANSWER_LEN: usize = 512;
 
 /// Flag of a header whose message follows as its address (`Remote`), not its bytes.
 const FLAG_REMOTE: u8 = 1;
@@ -71,6 +77,12 @@ impl Key {
     pub fn abort() -> Key {
         Key { kind: KIND_ABORT, channel: 0, sub: 0 }
     }
+    pub fn ask() -> Key {
+        Key { kind: KIND_ASK, channel: 0, sub: 0 }
+    }
+    pub fn answer() -> Key {
+        Key { kind: KIND_ANSWER, channel: 0, sub: 0 }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +112,7 @@ impl FrameHeader {
             return Err(Error::io(format!("corrupt frame header (magic {magic:#x})")));
         }
         let kind = b[4];
-        if !(KIND_COLLECTIVE..=KIND_ABORT).contains(&kind) {
+        if !(KIND_COLLECTIVE..=KIND_ANSWER).contains(&kind) {
             return Err(Error::io(format!("corrupt frame header (kind {kind})")));
         }
         let remote = b[5] == FLAG_REMOTE;

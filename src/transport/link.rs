@@ -245,7 +245,11 @@ impl Link {
         let before = reader.reads;
         let stop = reader.pump(&self.conn, self.peer, &slot.mailbox, &core.any);
         let progressed = reader.reads != before;
+        let asked = std::mem::take(&mut reader.asked);
         drop(reader);
+        for _ in 0..asked {
+            core.answer(self.peer);
+        }
         self.settle();
         match stop {
             // Shared memory: a polling thread reads what comes; else the

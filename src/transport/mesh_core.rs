@@ -7,13 +7,17 @@ use super::accept::Listening;
 use super::conn::Conn;
 use super::dial::Dialler;
 use super::frame::Hello;
+use super::frame::Key;
 use super::link::Link;
 use super::mailbox::{AnyPosted, Mailbox};
 use super::mesh::PeerAddr;
 use super::peer::{Action, ConnId, Event, Peer};
 use super::reactor::{Membership, Reactor, Token};
 use super::striping::Striping;
+use super::waits::{encode_answer, Waits, ASK_GRACE};
+use super::writer::SendReq;
 use crate::error::{Error, Result};
+use crate::status::Status;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -51,6 +55,8 @@ pub struct Core {
     pub(super) hosts: Vec<usize>,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,
+    /// What this rank's ops wait for, to answer a peer that asks.
+    pub(super) waits: Mutex<Waits>,
 }
 
 pub struct PeerSlot {
@@ -89,6 +95,24 @@ impl Core {
 
     pub fn describe(&self, peer: usize) -> String {
         describe(&self.addrs, peer)
+    }
+
+    /// Tell `peer`, which asked (`Key::ask`), what this rank waits for. On a
+    /// thread of its own: finding the connection may mean dialling.
+    pub fn answer(self: &Arc<Self>, peer: usize) {
+        let core = self.clone();
+        let answered = std::thread::Builder::new().name("rustc10d-answer".into()).spawn(move || {
+            let text = core.waits.lock().unwrap().answer(|p| core.describe(p));
+            let bytes = encode_answer(&text);
+            let (data, len) = (bytes.as_ptr(), bytes.len());
+            // The status keeps the bytes until they are written.
+            let status = Status::with_callback(Box::new(move |_| drop(bytes)));
+            if let Ok(link) = core.lane(peer, 0, false, Instant::now() + ASK_GRACE) {
+                link.send(SendReq::new(Key::answer(), data, len, status, None));
+            }
+        });
+        // Without a thread the peer goes unanswered, which it allows for.
+        drop(answered);
     }
 
     /// The connection to send to `peer` on (`lane` picks one of several:

@@ -20,6 +20,7 @@ mod readers;
 pub mod ring;
 pub mod striping;
 pub mod subgroup;
+pub mod waits;
 mod writer;
 
 pub use frame::Key;
@@ -29,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::status::{Cost, Polling, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+pub use waits::Wait;
 
 /// Makes a send's bytes ready to read (see `Transport::send`).
 pub type Ready = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -129,6 +131,20 @@ pub trait Transport: Send + Sync {
     /// rank). Algorithms keep bytes off the links between hosts by it.
     fn host_of(&self, _peer: usize) -> usize {
         0
+    }
+
+    /// Note that an op blocks waiting for a peer, until `end_wait` (with
+    /// whether it timed out): what this rank answers when a peer asks.
+    fn begin_wait(&self, _wait: Wait) -> u64 {
+        0
+    }
+
+    fn end_wait(&self, _id: u64, _timed_out: bool) {}
+
+    /// Ask `peer`, which this rank timed out waiting for, what it waits for
+    /// itself ("" if nothing); None if it does not say within `ASK_GRACE`.
+    fn ask(&self, _peer: usize) -> Option<String> {
+        None
     }
 }
 
@@ -270,21 +286,37 @@ impl<'t> Transfers<'t> {
     /// Wait for one transfer, bounded by the op's deadline.
     pub fn wait(&self, id: TransferId) -> Result<()> {
         let p = &self.pending[id.0];
-        match p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer))) {
+        let noted = (!p.status.is_done()).then(|| {
+            let wait =
+                Wait { what: self.what.clone(), peer: p.peer, recv: p.recv_key.is_some(), since: Instant::now() };
+            self.transport.begin_wait(wait)
+        });
+        let waited = p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer)));
+        if let Some(id) = noted {
+            self.transport.end_wait(id, waited.is_none());
+        }
+        match waited {
             Some(Ok(_)) => Ok(()),
             Some(Err(e)) => Err(Error::new(
                 e.kind,
                 format!("rustc10d: {} failed with {}: {}", self.what, self.transport.describe_peer(p.peer), e.message),
             )),
-            None => Err(Error::timed_out(
-                self.timeout,
-                format_args!(
-                    "{} was waiting for {} {}",
-                    self.what,
-                    if p.recv_key.is_some() { "data from" } else { "a send to" },
-                    self.transport.describe_peer(p.peer)
-                ),
-            )),
+            None => {
+                // The peer may be waiting, in turn, for the rank really at fault.
+                let theirs = match self.transport.ask(p.peer) {
+                    Some(t) if !t.is_empty() => format!("; in turn, {t}"),
+                    _ => String::new(),
+                };
+                Err(Error::timed_out(
+                    self.timeout,
+                    format_args!(
+                        "{} was waiting for {} {}{theirs}",
+                        self.what,
+                        if p.recv_key.is_some() { "data from" } else { "a send to" },
+                        self.transport.describe_peer(p.peer)
+                    ),
+                ))
+            }
         }
     }
 

@@ -6,7 +6,7 @@
 //! the sender's memory the same way, then acknowledged.
 
 use super::conn::Conn;
-use super::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, REMOTE_LEN};
+use super::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, REMOTE_LEN};
 use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use crate::error::Error;
 use std::io;
@@ -38,6 +38,8 @@ pub struct Reader {
     bounce: Vec<u64>,
     /// Reads that returned bytes, ever (a poller tells progress by it).
     pub reads: u64,
+    /// Questions the peer asked (`Key::ask`) that are not answered yet.
+    pub asked: u32,
 }
 
 #[derive(Default)]
@@ -129,7 +131,7 @@ impl Reader {
         mailbox: &Mutex<Mailbox>,
         any: &Mutex<AnyPosted>,
     ) -> io::Result<Option<Stop>> {
-        let Reader { state, bounce, .. } = self;
+        let Reader { state, bounce, asked, .. } = self;
         match state {
             State::Start => {
                 let mut buf = [0u8; HEADER_LEN + REMOTE_LEN];
@@ -158,6 +160,14 @@ impl Reader {
                     return Ok(None);
                 }
                 let header = header.expect("read");
+                if header.key.kind == KIND_ASK {
+                    if header.len != 0 {
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "a question with a payload"));
+                    }
+                    *state = State::Start;
+                    *asked += 1;
+                    return Ok(None);
+                }
                 if header.key.kind == KIND_ABORT {
                     if header.len > ABORT_MAX {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "oversized abort frame"));

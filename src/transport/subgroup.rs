@@ -4,7 +4,7 @@
 //! on such views (the ranks of one host, or one rank of every host), and a
 //! view of every rank in another order makes a ring follow the hosts.
 
-use super::{Fold, Key, Ready, Transport};
+use super::{Fold, Key, Ready, Transport, Wait};
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
 use std::sync::Arc;
@@ -99,6 +99,18 @@ impl Transport for Subgroup<'_> {
 
     /// Single copy is a promise about every rank of the group, which a view
     /// of fewer ranks on several hosts would not keep; a view of them all would.
+    fn begin_wait(&self, wait: Wait) -> u64 {
+        self.group.begin_wait(Wait { peer: self.members[wait.peer], ..wait })
+    }
+
+    fn end_wait(&self, id: u64, timed_out: bool) {
+        self.group.end_wait(id, timed_out)
+    }
+
+    fn ask(&self, peer: usize) -> Option<String> {
+        self.group.ask(self.members[peer])
+    }
+
     fn single_copy_bytes(&self) -> Option<usize> {
         self.group.single_copy_bytes().filter(|_| self.members.len() == self.group.size())
     }

@@ -32,6 +32,8 @@ pub struct Rank<'a> {
     pub pool: ScratchPool,
     pub seq: u64,
     pub small: usize,
+    /// Each op's timeout.
+    pub timeout: Duration,
 }
 
 impl Rank<'_> {
@@ -54,7 +56,7 @@ impl Rank<'_> {
         let ctx = OpCtx {
             transport: self.t,
             seq,
-            timeout: TIMEOUT,
+            timeout: self.timeout,
             what: format!("{} #{seq} on rank {rank}", part.kind().name()),
             segment_bytes: SEGMENT,
             small_allreduce_bytes: self.small,
@@ -139,7 +141,7 @@ pub fn on_net<T: Send>(net: &[Arc<FakeTransport>], small: usize, f: impl Fn(&mut
             .map(|t| {
                 let f = &f;
                 s.spawn(move || {
-                    let mut rank = Rank { t, pool: ScratchPool::default(), seq: 0, small };
+                    let mut rank = Rank { t, pool: ScratchPool::default(), seq: 0, small, timeout: TIMEOUT };
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut rank)));
                     if r.is_err() {
                         t.abort_all(&Error::aborted(format!("rank {} panicked", t.rank())));

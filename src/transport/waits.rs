@@ -1,0 +1,104 @@
+//! What this rank is waiting for, so that a peer that timed out waiting for
+//! it can ask and say so: on a network cut in two, a rank that waited for a
+//! rank still joined would otherwise name only that one, not the rank
+//! behind it that is really gone. Each blocking wait of an op is noted
+//! while it lasts, and the last one that timed out is kept. A peer's
+//! question is answered from here in `ANSWER_LEN` bytes (`Key::answer`).
+
+use std::time::{Duration, Instant};
+
+/// How long a rank that timed out waits for a peer to say what it waits for.
+pub const ASK_GRACE: Duration = Duration::from_millis(250);
+
+/// One blocking wait of an op: `what` ("allreduce #4 on rank 1") was
+/// waiting for data from (or a send to) `peer`, a rank of the whole group.
+#[derive(Debug, Clone)]
+pub struct Wait {
+    pub what: String,
+    pub peer: usize,
+    pub recv: bool,
+    pub since: Instant,
+}
+
+#[derive(Default)]
+pub struct Waits {
+    next: u64,
+    now: Vec<(u64, Wait)>,
+    timed_out: Option<Wait>,
+}
+
+impl Waits {
+    pub fn begin(&mut self, wait: Wait) -> u64 {
+        self.next += 1;
+        self.now.push((self.next, wait));
+        self.next
+    }
+
+    pub fn end(&mut self, id: u64, timed_out: bool) {
+        if let Some(i) = self.now.iter().position(|(n, _)| *n == id) {
+            let (_, wait) = self.now.swap_remove(i);
+            if timed_out {
+                self.timed_out = Some(wait);
+            }
+        }
+    }
+
+    /// "allreduce #4 on rank 1 was waiting for data from rank 5 (…) for
+    /// 4.9 s", one per wait now, or the last that timed out; `describe`
+    /// names a rank of the group.
+    pub fn answer(&self, describe: impl Fn(usize) -> String) -> String {
+        let say = |w: &Wait, verb: &str| {
+            let from = if w.recv { "data from" } else { "a send to" };
+            format!("{} {verb} {from} {} for {:.1} s", w.what, describe(w.peer), w.since.elapsed().as_secs_f64())
+        };
+        let now: Vec<String> = self.now.iter().map(|(_, w)| say(w, "was waiting for")).collect();
+        match (now.is_empty(), &self.timed_out) {
+            (false, _) => now.join("; "),
+            (true, Some(w)) => say(w, "had timed out waiting for"),
+            (true, None) => String::new(),
+        }
+    }
+}
+
+/// The answer as it crosses: UTF-8, cut to `ANSWER_LEN` bytes (at a
+/// character boundary) and padded with NULs.
+pub fn encode_answer(text: &str) -> Vec<u8> {
+    let mut end = text.len().min(super::frame::ANSWER_LEN);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut b = text.as_bytes()[..end].to_vec();
+    b.resize(super::frame::ANSWER_LEN, 0);
+    b
+}
+
+pub fn decode_answer(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).trim_end_matches('\0').to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_what_waits_now_else_what_timed_out() {
+        let mut w = Waits::default();
+        assert_eq!(w.answer(|p| format!("rank {p}")), "");
+        let wait = |peer| Wait { what: "allreduce #4 on rank 1".into(), peer, recv: true, since: Instant::now() };
+        let a = w.begin(wait(5));
+        let b = w.begin(Wait { recv: false, ..wait(2) });
+        let told = w.answer(|p| format!("rank {p}"));
+        assert!(told.starts_with("allreduce #4 on rank 1 was waiting for data from rank 5 for 0.0 s; "), "{told}");
+        assert!(told.ends_with("was waiting for a send to rank 2 for 0.0 s"), "{told}");
+        w.end(b, false);
+        w.end(a, true);
+        assert_eq!(
+            w.answer(|p| format!("rank {p}")),
+            "allreduce #4 on rank 1 had timed out waiting for data from rank 5 for 0.0 s"
+        );
+        let long = "é".repeat(1000);
+        let enc = encode_answer(&long);
+        assert_eq!(enc.len(), super::super::frame::ANSWER_LEN);
+        assert_eq!(decode_answer(&enc), "é".repeat(super::super::frame::ANSWER_LEN / 2));
+    }
+}
