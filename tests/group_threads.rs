@@ -4,6 +4,8 @@
 
 mod threads;
 
+use rustc10d::status::Status;
+use rustc10d::transport::{Key, Transfers, Transport};
 use threads::*;
 
 fn lost_peer_fails_pending_ops_fast_and_breaks_the_group_on(mode: TransportMode) {
@@ -186,4 +188,46 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
         v
     });
     assert!(out.iter().all(|v| v == &vec![3u8; 3]));
+}
+
+/// A rank asks a peer what it waits for, over TCP and over shared memory:
+/// rank 1 blocks in a receive from rank 0; rank 2 asks it and is told so
+/// (with the op and rank 0 named), and rank 0, which waits for nothing,
+/// answers with nothing. Then rank 0 sends, and rank 1's wait ends.
+#[test]
+fn a_peer_says_what_it_waits_for() {
+    for mode in BOTH {
+        let store = Arc::new(MemStore::default());
+        let cfg = Config { transport: mode, ..Config::default() };
+        let meshes: Vec<_> = (0..3)
+            .map(|rank| {
+                let (store, cfg) = (store.clone(), cfg.clone());
+                std::thread::spawn(move || {
+                    connect(&*store, &member(rank, 3, Duration::from_secs(10), "127.0.0.1"), &cfg).unwrap()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let key = Key::collective(0, 0);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let what = "allreduce #0 on rank 1".to_string();
+                let mut tr =
+                    Transfers::new(&meshes[1], Duration::from_secs(10), what, Duration::ZERO, Default::default());
+                let mut buf = [0u8; 8];
+                let id = unsafe { tr.recv(0, key, buf.as_mut_ptr(), 8).unwrap() };
+                tr.wait(id).map(|()| buf)
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            let told = meshes[2].ask(1).expect("rank 1 answers");
+            assert!(told.starts_with("allreduce #0 on rank 1 was waiting for data from rank 0 ("), "{mode:?}: {told}");
+            assert_eq!(meshes[2].ask(0).as_deref(), Some(""), "{mode:?}: rank 0 waits for nothing");
+            let (status, seven, deadline) = (Status::new(), [7u8; 8], Instant::now() + Duration::from_secs(5));
+            unsafe { meshes[0].send(1, key, seven.as_ptr(), 8, status.clone(), deadline, None) }.unwrap();
+            assert_eq!(waiter.join().unwrap().unwrap(), [7u8; 8]);
+            assert!(status.wait(Some(Instant::now() + Duration::from_secs(5)), Duration::ZERO).is_some());
+        });
+    }
 }
