@@ -10,7 +10,7 @@
 //! A test may `hold` a link: sends over it then wait, unread, until it is
 //! released, as sends behind a busy connection do; they read their memory
 //! only then. A rank that asks a peer what it waits for is answered at once
-//! (unless the link is cut or held), from what the peer's ops noted.
+//! (unless the link is held), from what the peer's ops noted.
 //!
 //! Not modelled: partial reads or writes (a message lands whole), flow
 //! control (a send never waits for its receiver, and `deadline` is unused),
@@ -21,7 +21,7 @@
 //! fails once any peer is lost, as the mesh's does.
 
 use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
-use super::waits::{Wait, Waits};
+use super::waits::{Wait, Waits, MAX_DEPTH};
 use super::{Fold, Key, Ready, Transport};
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -136,6 +136,43 @@ impl FakeTransport {
             if let Err(e) = unsafe { self.send(peer, h.key, h.data, h.len, h.status.clone(), Instant::now(), None) } {
                 h.status.finish(Err(e));
             }
+        }
+    }
+
+    /// What `peer` answers when asked at `depth`: at once, unless the link
+    /// is held; in turn what the rank it waits for answers (waits.rs). Over
+    /// a cut link, why it was cut (a peer that gave up says why).
+    fn ask_at(&self, peer: usize, depth: u64) -> Option<String> {
+        self.check_peer(peer).ok()?;
+        if self.net.held[self.rank][peer].lock().unwrap().is_some() {
+            return None;
+        }
+        // A peer that gave up has said why (a cut link says that it was cut).
+        if let Some(why) = &*self.net.cut[self.rank][peer].lock().unwrap() {
+            return Some(why.message.clone());
+        }
+        let (text, next) = {
+            let waits = self.net.waits[peer].lock().unwrap();
+            (waits.answer(|p| self.describe_peer(p)), waits.waiting_for())
+        };
+        let them = &FakeTransport { rank: peer, ..self.clone_endpoint() };
+        let deeper = next.filter(|&q| q != self.rank && depth + 1 < MAX_DEPTH).and_then(|q| them.ask_at(q, depth + 1));
+        Some(match deeper {
+            Some(d) if !d.is_empty() => format!("{text}; in turn, {d}"),
+            _ => text,
+        })
+    }
+
+    /// This endpoint's view of the net, as another endpoint value (for
+    /// asking on a peer's behalf; its counters start at zero).
+    fn clone_endpoint(&self) -> FakeTransport {
+        FakeTransport {
+            net: self.net.clone(),
+            rank: self.rank,
+            sent: AtomicU64::new(0),
+            crossed: AtomicU64::new(0),
+            single_copy: self.single_copy,
+            hosts: self.hosts.clone(),
         }
     }
 
@@ -311,17 +348,11 @@ impl Transport for FakeTransport {
         self.net.waits[self.rank].lock().unwrap().begin(wait)
     }
 
-    fn end_wait(&self, id: u64, timed_out: bool) {
-        self.net.waits[self.rank].lock().unwrap().end(id, timed_out)
+    fn end_wait(&self, id: u64, said: Option<String>) {
+        self.net.waits[self.rank].lock().unwrap().end(id, said)
     }
 
-    /// Answered at once, unless the link is cut or held.
     fn ask(&self, peer: usize) -> Option<String> {
-        self.check_peer(peer).ok()?;
-        let held = self.net.held[self.rank][peer].lock().unwrap().is_some();
-        if held || self.net.cut[self.rank][peer].lock().unwrap().is_some() {
-            return None;
-        }
-        Some(self.net.waits[peer].lock().unwrap().answer(|p| self.describe_peer(p)))
+        self.ask_at(peer, 0)
     }
 }

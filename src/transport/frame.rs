@@ -77,8 +77,9 @@ impl Key {
     pub fn abort() -> Key {
         Key { kind: KIND_ABORT, channel: 0, sub: 0 }
     }
-    pub fn ask() -> Key {
-        Key { kind: KIND_ASK, channel: 0, sub: 0 }
+    /// A question `depth` ranks down a chain of waits (see waits.rs).
+    pub fn ask(depth: u64) -> Key {
+        Key { kind: KIND_ASK, channel: depth, sub: 0 }
     }
     pub fn answer() -> Key {
         Key { kind: KIND_ANSWER, channel: 0, sub: 0 }

@@ -247,8 +247,8 @@ impl Link {
         let progressed = reader.reads != before;
         let asked = std::mem::take(&mut reader.asked);
         drop(reader);
-        for _ in 0..asked {
-            core.answer(self.peer);
+        for depth in asked {
+            core.answer(self.peer, depth);
         }
         self.settle();
         match stop {

@@ -6,7 +6,6 @@
 //! actions are carried out here.
 
 use super::accept::{Listener, Listening};
-use super::frame::ANSWER_LEN;
 use super::frame::{Hello, Key, ABORT_MAX, KIND_P2P};
 use super::link::Link;
 use super::mailbox::{Fold, Mailbox, PostedRecv, RecvBuf};
@@ -14,7 +13,7 @@ use super::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
 use super::peer::Peer;
 use super::reactor::{Reactor, READABLE};
 use super::striping::Striping;
-use super::waits::{decode_answer, Wait, ASK_GRACE};
+use super::waits::Wait;
 use super::writer::SendReq;
 use super::{Ready, Transport};
 use crate::config::Config;
@@ -25,7 +24,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 pub struct Mesh {
     core: Arc<Core>,
@@ -283,27 +282,12 @@ impl Transport for Mesh {
         self.core.waits.lock().unwrap().begin(wait)
     }
 
-    fn end_wait(&self, id: u64, timed_out: bool) {
-        self.core.waits.lock().unwrap().end(id, timed_out)
+    fn end_wait(&self, id: u64, said: Option<String>) {
+        self.core.waits.lock().unwrap().end(id, said)
     }
 
     fn ask(&self, peer: usize) -> Option<String> {
-        let deadline = Instant::now() + ASK_GRACE;
-        let mut answer = vec![0u8; ANSWER_LEN];
-        let got = Status::new();
-        unsafe { self.recv(peer, Key::answer(), answer.as_mut_ptr(), ANSWER_LEN, None, got.clone()) }.ok()?;
-        let asked = unsafe { self.send(peer, Key::ask(), [].as_ptr(), 0, Status::new(), deadline, None) };
-        let answered =
-            asked.ok().and_then(|()| got.wait_polling(Some(deadline), Duration::ZERO, self.polling(Some(peer))));
-        if answered.is_none()
-            && !self.cancel_recv(peer, Key::answer(), &got)
-            && got.wait(Some(deadline + ASK_GRACE), Duration::ZERO).is_none()
-        {
-            // Still being filled: the buffer must outlive it.
-            std::mem::forget(answer);
-            return None;
-        }
-        matches!(answered, Some(Ok(_))).then(|| decode_answer(&answer))
+        self.core.ask(peer, 0)
     }
 
     fn lanes(&self, peer: usize) -> usize {

@@ -7,14 +7,15 @@ use super::accept::Listening;
 use super::conn::Conn;
 use super::dial::Dialler;
 use super::frame::Hello;
-use super::frame::Key;
+use super::frame::{Key, ANSWER_LEN};
 use super::link::Link;
 use super::mailbox::{AnyPosted, Mailbox};
+use super::mailbox::{PostedRecv, RecvBuf};
 use super::mesh::PeerAddr;
 use super::peer::{Action, ConnId, Event, Peer};
 use super::reactor::{Membership, Reactor, Token};
 use super::striping::Striping;
-use super::waits::{encode_answer, Waits, ASK_GRACE};
+use super::waits::{decode_answer, encode_answer, grace_at, Waits, ASK_GRACE, MAX_DEPTH};
 use super::writer::SendReq;
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -97,12 +98,21 @@ impl Core {
         describe(&self.addrs, peer)
     }
 
-    /// Tell `peer`, which asked (`Key::ask`), what this rank waits for. On a
-    /// thread of its own: finding the connection may mean dialling.
-    pub fn answer(self: &Arc<Self>, peer: usize) {
+    /// Tell `peer`, which asked (`Key::ask`) at `depth`, what this rank
+    /// waits for, and what the rank it waits for says in turn. On a thread
+    /// of its own: asking and finding the connection take time.
+    pub fn answer(self: &Arc<Self>, peer: usize, depth: u64) {
         let core = self.clone();
         let answered = std::thread::Builder::new().name("rustc10d-answer".into()).spawn(move || {
-            let text = core.waits.lock().unwrap().answer(|p| core.describe(p));
+            let (text, next) = {
+                let waits = core.waits.lock().unwrap();
+                (waits.answer(|p| core.describe(p)), waits.waiting_for())
+            };
+            let deeper = next.filter(|&q| q != peer && depth + 1 < MAX_DEPTH).and_then(|q| core.ask(q, depth + 1));
+            let text = match deeper {
+                Some(d) if !d.is_empty() => format!("{text}; in turn, {d}"),
+                _ => text,
+            };
             let bytes = encode_answer(&text);
             let (data, len) = (bytes.as_ptr(), bytes.len());
             // The status keeps the bytes until they are written.
@@ -113,6 +123,43 @@ impl Core {
         });
         // Without a thread the peer goes unanswered, which it allows for.
         drop(answered);
+    }
+
+    /// Ask `peer` what it waits for, as the rank asked at `depth - 1` (0:
+    /// this rank timed out waiting for it): its answer, or why it gave up on
+    /// the group if it has; None if it does not say in time.
+    pub fn ask(self: &Arc<Self>, peer: usize, depth: u64) -> Option<String> {
+        let grace = grace_at(depth);
+        let deadline = Instant::now() + grace;
+        let mut answer = vec![0u8; ANSWER_LEN];
+        let got = Status::new();
+        let recv = PostedRecv {
+            buf: RecvBuf { ptr: answer.as_mut_ptr(), len: ANSWER_LEN, fold: None },
+            status: got.clone(),
+            any_source: false,
+        };
+        // A peer that gave up has said why: that is its answer.
+        let mut mailbox = self.peers.get(peer)?.mailbox.lock().unwrap();
+        if let Some(why) = mailbox.closed() {
+            return Some(why.message.clone());
+        }
+        mailbox.post(Key::answer(), recv);
+        drop(mailbox);
+        self.resume(peer);
+        let asked = self.lane(peer, 0, false, deadline);
+        let asked = asked.map(|link| link.send(SendReq::new(Key::ask(depth), [].as_ptr(), 0, Status::new(), None)));
+        let answered = asked.ok().and_then(|()| got.wait(Some(deadline), Duration::ZERO));
+        let withdrawn = || self.peers[peer].mailbox.lock().unwrap().cancel(Key::answer(), &got);
+        if answered.is_none() && !withdrawn() && got.wait(Some(deadline + grace), Duration::ZERO).is_none() {
+            // Still being filled: the buffer must outlive it.
+            std::mem::forget(answer);
+            return None;
+        }
+        match answered? {
+            Ok(_) => Some(decode_answer(&answer)),
+            // It gave up meanwhile, and said why.
+            Err(why) => Some(why.message),
+        }
     }
 
     /// The connection to send to `peer` on (`lane` picks one of several:

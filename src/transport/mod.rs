@@ -134,15 +134,17 @@ pub trait Transport: Send + Sync {
     }
 
     /// Note that an op blocks waiting for a peer, until `end_wait` (with
-    /// whether it timed out): what this rank answers when a peer asks.
+    /// what the rank said if it timed out): what this rank answers when a
+    /// peer asks.
     fn begin_wait(&self, _wait: Wait) -> u64 {
         0
     }
 
-    fn end_wait(&self, _id: u64, _timed_out: bool) {}
+    fn end_wait(&self, _id: u64, _said: Option<String>) {}
 
     /// Ask `peer`, which this rank timed out waiting for, what it waits for
-    /// itself ("" if nothing); None if it does not say within `ASK_GRACE`.
+    /// itself ("" if nothing), and so on down the chain (waits.rs); None if
+    /// it does not say in time.
     fn ask(&self, _peer: usize) -> Option<String> {
         None
     }
@@ -292,8 +294,9 @@ impl<'t> Transfers<'t> {
             self.transport.begin_wait(wait)
         });
         let waited = p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer)));
-        if let Some(id) = noted {
-            self.transport.end_wait(id, waited.is_none());
+        let end = |said: Option<String>| noted.map(|id| self.transport.end_wait(id, said));
+        if waited.is_some() {
+            end(None);
         }
         match waited {
             Some(Ok(_)) => Ok(()),
@@ -307,15 +310,14 @@ impl<'t> Transfers<'t> {
                     Some(t) if !t.is_empty() => format!("; in turn, {t}"),
                     _ => String::new(),
                 };
-                Err(Error::timed_out(
-                    self.timeout,
-                    format_args!(
-                        "{} was waiting for {} {}{theirs}",
-                        self.what,
-                        if p.recv_key.is_some() { "data from" } else { "a send to" },
-                        self.transport.describe_peer(p.peer)
-                    ),
-                ))
+                let said = format!(
+                    "{} was waiting for {} {}{theirs}",
+                    self.what,
+                    if p.recv_key.is_some() { "data from" } else { "a send to" },
+                    self.transport.describe_peer(p.peer)
+                );
+                end(Some(said.clone()));
+                Err(Error::timed_out(self.timeout, format_args!("{said}")))
             }
         }
     }

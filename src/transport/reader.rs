@@ -38,8 +38,8 @@ pub struct Reader {
     bounce: Vec<u64>,
     /// Reads that returned bytes, ever (a poller tells progress by it).
     pub reads: u64,
-    /// Questions the peer asked (`Key::ask`) that are not answered yet.
-    pub asked: u32,
+    /// Questions the peer asked (`Key::ask`, by depth) not answered yet.
+    pub asked: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -165,7 +165,7 @@ impl Reader {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "a question with a payload"));
                     }
                     *state = State::Start;
-                    *asked += 1;
+                    asked.push(header.key.channel);
                     return Ok(None);
                 }
                 if header.key.kind == KIND_ABORT {

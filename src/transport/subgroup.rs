@@ -103,8 +103,8 @@ impl Transport for Subgroup<'_> {
         self.group.begin_wait(Wait { peer: self.members[wait.peer], ..wait })
     }
 
-    fn end_wait(&self, id: u64, timed_out: bool) {
-        self.group.end_wait(id, timed_out)
+    fn end_wait(&self, id: u64, said: Option<String>) {
+        self.group.end_wait(id, said)
     }
 
     fn ask(&self, peer: usize) -> Option<String> {

@@ -2,13 +2,23 @@
 //! it can ask and say so: on a network cut in two, a rank that waited for a
 //! rank still joined would otherwise name only that one, not the rank
 //! behind it that is really gone. Each blocking wait of an op is noted
-//! while it lasts, and the last one that timed out is kept. A peer's
-//! question is answered from here in `ANSWER_LEN` bytes (`Key::answer`).
+//! while it lasts, and what the rank said when its last wait timed out is
+//! kept. A peer's question is answered from here in `ANSWER_LEN` bytes
+//! (`Key::answer`); the answering rank first asks, in turn, the rank it
+//! waits for, up to `MAX_DEPTH` ranks down a chain of waits.
 
 use std::time::{Duration, Instant};
 
-/// How long a rank that timed out waits for a peer to say what it waits for.
-pub const ASK_GRACE: Duration = Duration::from_millis(250);
+/// How long each rank down a chain gets to answer.
+pub const ASK_GRACE: Duration = Duration::from_millis(100);
+/// How far down a chain of waits a question goes.
+pub const MAX_DEPTH: u64 = 3;
+
+/// How long a rank asked at `depth` (0: the rank that timed out asks)
+/// waits for its answer: long enough for the ranks further down to answer.
+pub fn grace_at(depth: u64) -> Duration {
+    ASK_GRACE * (MAX_DEPTH + 1 - depth.min(MAX_DEPTH)) as u32
+}
 
 /// One blocking wait of an op: `what` ("allreduce #4 on rank 1") was
 /// waiting for data from (or a send to) `peer`, a rank of the whole group.
@@ -24,7 +34,7 @@ pub struct Wait {
 pub struct Waits {
     next: u64,
     now: Vec<(u64, Wait)>,
-    timed_out: Option<Wait>,
+    timed_out: Option<String>,
 }
 
 impl Waits {
@@ -34,27 +44,37 @@ impl Waits {
         self.next
     }
 
-    pub fn end(&mut self, id: u64, timed_out: bool) {
+    /// The wait ended; `said`: it timed out, and this is what the rank said.
+    pub fn end(&mut self, id: u64, said: Option<String>) {
         if let Some(i) = self.now.iter().position(|(n, _)| *n == id) {
-            let (_, wait) = self.now.swap_remove(i);
-            if timed_out {
-                self.timed_out = Some(wait);
-            }
+            self.now.swap_remove(i);
+        }
+        if said.is_some() {
+            self.timed_out = said;
         }
     }
 
+    /// The peer this rank waits for now (the longest-waiting wait's).
+    pub fn waiting_for(&self) -> Option<usize> {
+        self.now.iter().min_by_key(|(_, w)| w.since).map(|(_, w)| w.peer)
+    }
+
     /// "allreduce #4 on rank 1 was waiting for data from rank 5 (…) for
-    /// 4.9 s", one per wait now, or the last that timed out; `describe`
-    /// names a rank of the group.
+    /// 4.9 s", one per wait now, or what the rank said when its last wait
+    /// timed out; `describe` names a rank of the group.
     pub fn answer(&self, describe: impl Fn(usize) -> String) -> String {
-        let say = |w: &Wait, verb: &str| {
-            let from = if w.recv { "data from" } else { "a send to" };
-            format!("{} {verb} {from} {} for {:.1} s", w.what, describe(w.peer), w.since.elapsed().as_secs_f64())
-        };
-        let now: Vec<String> = self.now.iter().map(|(_, w)| say(w, "was waiting for")).collect();
+        let now: Vec<String> = self
+            .now
+            .iter()
+            .map(|(_, w)| {
+                let from = if w.recv { "data from" } else { "a send to" };
+                let secs = w.since.elapsed().as_secs_f64();
+                format!("{} was waiting for {from} {} for {secs:.1} s", w.what, describe(w.peer))
+            })
+            .collect();
         match (now.is_empty(), &self.timed_out) {
             (false, _) => now.join("; "),
-            (true, Some(w)) => say(w, "had timed out waiting for"),
+            (true, Some(said)) => format!("{said} (and timed out)"),
             (true, None) => String::new(),
         }
     }
@@ -81,21 +101,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn answers_what_waits_now_else_what_timed_out() {
+    fn answers_what_waits_now_else_what_it_said_when_it_timed_out() {
         let mut w = Waits::default();
         assert_eq!(w.answer(|p| format!("rank {p}")), "");
         let wait = |peer| Wait { what: "allreduce #4 on rank 1".into(), peer, recv: true, since: Instant::now() };
         let a = w.begin(wait(5));
         let b = w.begin(Wait { recv: false, ..wait(2) });
+        assert_eq!(w.waiting_for(), Some(5));
         let told = w.answer(|p| format!("rank {p}"));
         assert!(told.starts_with("allreduce #4 on rank 1 was waiting for data from rank 5 for 0.0 s; "), "{told}");
         assert!(told.ends_with("was waiting for a send to rank 2 for 0.0 s"), "{told}");
-        w.end(b, false);
-        w.end(a, true);
+        w.end(b, None);
+        w.end(a, Some("allreduce #4 on rank 1 was waiting for data from rank 5".into()));
+        assert_eq!(w.waiting_for(), None);
         assert_eq!(
             w.answer(|p| format!("rank {p}")),
-            "allreduce #4 on rank 1 had timed out waiting for data from rank 5 for 0.0 s"
+            "allreduce #4 on rank 1 was waiting for data from rank 5 (and timed out)"
         );
+        assert!(grace_at(0) > grace_at(1) && grace_at(MAX_DEPTH) == ASK_GRACE);
         let long = "é".repeat(1000);
         let enc = encode_answer(&long);
         assert_eq!(enc.len(), super::super::frame::ANSWER_LEN);
