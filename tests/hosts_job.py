@@ -41,16 +41,23 @@ def expect(what: str, got: torch.Tensor, want: torch.Tensor):
                              f"got {got[i].item()}, expected {want[i].item()}")
 
 
+def say(line: str) -> None:
+    """One line in one write: print() writes the text and its newline apart (unbuffered, as the
+    tests run), so lines of ranks that share torchrun's output could run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def init_only() -> int:
     t0 = time.monotonic()
     try:
         dist.init_process_group("rustc10d", timeout=TIMEOUT)
         dist.barrier()
     except Exception as e:  # noqa: BLE001 - the failure is what the test looks at
-        print(f"rank {os.environ.get('RANK')} on host {HOST}: init failed after {time.monotonic() - t0:.1f} s: "
-              f"{type(e).__name__}: {e}", flush=True)
+        say(f"rank {os.environ.get('RANK')} on host {HOST}: init failed after {time.monotonic() - t0:.1f} s: "
+            f"{type(e).__name__}: {e}")
         return 1
-    print(f"rank {dist.get_rank()} on host {HOST}: init ok", flush=True)
+    say(f"rank {dist.get_rank()} on host {HOST}: init ok")
     dist.destroy_process_group()
     return 0
 
@@ -70,8 +77,8 @@ def striping() -> int:
         dist.all_reduce(t)
         times.append(time.perf_counter() - t0)
         expect("all_reduce of 16 MiB", t, want)
-    print(f"rank {rank} on host {HOST}: connections {rustc10d.connections()} first {times[0]:.3f} s "
-          f"last {min(times[-4:]):.3f} s", flush=True)
+    say(f"rank {rank} on host {HOST}: connections {rustc10d.connections()} first {times[0]:.3f} s "
+        f"last {min(times[-4:]):.3f} s")
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -157,5 +164,5 @@ want = {p: "shm" if hosts_of[p] == HOST else "tcp" for p in range(WORLD) if p !=
 assert links == want, f"rank {RANK} on host {HOST} (hosts of ranks: {hosts_of}): links {links}, expected {want}"
 dist.barrier()  # no rank leaves (closing its links) before every rank has looked
 
-print(f"rank {RANK} on host {HOST} ok ({checks} checks, {PER_HOST} ranks on this host)", flush=True)
+say(f"rank {RANK} on host {HOST} ok ({checks} checks, {PER_HOST} ranks on this host)")
 dist.destroy_process_group()
