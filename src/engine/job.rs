@@ -39,9 +39,9 @@ impl Job {
 impl Shared {
     pub(super) fn run(&self, mut job: Job) {
         let result = self.run_job(&mut job);
-        let (first_seq, parts) = (job.first_seq, std::mem::take(&mut job.parts));
         let settled = job.staging.as_mut().map_or(Ok(()), |s| s.settle());
-        let settled = settled.map_err(|e| if result.is_ok() { self.staging_failed(first_seq, &parts, e) } else { e });
+        let settled =
+            settled.map_err(|e| if result.is_ok() { self.staging_failed(job.first_seq, &job.parts, e) } else { e });
         job.status.finish(result.and(settled).map(|()| 0));
     }
 

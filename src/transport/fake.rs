@@ -21,7 +21,7 @@
 //! fails once any peer is lost, as the mesh's does.
 
 use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
-use super::waits::{Wait, Waits, MAX_DEPTH};
+use super::waits::{ask_next, in_turn, Wait, Waits};
 use super::{Fold, Key, Ready, Transport};
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -139,41 +139,23 @@ impl FakeTransport {
         }
     }
 
-    /// What `peer` answers when asked at `depth`: at once, unless the link
-    /// is held; in turn what the rank it waits for answers (waits.rs). Over
-    /// a cut link, why it was cut (a peer that gave up says why).
-    fn ask_at(&self, peer: usize, depth: u64) -> Option<String> {
+    /// What `peer` answers `from` when asked at `depth`: at once, unless
+    /// the link is held; in turn what the rank it waits for answers
+    /// (waits.rs). Over a cut link, why it was cut (a peer that gave up says why).
+    fn ask_at(&self, from: usize, peer: usize, depth: u64) -> Option<String> {
         self.check_peer(peer).ok()?;
-        if self.net.held[self.rank][peer].lock().unwrap().is_some() {
+        if self.net.held[from][peer].lock().unwrap().is_some() {
             return None;
         }
-        // A peer that gave up has said why (a cut link says that it was cut).
-        if let Some(why) = &*self.net.cut[self.rank][peer].lock().unwrap() {
+        if let Some(why) = &*self.net.cut[from][peer].lock().unwrap() {
             return Some(why.message.clone());
         }
         let (text, next) = {
             let waits = self.net.waits[peer].lock().unwrap();
             (waits.answer(|p| self.describe_peer(p)), waits.waiting_for())
         };
-        let them = &FakeTransport { rank: peer, ..self.clone_endpoint() };
-        let deeper = next.filter(|&q| q != self.rank && depth + 1 < MAX_DEPTH).and_then(|q| them.ask_at(q, depth + 1));
-        Some(match deeper {
-            Some(d) if !d.is_empty() => format!("{text}; in turn, {d}"),
-            _ => text,
-        })
-    }
-
-    /// This endpoint's view of the net, as another endpoint value (for
-    /// asking on a peer's behalf; its counters start at zero).
-    fn clone_endpoint(&self) -> FakeTransport {
-        FakeTransport {
-            net: self.net.clone(),
-            rank: self.rank,
-            sent: AtomicU64::new(0),
-            crossed: AtomicU64::new(0),
-            single_copy: self.single_copy,
-            hosts: self.hosts.clone(),
-        }
+        let deeper = ask_next(next, from, depth).and_then(|q| self.ask_at(peer, q, depth + 1));
+        Some(in_turn(text, deeper))
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -353,6 +335,6 @@ impl Transport for FakeTransport {
     }
 
     fn ask(&self, peer: usize) -> Option<String> {
-        self.ask_at(peer, 0)
+        self.ask_at(self.rank, peer, 0)
     }
 }

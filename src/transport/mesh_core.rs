@@ -15,7 +15,7 @@ use super::mesh::PeerAddr;
 use super::peer::{Action, ConnId, Event, Peer};
 use super::reactor::{Membership, Reactor, Token};
 use super::striping::Striping;
-use super::waits::{decode_answer, encode_answer, grace_at, Waits, ASK_GRACE, MAX_DEPTH};
+use super::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
 use super::writer::SendReq;
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -108,12 +108,8 @@ impl Core {
                 let waits = core.waits.lock().unwrap();
                 (waits.answer(|p| core.describe(p)), waits.waiting_for())
             };
-            let deeper = next.filter(|&q| q != peer && depth + 1 < MAX_DEPTH).and_then(|q| core.ask(q, depth + 1));
-            let text = match deeper {
-                Some(d) if !d.is_empty() => format!("{text}; in turn, {d}"),
-                _ => text,
-            };
-            let bytes = encode_answer(&text);
+            let deeper = ask_next(next, peer, depth).and_then(|q| core.ask(q, depth + 1));
+            let bytes = encode_answer(&in_turn(text, deeper));
             let (data, len) = (bytes.as_ptr(), bytes.len());
             // The status keeps the bytes until they are written.
             let status = Status::with_callback(Box::new(move |_| drop(bytes)));

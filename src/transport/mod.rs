@@ -306,16 +306,13 @@ impl<'t> Transfers<'t> {
             )),
             None => {
                 // The peer may be waiting, in turn, for the rank really at fault.
-                let theirs = match self.transport.ask(p.peer) {
-                    Some(t) if !t.is_empty() => format!("; in turn, {t}"),
-                    _ => String::new(),
-                };
                 let said = format!(
-                    "{} was waiting for {} {}{theirs}",
+                    "{} was waiting for {} {}",
                     self.what,
                     if p.recv_key.is_some() { "data from" } else { "a send to" },
                     self.transport.describe_peer(p.peer)
                 );
+                let said = waits::in_turn(said, self.transport.ask(p.peer));
                 end(Some(said.clone()));
                 Err(Error::timed_out(self.timeout, format_args!("{said}")))
             }

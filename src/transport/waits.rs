@@ -80,6 +80,20 @@ impl Waits {
     }
 }
 
+/// What a rank said, with what the rank it waited for said in turn, if anything.
+pub fn in_turn(said: String, theirs: Option<String>) -> String {
+    match theirs {
+        Some(t) if !t.is_empty() => format!("{said}; in turn, {t}"),
+        _ => said,
+    }
+}
+
+/// Whom a rank asked at `depth` by `asker` asks in turn: the rank it waits
+/// for, unless that is the asker or the chain is as deep as it goes.
+pub fn ask_next(waiting_for: Option<usize>, asker: usize, depth: u64) -> Option<usize> {
+    waiting_for.filter(|&q| q != asker && depth + 1 < MAX_DEPTH)
+}
+
 /// The answer as it crosses: UTF-8, cut to `ANSWER_LEN` bytes (at a
 /// character boundary) and padded with NULs.
 pub fn encode_answer(text: &str) -> Vec<u8> {
