@@ -18,6 +18,7 @@ pub mod reactor;
 mod reader;
 mod readers;
 pub mod ring;
+pub mod shared_mem;
 pub mod striping;
 pub mod subgroup;
 pub mod waits;

@@ -12,9 +12,10 @@
 //! large messages then cross in one copy instead of two), and which of the
 //! messages sent so it has read.
 
+use super::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// Control block of a ring: one page, producer and consumer fields on their
@@ -55,13 +56,9 @@ const _: () = assert!(std::mem::size_of::<Ctl>() <= CTL_BYTES);
 
 /// A shared mapping of two rings; unmapped when the last user drops it.
 pub struct Segment {
-    base: *mut u8,
-    len: usize,
+    map: Mapping,
     capacity: usize,
 }
-// The rings inside are only touched through atomics and the SPSC protocol.
-unsafe impl Send for Segment {}
-unsafe impl Sync for Segment {}
 
 impl Segment {
     fn bytes_for(capacity: usize) -> usize {
@@ -71,21 +68,9 @@ impl Segment {
     /// A new anonymous, sealed segment with two empty rings of `capacity` bytes.
     pub fn create(capacity: usize) -> Result<(Segment, OwnedFd)> {
         assert!(capacity.is_power_of_two());
-        let fd = unsafe { libc::memfd_create(c"rustc10d".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-        if fd < 0 {
-            return Err(os_error("memfd_create"));
-        }
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let len = Self::bytes_for(capacity);
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(os_error("ftruncate"));
-        }
-        // A peer can neither shrink it under us (SIGBUS) nor change the seals.
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            return Err(os_error("sealing the segment"));
-        }
-        let seg = Segment::map(fd.as_raw_fd(), len, capacity)?;
+        let fd = sealed_memfd(len)?;
+        let seg = Segment { map: Mapping::of(fd.as_raw_fd(), len)?, capacity };
         for side in 0..2 {
             let ctl = seg.ctl(side);
             ctl.capacity.store(capacity as u64, Ordering::Relaxed);
@@ -98,38 +83,20 @@ impl Segment {
 
     /// Map a segment a peer created, after checking it is what it claims.
     pub fn open(fd: &OwnedFd) -> Result<Segment> {
-        let raw = fd.as_raw_fd();
-        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(Error::io("rustc10d: the shared-memory segment a peer sent is not sealed"));
-        }
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(raw, &mut st) } != 0 {
-            return Err(os_error("fstat"));
-        }
-        let len = st.st_size as usize;
+        let len = sealed_len(fd, "shared-memory segment")?;
+        let malformed = || Error::io("rustc10d: malformed shared-memory segment from a peer");
         if len < CTL_BYTES {
-            return Err(Error::io("rustc10d: malformed shared-memory segment from a peer"));
+            return Err(malformed());
         }
         // Read the capacity from the first control block, then check it all.
-        let probe = Segment::map(raw, CTL_BYTES, 0)?;
+        let probe = Segment { map: Mapping::of(fd.as_raw_fd(), CTL_BYTES)?, capacity: 0 };
         let (magic, capacity) =
             (probe.ctl(0).magic.load(Ordering::Acquire), probe.ctl(0).capacity.load(Ordering::Relaxed) as usize);
         drop(probe);
         if magic != MAGIC || !capacity.is_power_of_two() || Self::bytes_for(capacity) != len {
-            return Err(Error::io("rustc10d: malformed shared-memory segment from a peer"));
+            return Err(malformed());
         }
-        Segment::map(raw, len, capacity)
-    }
-
-    fn map(fd: RawFd, len: usize, capacity: usize) -> Result<Segment> {
-        let base = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os_error("mmap"));
-        }
-        Ok(Segment { base: base.cast(), len, capacity })
+        Ok(Segment { map: Mapping::of(fd.as_raw_fd(), len)?, capacity })
     }
 
     pub fn capacity(&self) -> usize {
@@ -142,7 +109,7 @@ impl Segment {
     }
 
     fn ring_base(&self, side: usize) -> *mut u8 {
-        unsafe { self.base.add(side * (CTL_BYTES + self.capacity)) }
+        unsafe { self.map.base.add(side * (CTL_BYTES + self.capacity)) }
     }
 
     fn ctl(&self, side: usize) -> &Ctl {
@@ -151,12 +118,6 @@ impl Segment {
 
     fn data(&self, side: usize) -> *mut u8 {
         unsafe { self.ring_base(side).add(CTL_BYTES) }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
 
@@ -174,7 +135,7 @@ impl Ring<'_> {
 
     /// The writer says where it maps the segment.
     pub fn set_writer_base(&self) {
-        self.ctl().writer_base.store(self.seg.base as u64, Ordering::Release);
+        self.ctl().writer_base.store(self.seg.map.base as u64, Ordering::Release);
     }
 
     /// Where the writer maps the segment (0: not said yet).
@@ -340,13 +301,10 @@ fn announce(flag: &AtomicU32, must_wait: impl Fn() -> bool) -> bool {
     false
 }
 
-fn os_error(what: &str) -> Error {
-    Error::io(format!("rustc10d: {what} failed: {}", io::Error::last_os_error()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     fn rings(capacity: usize) -> (Segment, Segment) {
         let (seg, fd) = Segment::create(capacity).unwrap();
