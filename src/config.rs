@@ -47,6 +47,9 @@ pub struct Config {
     /// by it straight from this rank's memory, where the kernel allows it (0:
     /// never); collectives choose their algorithms by it.
     pub single_copy_bytes: usize,
+    /// Bytes of each of a rank's two slots in the group's shared arena,
+    /// where every rank runs on one host (0: no arena).
+    pub arena_slot_bytes: usize,
     // This rank's own.
     pub transport: TransportMode,
     /// TCP connections this rank sends to each peer on (`auto`: chosen by
@@ -75,6 +78,7 @@ impl Default for Config {
             transport: TransportMode::Auto,
             nsocks: LaneCount::Auto,
             single_copy_bytes: 64 << 10,
+            arena_slot_bytes: 1 << 20,
             spin: Duration::from_micros(50),
             socket_ifname: None,
             faults: Arc::default(),
@@ -149,6 +153,20 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| c.single_copy_bytes.to_string(),
+    },
+    Setting {
+        option: "arena_slot_bytes",
+        env: "RUSTC10D_ARENA_SLOT_BYTES",
+        shared: true,
+        set: |c, v| {
+            let n = bytes(v, 0, 1 << 30)?;
+            if n % 4096 != 0 || (n > 0 && n < 4096) {
+                return Err(format!("{n} is not 0 or a multiple of 4096"));
+            }
+            c.arena_slot_bytes = n;
+            Ok(())
+        },
+        show: |c| c.arena_slot_bytes.to_string(),
     },
     Setting {
         option: "transport",

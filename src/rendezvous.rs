@@ -5,9 +5,10 @@
 
 use crate::config::{Config, TransportMode};
 use crate::error::{Error, Result};
+use crate::transport::arena::Arena;
 use crate::transport::conn::read_process;
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
-use crate::transport::mesh::{Layout, Mesh, PeerAddr, ShmEndpoint};
+use crate::transport::mesh::{ArenaRole, Layout, Mesh, PeerAddr, ShmEndpoint};
 use crate::transport::reactor::Reactor;
 use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
@@ -154,9 +155,15 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         let addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
         // Holding a membership keeps the I/O thread, started here, until the mesh holds its own.
         let io = Reactor::join()?;
-        Ok((listener, addr, io, shm_endpoint(cfg, rank)?))
+        let shm = shm_endpoint(cfg, rank)?;
+        // Rank 0 makes the arena before it publishes, so that if it cannot
+        // the others learn why at once; it is dropped if the group spans hosts.
+        let arena = (rank == 0 && size > 1 && shm.is_some() && cfg.arena_slot_bytes > 0)
+            .then(|| Arena::create(size, cfg.arena_slot_bytes, rank))
+            .transpose()?;
+        Ok((listener, addr, io, shm, arena))
     };
-    let (listener, addr, _io, shm) = local_setup().inspect_err(|why| refuse_in(store, &keys, rank, why))?;
+    let (listener, addr, _io, shm, arena) = local_setup().inspect_err(|why| refuse_in(store, &keys, rank, why))?;
     let (local, shm_name) = match shm {
         Some((ep, name)) => (Some(ep), Some(name)),
         None => (None, None),
@@ -183,7 +190,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         })
         .collect();
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
-    let layout = Layout { hosts: number_hosts(&records), single_copy };
+    let layout = Layout { hosts: number_hosts(&records), single_copy, arena: arena_role(cfg, &records, arena) };
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
@@ -208,6 +215,22 @@ fn number_hosts(records: &[Published]) -> Vec<usize> {
             }
         })
         .collect()
+}
+
+/// Whether the group gets a shared arena (every rank on one host, every one
+/// offering shared memory, `arena_slot_bytes` above 0: the same on every
+/// rank), and this rank's part in it: rank 0 made it (`made`) and hands it out.
+fn arena_role(cfg: &Config, records: &[Published], made: Option<Arena>) -> ArenaRole {
+    let host = &records[0].host;
+    let one_host = records.len() > 1
+        && host != "unknown"
+        && records.iter().all(|r| r.shm.is_some() && &r.host == host)
+        && cfg.arena_slot_bytes > 0;
+    match (one_host, made) {
+        (false, _) => ArenaRole::None,
+        (true, Some(arena)) => ArenaRole::Lead(arena),
+        (true, None) => ArenaRole::Join { leader: 0 },
+    }
 }
 
 /// Whether every rank of the group can read every other's memory directly,

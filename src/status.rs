@@ -45,7 +45,8 @@ impl Cost {
         self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
-    fn slept(&self) {
+    /// A waiting thread slept (and was woken, or timed out).
+    pub fn slept(&self) {
         self.wakeups.fetch_add(1, Ordering::Relaxed);
     }
 

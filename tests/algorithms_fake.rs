@@ -38,9 +38,15 @@ fn all_reduce_on_both_paths_matches_arithmetic() {
                         assert_eq!(b, Buf::of(red.dtype, &want), "{at}");
                         let premul = red.reduction().premul.is_some();
                         let block = n / world * red.dtype.size();
-                        if n * red.dtype.size() <= small {
+                        let single = world > 1 && !premul && single_copy.is_some_and(|from| block >= from);
+                        if kind.arena() {
+                            // The arena's sends nothing; the single-copy one a block and the
+                            // reduced block to every peer (the call is checked in the arena).
+                            let want = if single { 2 * (world as u64 - 1) } else { 0 };
+                            assert_eq!(sent, want, "{at}: not the arena's (or single-copy) all-reduce");
+                        } else if n * red.dtype.size() <= small {
                             assert!(sent <= exchange, "{at}: sent {sent}, not the direct path");
-                        } else if world > 1 && !premul && single_copy.is_some_and(|from| block >= from) {
+                        } else if single {
                             // A fingerprint, a block and the reduced block to every peer.
                             assert_eq!(sent, 3 * (world as u64 - 1), "{at}: not the single-copy all-reduce");
                         } else if world > 1 && !kind.hosts() {
@@ -112,7 +118,12 @@ fn broadcast_from_every_root() {
                     for (len, b, sent) in got {
                         let at = format!("{net}, world {world}, {path}, root {root}, rank {rank}, {len} bytes");
                         assert_eq!(b.bytes(), pattern(root, len, len), "{at}");
-                        if single_copy.is_some_and(|from| len >= from) && world > 1 {
+                        let single = single_copy.is_some_and(|from| len >= from) && world > 1;
+                        if kind.arena() {
+                            // Nothing through the arena; the root's buffer to every peer with single copy.
+                            let want = if single && rank == root { world - 1 } else { 0 };
+                            assert_eq!(sent, want as u64, "{at}: not the arena's (or single-copy) broadcast");
+                        } else if single {
                             // A fingerprint to every peer, and the root its buffer to every peer.
                             let want = if rank == root { 2 * (world - 1) } else { world - 1 };
                             assert_eq!(sent, want as u64, "{at}: not the single-copy broadcast");
@@ -150,9 +161,14 @@ fn all_gather_with_blocks_of_different_sizes() {
             });
             for (rank, got) in out.into_iter().enumerate() {
                 for ((input, outputs, sent), len) in got.into_iter().zip(sizes) {
-                    if single_copy.is_some_and(|from| (0..world).all(|p| len(p) >= from)) && world > 1 {
-                        let want = 2 * (world as u64 - 1); // a fingerprint and its block to every peer
+                    let single = single_copy.is_some_and(|from| (0..world).all(|p| len(p) >= from)) && world > 1;
+                    // A fingerprint (but in the arena) and its block to every peer; nothing through the arena.
+                    let fingerprints = if kind.arena() { 0 } else { world as u64 - 1 };
+                    if single {
+                        let want = fingerprints + world as u64 - 1;
                         assert_eq!(sent, want, "{net}, world {world}, rank {rank}: not the single-copy all-gather");
+                    } else if kind.arena() {
+                        assert_eq!(sent, 0, "{net}, world {world}, rank {rank}: not the arena's all-gather");
                     }
                     assert_eq!(
                         input.bytes(),
@@ -229,12 +245,16 @@ fn reduce_scatter_matches_arithmetic_and_keeps_the_inputs() {
                         ok(rk.run(part), "reduce_scatter");
                         let sent = rk.t.sent() - before;
                         assert_eq!(inputs, kept, "{net}, world {world}, rank {r}, {n} x {red:?}: inputs changed");
-                        if world > 1 && single_copy.is_some_and(|from| n * red.dtype.size() >= from) {
-                            let want = 2 * (world as u64 - 1); // a fingerprint and a block to every peer
+                        let single = world > 1 && single_copy.is_some_and(|from| n * red.dtype.size() >= from);
+                        if single {
+                            // A fingerprint (but in the arena) and a block to every peer.
+                            let want = if kind.arena() { 1 } else { 2 } * (world as u64 - 1);
                             assert_eq!(
                                 sent, want,
                                 "{net}, world {world}, {n} x {red:?}: not the single-copy reduce-scatter"
                             );
+                        } else if kind.arena() {
+                            assert_eq!(sent, 0, "{net}, world {world}, {n} x {red:?}: not the arena's reduce-scatter");
                         }
                         got.push((n, salt, red, output));
                     }

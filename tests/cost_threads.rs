@@ -29,11 +29,14 @@ fn check_bytes(single_copy: bool) -> usize {
     }
 }
 
-fn group_costed(single_copy: bool) -> Vec<Engine> {
+/// A group on one host, with single-copy reads of a peer's memory or not,
+/// with a shared arena or not.
+fn group_costed(single_copy: bool, arena: bool) -> Vec<Engine> {
     let cfg = Config {
         transport: TransportMode::Shm,
         segment_bytes: 64 << 10,
         single_copy_bytes: if single_copy { 64 << 10 } else { 0 },
+        arena_slot_bytes: if arena { Config::default().arena_slot_bytes } else { 0 },
         ..Config::default()
     };
     group_with(W, Duration::from_secs(20), cfg)
@@ -74,7 +77,7 @@ fn assert_copied(what: &str, check: usize, got: &[OpStats], expected: impl Fn(us
 }
 
 fn counts_match_each_algorithm(single_copy: bool) {
-    let engines = group_costed(single_copy);
+    let engines = group_costed(single_copy, false);
     // Bytes a sender copies per byte it sends: none when the receiver reads its memory.
     let send = usize::from(!single_copy);
     let tag = if single_copy { "single copy" } else { "rings" };
@@ -194,6 +197,96 @@ fn copied_bytes_match_each_algorithm_with_single_copy() {
 #[test]
 fn copied_bytes_match_each_algorithm_through_the_rings() {
     counts_match_each_algorithm(false);
+}
+
+/// The arena's algorithms (src/algorithms/arena_*.rs give the formulas):
+/// the call check copies nothing, every rank copies its part into its slot
+/// once and out once; folds read a slice of every slot.
+#[test]
+fn copied_bytes_match_each_algorithm_in_the_arena() {
+    let engines = group_costed(false, true);
+    let n = W * BLOCK;
+    let got = cost_of(&engines, OpKind::Broadcast, |rank, e| {
+        let mut buf = vec![rank as u8; n];
+        wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0 }));
+        assert!(buf.iter().all(|&b| b == 0));
+    });
+    assert_copied("broadcast, arena", 0, &got, |_| n);
+
+    let got = cost_of(&engines, OpKind::AllGather, |rank, e| {
+        let mut input = vec![rank as u8 + 1; BLOCK];
+        let mut out = vec![vec![0u8; BLOCK]; W];
+        let outputs = out.iter_mut().map(|o| raw(o)).collect();
+        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs }));
+        assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
+    });
+    assert_copied("all_gather, arena", 0, &got, |_| (W + 1) * BLOCK);
+
+    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; n / 4];
+        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
+        assert!(buf.iter().all(|&x| x == 6.0));
+    });
+    // Into the slot, W-1 slices of n/W folded into its own, out.
+    assert_copied("all_reduce, arena", 0, &got, |_| n + (W - 1) * n / W + n);
+
+    let got = cost_of(&engines, OpKind::ReduceScatter, |rank, e| {
+        let mut ins: Vec<Vec<f32>> = (0..W).map(|_| vec![rank as f32 + 1.0; BLOCK / 4]).collect();
+        let mut out = vec![0f32; BLOCK / 4];
+        let red = Reduction::new(DType::F32, ReduceOp::Sum);
+        let inputs = ins.iter_mut().map(|i| raw(i)).collect();
+        wait_ok(run(e, Collective::ReduceScatter { inputs, output: raw(&mut out), red }));
+        assert!(out.iter().all(|&x| x == 6.0));
+    });
+    // W blocks into the slot; W parts folded into the output.
+    assert_copied("reduce_scatter, arena", 0, &got, |_| 2 * W * BLOCK);
+
+    let got = cost_of(&engines, OpKind::Reduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; n / 4];
+        let red = Reduction::new(DType::F32, ReduceOp::Sum);
+        wait_ok(run(e, Collective::Reduce { buf: raw(&mut buf), root: 0, red }));
+        assert!(rank != 0 || buf.iter().all(|&x| x == 6.0));
+    });
+    // As the all-reduce, but only the root copies out.
+    assert_copied("reduce, arena", 0, &got, |rank| n + (W - 1) * n / W + if rank == 0 { n } else { 0 });
+
+    // A small all-reduce: one stage, every rank folds every slot.
+    let small = 4096;
+    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; small / 4];
+        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
+        assert!(buf.iter().all(|&x| x == 6.0));
+    });
+    assert_copied("small all_reduce, arena", 0, &got, |_| 2 * small + (W - 1) * small);
+
+    // Ops elsewhere are checked in the arena: all-to-all copies only its data.
+    let got = cost_of(&engines, OpKind::AllToAll, |rank, e| {
+        let mut ins: Vec<Vec<u8>> = (0..W).map(|p| vec![(rank * W + p) as u8; BLOCK]).collect();
+        let mut outs = vec![vec![0u8; BLOCK]; W];
+        let (inputs, outputs) = (ins.iter_mut().map(|i| raw(i)).collect(), outs.iter_mut().map(|o| raw(o)).collect());
+        wait_ok(run(e, Collective::AllToAll { inputs, outputs }));
+    });
+    assert_copied("all_to_all, arena", 0, &got, |_| BLOCK + 2 * (W - 1) * BLOCK);
+}
+
+/// A rank waiting in the arena sleeps once per stage at most, however many
+/// ranks arrive after it: only the last arrival wakes it.
+#[test]
+fn in_the_arena_a_late_rank_costs_the_others_one_wakeup_per_stage() {
+    let cfg = Config { transport: TransportMode::Shm, spin: Duration::ZERO, single_copy_bytes: 0, ..Config::default() };
+    let engines = group_with(4, Duration::from_secs(10), cfg);
+    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
+        // Ranks arrive one after another.
+        std::thread::sleep(Duration::from_millis(30 * rank as u64));
+        let mut buf = vec![1f32; 256 << 10];
+        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
+        assert!(buf.iter().all(|&x| x == 4.0));
+    });
+    // One round of two stages (1 MiB in 1 MiB slots).
+    for (rank, s) in got.iter().enumerate() {
+        assert!(s.wakeups <= 2, "rank {rank} woke {} times", s.wakeups);
+    }
+    assert!(got[0].wakeups >= 1, "rank 0 waited 90 ms without sleeping: {:?}", got[0]);
 }
 
 #[test]

@@ -58,10 +58,10 @@ def init(store, rank, world, seconds=30, options=None):
                             timeout=timedelta(seconds=seconds), pg_options=options)
 
 
-def sigkill(store, rank, world):
+def sigkill(store, rank, world, numel=1 << 20):
     """The last rank dies (SIGKILL) while everyone is in an all_reduce."""
     init(store, rank, world)
-    t = torch.ones(1 << 20)
+    t = torch.ones(numel)
     dist.all_reduce(t)
     if rank == world - 1:
         time.sleep(0.3)  # let the others block in the next all_reduce
@@ -69,6 +69,11 @@ def sigkill(store, rank, world):
     first = timed_failure(lambda: dist.all_reduce(t))
     later = timed_failure(lambda: dist.all_reduce(t))
     report(first=first, later=later)
+
+
+def sigkill_small(store, rank, world):
+    """The same with a small all_reduce: on one host, everyone waits in the shared arena."""
+    sigkill(store, rank, world, numel=1000)
 
 
 def staged_killed(store, rank, world):
@@ -206,7 +211,7 @@ def options_apply(store, rank, world):
     report(world_links=rustc10d.links(), group_links=rustc10d.links(group), sum=t.tolist(), wrong=wrong)
 
 
-SCENARIOS = {f.__name__: f for f in (sigkill, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch,
+SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch,
                                       destroy_cleans_up, settings_differ, bad_setting, no_threads, error_kinds,
                                       options_apply)}
 

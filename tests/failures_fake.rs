@@ -63,6 +63,8 @@ fn a_cut_link_during_an_op_fails_every_rank_promptly_naming_the_lost_peer() {
     // One host, and hosts whose all-reduce is hierarchical, in pieces whose phases overlap.
     let on_hosts = |w: usize, host: fn(usize) -> usize| FakeNet::on_hosts((0..w).map(host).collect());
     let nets = (2..=5).map(FakeNet::new).chain([on_hosts(4, |r| r / 2), on_hosts(6, |r| r % 2)]);
+    // And an arena, whose all-reduce of 16 KiB takes many rounds of 256 bytes.
+    let nets = nets.chain((2..=5).map(|w| FakeNet::with_arena(w, 256, None)));
     for net in nets {
         let world = net.len();
         let victim = world - 1;
@@ -94,6 +96,61 @@ fn a_cut_link_during_an_op_fails_every_rank_promptly_naming_the_lost_peer() {
             assert!(e.kind != ErrorKind::Timeout && took < PROMPT, "{at} (after {took:?})");
         }
     }
+}
+
+/// In a group with a shared arena every rank checks every other's call
+/// there before it uses anything a peer wrote: a mismatch fails every rank
+/// promptly, at every world size (the ring's gap above does not arise), and
+/// no buffer changes, also where the odd rank's call would take the
+/// single-copy algorithm and the others' the arena's.
+#[test]
+fn in_the_arena_mismatched_calls_fail_on_every_rank_and_touch_no_buffer() {
+    for world in 2..=5 {
+        for (slot, single_copy) in [(256, None), (4096, Some(64))] {
+            for odd in 0..world {
+                for case in ["byte count", "larger than small", "op"] {
+                    let t0 = Instant::now();
+                    let net = FakeNet::with_arena(world, slot, single_copy);
+                    let out = on_net(&net, DIRECT, |rk| {
+                        // The odd rank comes late: the others are well into their op by then.
+                        if rk.rank() == odd {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        mismatched_call(rk, odd, case)
+                    });
+                    let at = format!("arena of {slot}-byte slots, world {world}, rank {odd} differs in {case}");
+                    assert_mismatch_everywhere(out, t0, &at);
+                }
+            }
+        }
+    }
+}
+
+/// A rank that never comes leaves the others in the arena until their
+/// timeout, which names it.
+#[test]
+fn in_the_arena_a_rank_that_never_comes_is_named_at_the_timeout() {
+    let net = FakeNet::with_arena(3, 4096, None);
+    let out = on_net(&net, DIRECT, |rk| {
+        rk.timeout = Duration::from_millis(300);
+        if rk.rank() == 2 {
+            return None;
+        }
+        let mut b = Buf::of(DType::F32, &values(rk.rank(), 64, 0));
+        let t0 = Instant::now();
+        let r = rk.run(Collective::AllReduce { buf: b.raw(), red: Reduction::new(DType::F32, ReduceOp::Sum) });
+        Some((r, t0.elapsed()))
+    });
+    // The first to time out aborts the arena, and the other learns why from it.
+    let mut timed_out = 0;
+    for (rank, got) in out.into_iter().enumerate().take(2) {
+        let (r, took) = got.expect("ranks 0 and 1 ran");
+        let e = r.expect_err("no rank 2");
+        timed_out += (e.kind == ErrorKind::Timeout) as usize;
+        assert!(e.message.contains("was waiting in the shared arena for rank 2 (fake)"), "{}", e.message);
+        assert!(took < PROMPT, "rank {rank} took {took:?}");
+    }
+    assert!(timed_out >= 1, "nobody timed out");
 }
 
 // The fake itself: what the tests above rely on.

@@ -63,7 +63,7 @@ class Options:
     pg_options=rustc10d.Options(...))`` or ``new_group(..., pg_options=...)``. A field left
     None takes its ``RUSTC10D_*`` environment variable, else the default; a given field wins
     over the variable. Bad values fail ``init_process_group`` naming the setting. The first
-    five must be the same on every rank of a group: a difference fails init on every rank.
+    six must be the same on every rank of a group: a difference fails init on every rank.
     """
 
     #: Bytes per message in the pipelined algorithms (RUSTC10D_SEGMENT_BYTES; 1 MiB). Shared.
@@ -79,6 +79,10 @@ class Options:
     #: blocks that large take one or two steps where every rank can; 0: never
     #: (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB). Shared.
     single_copy_bytes: int | None = None
+    #: Bytes of each of a rank's two slots in the shared arena of a group whose ranks all run
+    #: on one host, where its collectives run (but those that take single copy); 0 or a
+    #: multiple of 4096; 0: no arena (RUSTC10D_ARENA_SLOT_BYTES; 1 MiB). Shared.
+    arena_slot_bytes: int | None = None
     #: "auto", "shm" or "tcp" between ranks of one host (RUSTC10D_TRANSPORT; "auto").
     transport: str | None = None
     #: TCP connections collectives send to each peer on, 1 to 16, or "auto": measured per peer,

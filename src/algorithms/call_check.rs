@@ -6,9 +6,10 @@
 //! collective from a mismatched call set. The smallest all-reduces check all
 //! peers' fingerprints alongside their data exchange instead (`Agreement`);
 //! on several hosts, those of their host's ranks, their counterparts on the
-//! other hosts and their left neighbour.
+//! other hosts and their left neighbour. In a group with a shared arena
+//! every rank compares every other's there instead (`in_arena`).
 
-use super::{OpCtx, RawBuf};
+use super::{in_arena, OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ops::{Collective, OpKind, Reduction};
 use crate::transport::{Key, TransferId, Transfers};
@@ -30,7 +31,7 @@ pub struct Fingerprint {
 
 impl Fingerprint {
     pub const NONE: u8 = u8::MAX;
-    const LEN: usize = 32;
+    pub(super) const LEN: usize = 32;
 
     /// How this rank was called.
     pub fn of(call: &Collective) -> Fingerprint {
@@ -55,7 +56,7 @@ impl Fingerprint {
         Fingerprint { op: call.kind(), dtype, reduce: op, root, bytes, piece: 0 }
     }
 
-    fn encode(&self) -> [u8; Self::LEN] {
+    pub(super) fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
         b[0] = self.op.code();
         b[1] = self.dtype;
@@ -66,7 +67,7 @@ impl Fingerprint {
         b
     }
 
-    fn decode(b: &[u8; Self::LEN]) -> Result<Fingerprint> {
+    pub(super) fn decode(b: &[u8; Self::LEN]) -> Result<Fingerprint> {
         let op = OpKind::from_code(b[0]).ok_or_else(|| Error::io(format!("unknown op code {}", b[0])))?;
         Ok(Fingerprint {
             op,
@@ -100,8 +101,12 @@ impl Fingerprint {
     }
 }
 
-/// Exchange fingerprints with the ring neighbours; fail if the left one differs.
+/// Exchange fingerprints with the ring neighbours; fail if the left one
+/// differs. In a group with a shared arena, compare with every rank there.
 pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
+    if let Some(arena) = ctx.transport.arena() {
+        return in_arena::agree(ctx, &arena, mine);
+    }
     let mut agreement = Agreement::new(mine, false);
     let tr = &mut ctx.transfers();
     agreement.post(ctx, tr)?;
@@ -112,6 +117,9 @@ pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
 /// `agree` with every rank, on the op's `tr`: for algorithms whose data
 /// comes from every rank, before any of it moves.
 pub fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, mine: &Fingerprint) -> Result<()> {
+    if let Some(arena) = ctx.transport.arena() {
+        return in_arena::agree(ctx, &arena, mine);
+    }
     let mut agreement = Agreement::new(mine, true);
     agreement.post(ctx, tr)?;
     agreement.check(ctx, tr)
@@ -194,24 +202,24 @@ impl Agreement {
     }
 
     pub fn check(&self, ctx: &OpCtx, tr: &Transfers) -> Result<()> {
-        let rank = ctx.transport.rank();
         for &(peer, id) in &self.theirs {
             tr.wait(id)?;
             let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))?;
             if theirs != self.mine {
-                return Err(Error::new(
-                    ErrorKind::Mismatch,
-                    format!(
-                        "rustc10d: {} does not match the call on rank {peer}: rank {rank} called {}, rank {peer} called {}",
-                        ctx.what,
-                        self.mine.describe(),
-                        theirs.describe()
-                    ),
-                ));
+                return Err(mismatch(ctx, peer, self.mine.describe(), theirs.describe()));
             }
         }
         Ok(())
     }
+}
+
+/// The error of a call on this rank that does not match `peer`'s.
+pub(super) fn mismatch(ctx: &OpCtx, peer: usize, mine: String, theirs: String) -> Error {
+    let rank = ctx.transport.rank();
+    Error::new(
+        ErrorKind::Mismatch,
+        format!("rustc10d: {} does not match the call on rank {peer}: rank {rank} called {mine}, rank {peer} called {theirs}", ctx.what),
+    )
 }
 
 #[cfg(test)]

@@ -6,9 +6,16 @@
 //! or two steps instead of around the ring. Groups on several hosts take the
 //! hierarchical all-reduce, reduce-scatter and all-gather, and rings in host
 //! order for broadcast and reduce, so that fewer bytes cross between hosts.
+//! Groups on one host with a shared arena run their collectives there
+//! (`in_arena`), but for those that take the single-copy algorithms.
 
+use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
+use super::{
+    arena_allgather::arena_allgather, arena_broadcast::arena_broadcast, arena_reduce_scatter::arena_reduce_scatter,
+    in_arena,
+};
 use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
     hierarchical_direct_allreduce, hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
@@ -20,6 +27,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::ops::{Collective, Reduction, SparseGathered};
 use crate::reduce::scale;
+use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
 use std::sync::Mutex;
 
@@ -29,11 +37,47 @@ use std::sync::Mutex;
 /// (before any data moves). PREMUL_SUM all-reduce scales the caller's buffer
 /// first, so it checks before.
 pub fn checks_inline(ctx: &OpCtx, part: &Collective) -> bool {
-    let direct = |bytes| prefers_direct(bytes, ctx.transport.size(), ctx.small_allreduce_bytes);
+    if in_arena(ctx, part) {
+        return true;
+    }
+    let direct = |bytes| direct(ctx, bytes, ctx.transport.size());
     match part {
         Collective::AllReduce { buf, red } => red.premul.is_none() && (direct(buf.len) || single_copy(ctx, part)),
         Collective::Barrier => direct(1),
         _ => single_copy(ctx, part),
+    }
+}
+
+/// Whether `part` runs in the group's shared arena, where it has one: the
+/// collectives that move data among all ranks, but those whose every
+/// message is large enough to be read straight from the sender's memory
+/// (one copy less than through the arena). PREMUL_SUM all-reduce always,
+/// since there it scales a copy instead of the caller's buffer.
+fn in_arena(ctx: &OpCtx, part: &Collective) -> bool {
+    let Some(arena) = ctx.transport.arena() else { return false };
+    match part {
+        Collective::AllReduce { red, .. } => red.premul.is_some() || !single_copy(ctx, part),
+        Collective::Broadcast { .. } | Collective::AllGather { .. } => !single_copy(ctx, part),
+        // Every rank's slot holds a part of each of the W blocks.
+        Collective::ReduceScatter { .. } => !single_copy(ctx, part) && arena.slot_bytes() / ctx.transport.size() >= 16,
+        Collective::Reduce { .. } | Collective::Barrier => true,
+        _ => false,
+    }
+}
+
+/// Run `part` in the arena (`in_arena`), its call checked there as `fp` says.
+fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, fp: &Fingerprint) -> Result<()> {
+    let reducing = |red: &Reduction, root| Reducing { dtype: red.dtype, op: red.op, premul: red.premul, root };
+    match part {
+        Collective::AllReduce { buf, red } => arena_allreduce(ctx, arena, *buf, &reducing(red, None), fp),
+        Collective::Reduce { buf, root, red } => arena_allreduce(ctx, arena, *buf, &reducing(red, Some(*root)), fp),
+        Collective::Broadcast { buf, root } => arena_broadcast(ctx, arena, *buf, *root, fp),
+        Collective::AllGather { input, outputs } => arena_allgather(ctx, arena, *input, outputs, fp),
+        Collective::ReduceScatter { inputs, output, red } => {
+            arena_reduce_scatter(ctx, arena, inputs, *output, &reducing(red, None), fp)
+        }
+        // A barrier: one stage with nothing in it.
+        _ => in_arena::agree(ctx, arena, fp),
     }
 }
 
@@ -59,12 +103,15 @@ fn single_copy(ctx: &OpCtx, part: &Collective) -> bool {
 /// checked by the algorithm itself: see `checks_inline`; without it, as for
 /// the pieces of a staged op, the ring algorithms run).
 pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Result<()> {
+    if let Some(arena) = ctx.transport.arena().filter(|_| in_arena(ctx, part)) {
+        return run_in_arena(ctx, &arena, part, &check.copied().unwrap_or_else(|| Fingerprint::of(part)));
+    }
     let hosts = Hosts::apart(ctx.transport);
     let apart = hosts.as_ref();
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
-            let direct = prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes);
+            let direct = direct(ctx, buf.len, ctx.transport.size());
             match (check.filter(|_| !direct && single_copy(ctx, part)), apart.filter(|_| !direct)) {
                 (Some(check), _) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
                 (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts),
@@ -131,7 +178,14 @@ fn small_tree(ctx: &OpCtx, bytes: usize, apart: Option<&Hosts>) -> bool {
         Some(hosts) => hosts.members.len() + hosts.members.iter().map(Vec::len).max().unwrap_or(0),
         None => ctx.transport.size(),
     };
-    prefers_direct(bytes, fanout, ctx.small_allreduce_bytes)
+    direct(ctx, bytes, fanout)
+}
+
+/// Whether an all-reduce (or a tree) of `bytes` among `fanout` ranks takes
+/// the direct exchange: small enough, and not in a group with an arena,
+/// where the arena's algorithms do small ones in fewer steps.
+fn direct(ctx: &OpCtx, bytes: usize, fanout: usize) -> bool {
+    ctx.transport.arena().is_none() && prefers_direct(bytes, fanout, ctx.small_allreduce_bytes)
 }
 
 /// Which way the data of a rooted chain flows.
@@ -171,7 +225,7 @@ fn all_reduce(
     check: Option<&Fingerprint>,
     apart: Option<&Hosts>,
 ) -> Result<()> {
-    if prefers_direct(buf.len, ctx.transport.size(), ctx.small_allreduce_bytes) {
+    if direct(ctx, buf.len, ctx.transport.size()) {
         match apart.filter(|hosts| hosts.per_host().is_some()) {
             Some(hosts) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check),
             None => direct_allreduce(ctx, buf, dtype, op, check),

@@ -13,6 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod alltoall;
+mod arena_allgather;
+mod arena_allreduce;
+mod arena_broadcast;
+mod arena_reduce_scatter;
 mod broadcast;
 pub mod call_check;
 mod direct;
@@ -23,6 +27,7 @@ mod hier_allreduce;
 mod hier_direct_allreduce;
 mod hier_reduce_scatter;
 pub mod hosts;
+mod in_arena;
 mod monitored_barrier;
 mod pipeline;
 mod ring_allgather;

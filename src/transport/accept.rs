@@ -190,23 +190,31 @@ impl Handshake {
             shake.peer = Some(peer);
             return Ok(None);
         }
-        // Shared memory: the segment and the peer's eventfd, then ours back.
-        let fds = match recv_fds(&fd_of(&shake.stream), 2) {
+        // Shared memory: the segment and the peer's eventfd (and the
+        // group's arena, from the rank that hands it out), then ours back.
+        let fds = match recv_fds(&fd_of(&shake.stream), 2..=3) {
             Ok(fds) => fds,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
             Err(e) => return Err(Error::io(format!("no segment: {e}"))),
         };
-        let [memfd, theirs] = <[_; 2]>::try_from(fds).map_err(|_| Error::io("expected two descriptors"))?;
+        let mut fds = fds.into_iter();
+        let (memfd, theirs) = (fds.next().expect("two at least"), fds.next().expect("two at least"));
+        let peer = shake.peer.expect("hello passed");
+        if let Some(arena) = fds.next() {
+            core.take_arena(peer, arena)?;
+        }
         let seg = Segment::open(&memfd)?;
         drop(memfd); // the mapping keeps the memory; nothing names it any more
                      // Before the answer: the dialler then finds where we map it (see conn.rs).
         seg.ring(1).set_writer_base();
         let mine = eventfd()?;
-        send_fds(&fd_of(&shake.stream), &[mine.as_raw_fd()]).map_err(io)?;
+        let mut answer = vec![mine.as_raw_fd()];
+        let lead = core.arena_to_hand_out();
+        answer.extend(lead.as_ref().and_then(|a| a.fd()).map(|fd| fd.as_raw_fd()));
+        send_fds(&fd_of(&shake.stream), &answer).map_err(io)?;
         let shake = state.take().expect("some");
         core.reactor.deregister(shake.token, shake.stream.fd());
         let Stream::Unix(sock) = shake.stream else { unreachable!() };
-        let peer = shake.peer.expect("hello passed");
         Ok(Some((peer, Conn::Shm(ShmConn::new(seg, false, sock, mine, theirs, core.direct_from)))))
     }
 }

@@ -11,7 +11,7 @@ use super::ring::Segment;
 use crate::error::{Error, Result};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -70,8 +70,15 @@ impl Dialler<'_> {
 
     /// A shared-memory connection through the peer's Unix socket `name`,
     /// with rings of `ring_bytes`, messages of `direct_from` bytes or more
-    /// in one copy (see conn.rs).
-    pub fn shm(&self, name: &str, ring_bytes: usize, direct_from: usize) -> Result<Conn> {
+    /// in one copy (see conn.rs). The group's arena goes along, if this
+    /// rank hands it out (`arena`), or comes back with the answer, if the peer does.
+    pub fn shm(
+        &self,
+        name: &str,
+        ring_bytes: usize,
+        direct_from: usize,
+        arena: Option<&OwnedFd>,
+    ) -> Result<(Conn, Option<OwnedFd>)> {
         let fail = |what: String| {
             Error::io(format!(
                 "rustc10d: rank {} could not connect to {} through shared memory: {what}",
@@ -85,12 +92,15 @@ impl Dialler<'_> {
         self.handshake(&sock).map_err(|e| fail(format!("handshake failed: {}", e.message)))?;
         let (seg, memfd) = Segment::create(ring_bytes).map_err(|e| fail(e.message))?;
         let mine = eventfd().map_err(|e| fail(e.message))?;
-        send_fds(&sock, &[memfd.as_raw_fd(), mine.as_raw_fd()]).map_err(|e| fail(e.to_string()))?;
-        // The peer answers with its eventfd once it has mapped the segment.
-        let theirs = recv_fds(&sock, 1).map_err(|e| fail(format!("no answer after sending the segment: {e}")))?;
-        let theirs = theirs.into_iter().next().expect("one");
+        let mut fds = vec![memfd.as_raw_fd(), mine.as_raw_fd()];
+        fds.extend(arena.map(|a| a.as_raw_fd()));
+        send_fds(&sock, &fds).map_err(|e| fail(e.to_string()))?;
+        // The peer answers with its eventfd (and the arena) once it has mapped the segment.
+        let answer = recv_fds(&sock, 1..=2).map_err(|e| fail(format!("no answer after sending the segment: {e}")))?;
+        let mut answer = answer.into_iter();
+        let theirs = answer.next().expect("one at least");
         sock.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
-        Ok(Conn::Shm(ShmConn::new(seg, true, sock, mine, theirs, direct_from)))
+        Ok((Conn::Shm(ShmConn::new(seg, true, sock, mine, theirs, direct_from)), answer.next()))
     }
 
     /// The dialling side speaks first; the listener answers only a hello

@@ -7,6 +7,8 @@
 //! fails with the size mismatch, otherwise the message waits until its
 //! receive is posted. Then the send finishes with its length.
 //!
+//! It may have a shared arena (`with_arena`), in memory all its ranks share.
+//!
 //! A test may `hold` a link: sends over it then wait, unread, until it is
 //! released, as sends behind a busy connection do; they read their memory
 //! only then. A rank that asks a peer what it waits for is answered at once
@@ -20,6 +22,7 @@
 //! before a connection closed does. A receive posted for any source
 //! fails once any peer is lost, as the mesh's does.
 
+use super::arena::Arena;
 use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
 use super::waits::{ask_next, in_turn, Wait, Waits};
 use super::{Fold, Key, Ready, Transport};
@@ -68,6 +71,8 @@ pub struct FakeTransport {
     single_copy: Option<usize>,
     /// What `Transport::host_of` says of each rank (the links are alike).
     hosts: Arc<Vec<usize>>,
+    /// This rank's view of the group's shared arena, if it has one.
+    arena: Option<Arc<Arena>>,
 }
 
 impl FakeNet {
@@ -80,17 +85,25 @@ impl FakeNet {
     /// The same, saying that every rank reads messages of at least
     /// `single_copy` bytes from the sender's memory (the single-copy algorithms run).
     pub fn with_single_copy(world: usize, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
-        FakeNet::build(vec![0; world], single_copy)
+        FakeNet::build(vec![0; world], single_copy, None)
+    }
+
+    /// The same, with a shared arena of slots of `slot_bytes` (in this
+    /// process's memory), so that the arena's algorithms run. A cut link
+    /// aborts the arena, as a lost peer does the mesh's.
+    pub fn with_arena(world: usize, slot_bytes: usize, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
+        let arenas = Arena::in_memory(world, slot_bytes).expect("shared memory for the arena");
+        FakeNet::build(vec![0; world], single_copy, Some(arenas))
     }
 
     /// The endpoints of a new network whose rank r says it runs on host
     /// `hosts[r]` (numbered in the order of their lowest rank), so that the
     /// algorithms for groups on several hosts run.
     pub fn on_hosts(hosts: Vec<usize>) -> Vec<Arc<FakeTransport>> {
-        FakeNet::build(hosts, None)
+        FakeNet::build(hosts, None, None)
     }
 
-    fn build(hosts: Vec<usize>, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
+    fn build(hosts: Vec<usize>, single_copy: Option<usize>, arenas: Option<Vec<Arena>>) -> Vec<Arc<FakeTransport>> {
         let world = hosts.len();
         let hosts = Arc::new(hosts);
         let net = Arc::new(FakeNet {
@@ -100,11 +113,13 @@ impl FakeNet {
             held: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
             waits: (0..world).map(|_| Mutex::default()).collect(),
         });
+        let mut arenas = arenas.map(Vec::into_iter);
         (0..world)
             .map(|rank| {
                 let (net, hosts) = (net.clone(), hosts.clone());
                 let (sent, crossed) = (AtomicU64::new(0), AtomicU64::new(0));
-                Arc::new(FakeTransport { net, rank, sent, crossed, single_copy, hosts })
+                let arena = arenas.as_mut().and_then(Iterator::next).map(Arc::new);
+                Arc::new(FakeTransport { net, rank, sent, crossed, single_copy, hosts, arena })
             })
             .collect()
     }
@@ -176,6 +191,9 @@ impl FakeTransport {
         let net = &self.net;
         let mine = net.cut[self.rank][peer].lock().unwrap().get_or_insert(mine).clone();
         let theirs = net.cut[peer][self.rank].lock().unwrap().get_or_insert(theirs).clone();
+        if let Some(arena) = &self.arena {
+            arena.abort(&format!("rank {}: {}", self.rank, mine.message));
+        }
         net.inbox[self.rank][peer].lock().unwrap().close(mine.clone());
         net.inbox[peer][self.rank].lock().unwrap().close(theirs.clone());
         net.any[self.rank].lock().unwrap().fail_all(&mine);
@@ -316,6 +334,10 @@ impl Transport for FakeTransport {
 
     fn single_copy_bytes(&self) -> Option<usize> {
         self.single_copy
+    }
+
+    fn arena(&self) -> Option<Arc<Arena>> {
+        self.arena.clone()
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

@@ -56,9 +56,9 @@ pub fn send_fds(sock: &impl AsRawFd, fds: &[RawFd]) -> io::Result<()> {
     })
 }
 
-/// Receive exactly `count` descriptors sent by `send_fds` (WouldBlock on a
-/// non-blocking socket with nothing yet).
-pub fn recv_fds(sock: &impl AsRawFd, count: usize) -> io::Result<Vec<OwnedFd>> {
+/// Receive as many descriptors as `count` allows (at most MAX_FDS), sent by
+/// `send_fds` (WouldBlock on a non-blocking socket with nothing yet).
+pub fn recv_fds(sock: &impl AsRawFd, count: std::ops::RangeInclusive<usize>) -> io::Result<Vec<OwnedFd>> {
     with_fd_msg(0, |msg| {
         let n = loop {
             let n = unsafe { libc::recvmsg(sock.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) };
@@ -81,8 +81,9 @@ pub fn recv_fds(sock: &impl AsRawFd, count: usize) -> io::Result<Vec<OwnedFd>> {
         let fds: Vec<OwnedFd> = (0..got.min(MAX_FDS))
             .map(|i| unsafe { OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))) })
             .collect();
-        if level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS || fds.len() != count {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("expected {count} file descriptors")));
+        if level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS || !count.contains(&fds.len()) {
+            let (lo, hi) = count.into_inner();
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("expected {lo} to {hi} file descriptors")));
         }
         Ok(fds)
     })
@@ -130,14 +131,16 @@ mod tests {
         let (s1, s2) = UnixStream::pair().unwrap();
         let (a, b) = (eventfd().unwrap(), eventfd().unwrap());
         send_fds(&s1, &[a.as_raw_fd(), b.as_raw_fd()]).unwrap();
-        let got = recv_fds(&s2, 2).unwrap();
+        let got = recv_fds(&s2, 2..=2).unwrap();
         notify(&got[0]);
         let mut count = 0u64;
         assert_eq!(unsafe { libc::read(a.as_raw_fd(), (&mut count as *mut u64).cast(), 8) }, 8, "the same eventfd");
         send_fds(&s1, &[a.as_raw_fd()]).unwrap();
-        assert!(recv_fds(&s2, 2).is_err());
+        assert!(recv_fds(&s2, 2..=3).is_err());
+        send_fds(&s1, &[a.as_raw_fd(), b.as_raw_fd(), a.as_raw_fd()]).unwrap();
+        assert_eq!(recv_fds(&s2, 2..=3).unwrap().len(), 3, "as many as the range allows");
         (&s1).write_all(&[1]).unwrap();
-        assert!(recv_fds(&s2, 1).is_err(), "a plain byte carries none");
+        assert!(recv_fds(&s2, 1..=1).is_err(), "a plain byte carries none");
     }
 
     #[test]

@@ -7,8 +7,10 @@ use crate::error::{Error, Result};
 /// (v2: ranks publish their host and shared-memory socket; v3: and the
 /// settings every rank must share; v4: messages sent as their address; v5:
 /// groups on several hosts run hierarchical algorithms, which ranks of v4
-/// would not join; v6: a rank that timed out asks its peer what it waits for).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// would not join; v6: a rank that timed out asks its peer what it waits for;
+/// v7: groups on one host run their collectives and call checks in a shared
+/// arena, handed out with the shared-memory connections to rank 0).
+pub const PROTOCOL_VERSION: u32 = 7;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
 pub const HEADER_LEN: usize = 32;

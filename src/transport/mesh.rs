@@ -6,6 +6,7 @@
 //! actions are carried out here.
 
 use super::accept::{Listener, Listening};
+use super::arena::Arena;
 use super::frame::{Hello, Key, ABORT_MAX, KIND_P2P};
 use super::link::Link;
 use super::mailbox::{Fold, Mailbox, PostedRecv, RecvBuf};
@@ -40,12 +41,23 @@ pub struct PeerAddr {
 }
 
 /// What the rendezvous learned of the group as a whole, the same on every rank.
-#[derive(Debug, Clone, Default)]
 pub struct Layout {
     /// Each rank's host, numbered in the order of their lowest rank.
     pub hosts: Vec<usize>,
     /// Every rank reads every other's large messages from the sender's memory.
     pub single_copy: bool,
+    pub arena: ArenaRole,
+}
+
+/// This rank's part in the group's shared arena (arena.rs).
+pub enum ArenaRole {
+    None,
+    /// It made the arena, and hands it to every rank that connects.
+    Lead(Arena),
+    /// It gets the arena from `leader`, which it connects to at init.
+    Join {
+        leader: usize,
+    },
 }
 
 /// This rank's end for shared-memory peers: a Unix socket in the abstract
@@ -88,6 +100,11 @@ impl Mesh {
         deadline: Instant,
     ) -> Result<Mesh> {
         let (reactor, membership) = Reactor::join()?;
+        let (arena, arena_leader) = match layout.arena {
+            ArenaRole::None => (None, None),
+            ArenaRole::Lead(arena) => (Some(arena), Some(me.rank as usize)),
+            ArenaRole::Join { leader } => (None, Some(leader)),
+        };
         let tcp_addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
         let peers = (0..addrs.len())
             .map(|p| PeerSlot {
@@ -117,6 +134,8 @@ impl Mesh {
             hosts: layout.hosts,
             spin: cfg.spin,
             waits: Mutex::default(),
+            arena: Mutex::new(arena.map(Arc::new)),
+            arena_leader,
         });
         let mesh = Mesh { core: core.clone() };
         let mut listeners = vec![Listener::Tcp(listener)];
@@ -136,6 +155,17 @@ impl Mesh {
         }
         for &p in expect {
             core.wait_linked(p, deadline)?;
+        }
+        // The arena comes with the first shared-memory connection to its leader.
+        if let Some(leader) = arena_leader.filter(|&l| l != core.rank()) {
+            core.lane(leader, 0, false, deadline)?;
+            if core.arena.lock().unwrap().is_none() {
+                return Err(Error::io(format!(
+                    "rustc10d: rank {} did not receive the group's shared arena from {}",
+                    core.rank(),
+                    core.describe(leader)
+                )));
+            }
         }
         Ok(mesh)
     }
@@ -245,6 +275,7 @@ impl Transport for Mesh {
 
     fn abort_all(&self, reason: &Error) {
         let core = &self.core;
+        core.abort_arena(&reason.message);
         let why = reason.message.as_bytes();
         let why = &why[..why.len().min(ABORT_MAX as usize)];
         core.gave_up.lock().unwrap().get_or_insert_with(|| why.to_vec());
@@ -267,6 +298,10 @@ impl Transport for Mesh {
 
     fn single_copy_bytes(&self) -> Option<usize> {
         self.core.single_copy_group.then_some(self.core.direct_from)
+    }
+
+    fn arena(&self) -> Option<Arc<Arena>> {
+        self.core.arena.lock().unwrap().clone()
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

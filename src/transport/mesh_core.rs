@@ -4,6 +4,7 @@
 //! side and the Mesh reach each other through it.
 
 use super::accept::Listening;
+use super::arena::Arena;
 use super::conn::Conn;
 use super::dial::Dialler;
 use super::frame::Hello;
@@ -20,6 +21,7 @@ use super::writer::SendReq;
 use crate::error::{Error, Result};
 use crate::status::Status;
 use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -58,6 +60,11 @@ pub struct Core {
     pub spin: Duration,
     /// What this rank's ops wait for, to answer a peer that asks.
     pub(super) waits: Mutex<Waits>,
+    /// The group's shared arena, once this rank has it (arena.rs), until
+    /// the group shuts down (ops still in it keep it mapped until they end).
+    pub(super) arena: Mutex<Option<Arc<Arena>>>,
+    /// The rank that makes the arena and hands it out (None: no arena).
+    pub(super) arena_leader: Option<usize>,
 }
 
 pub struct PeerSlot {
@@ -204,7 +211,12 @@ impl Core {
             let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
             match shm {
                 Some((name, ring_bytes)) => {
-                    let conn = dialler.shm(name, ring_bytes, self.direct_from)?;
+                    let lead = self.arena_to_hand_out();
+                    let (conn, arena) =
+                        dialler.shm(name, ring_bytes, self.direct_from, lead.as_ref().and_then(|a| a.fd()))?;
+                    if let Some(fd) = arena {
+                        self.take_arena(peer, fd)?;
+                    }
                     self.adopt(peer, conn);
                 }
                 None => {
@@ -215,6 +227,36 @@ impl Core {
                 }
             }
             dialled = true;
+        }
+    }
+
+    /// The arena, on the rank that hands it out (`Arena::fd`).
+    pub(super) fn arena_to_hand_out(&self) -> Option<Arc<Arena>> {
+        self.arena.lock().unwrap().clone().filter(|_| self.arena_leader == Some(self.rank()))
+    }
+
+    /// Map the arena `peer` sent with its shared-memory connection; only
+    /// the rank that makes it hands it out (anything else is dropped).
+    pub(super) fn take_arena(&self, peer: usize, fd: OwnedFd) -> Result<()> {
+        if self.arena_leader != Some(peer) {
+            tracing::warn!(
+                "rustc10d: rank {}: {} sent an arena it does not hand out",
+                self.rank(),
+                self.describe(peer)
+            );
+            return Ok(());
+        }
+        let mut mine = self.arena.lock().unwrap();
+        if mine.is_none() && !self.stopping.load(Ordering::SeqCst) {
+            *mine = Some(Arc::new(Arena::open(&fd, self.rank(), self.peers.len())?));
+        }
+        Ok(())
+    }
+
+    /// Fail every round of the arena, now and later (ranks waiting in it wake).
+    pub(super) fn abort_arena(&self, reason: &str) {
+        if let Some(arena) = &*self.arena.lock().unwrap() {
+            arena.abort(reason);
         }
     }
 
@@ -279,6 +321,10 @@ impl Core {
                             tracing::debug!("rustc10d: rank {}: {}", self.rank(), err.message);
                         }
                     }
+                    // Ranks waiting in the arena learn of it at once, not at their deadline.
+                    if !self.stopping.load(Ordering::SeqCst) {
+                        self.abort_arena(&format!("rank {}: {}", self.rank(), err.message));
+                    }
                     lost = Some(err);
                 }
                 Action::Await(error) => {
@@ -335,6 +381,8 @@ impl Core {
         if self.stopping.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.abort_arena(&format!("rank {} shut the process group down", self.rank()));
+        drop(self.arena.lock().unwrap().take());
         for (token, listening) in self.listeners.lock().unwrap().drain(..) {
             self.reactor.deregister(token, listening.0.fd());
         }

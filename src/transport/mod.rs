@@ -4,6 +4,7 @@
 //! to ranks on the same host.
 
 mod accept;
+pub mod arena;
 pub mod conn;
 mod dial;
 pub mod fake;
@@ -116,6 +117,12 @@ pub trait Transport: Send + Sync {
     /// costs its sender no copy, so one buffer can go to every rank at once.
     /// The same on every rank of the group.
     fn single_copy_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// The group's shared arena, where every rank of the group runs on this
+    /// host and maps it (arena.rs); the same on every rank.
+    fn arena(&self) -> Option<Arc<arena::Arena>> {
         None
     }
 

@@ -96,6 +96,10 @@ pub enum Net {
     /// hierarchical where every host holds as many ranks, at least two; a
     /// ring in host order otherwise).
     Hosts(fn(usize, usize) -> usize),
+    /// One host with a shared arena of slots this large, where every message
+    /// this large or more may go as its address (the arena's algorithms, but
+    /// for buffers that take the single-copy ones).
+    Arena(usize, Option<usize>),
 }
 
 impl Net {
@@ -104,13 +108,14 @@ impl Net {
             Net::Plain => FakeNet::new(world),
             Net::SingleCopy(from) => FakeNet::with_single_copy(world, Some(from)),
             Net::Hosts(host) => FakeNet::on_hosts((0..world).map(|r| host(r, world)).collect()),
+            Net::Arena(slot, single_copy) => FakeNet::with_arena(world, slot, single_copy),
         }
     }
 
     /// From what size messages may go as their address.
     pub fn single_copy(self) -> Option<usize> {
         match self {
-            Net::SingleCopy(from) => Some(from),
+            Net::SingleCopy(from) | Net::Arena(_, Some(from)) => Some(from),
             _ => None,
         }
     }
@@ -119,12 +124,20 @@ impl Net {
     pub fn hosts(self) -> bool {
         matches!(self, Net::Hosts(_))
     }
+
+    /// Whether the group has a shared arena.
+    pub fn arena(self) -> bool {
+        matches!(self, Net::Arena(..))
+    }
 }
 
 /// The networks every data-moving algorithm is checked on.
-pub const NETS: [(&str, Net); 4] = [
+pub const NETS: [(&str, Net); 6] = [
     ("ring", Net::Plain),
     ("single copy from 64 bytes", Net::SingleCopy(64)),
+    // Small slots: the tests' buffers take many rounds.
+    ("arena of 256-byte slots", Net::Arena(256, None)),
+    ("arena, single copy from 256 bytes", Net::Arena(4096, Some(256))),
     ("hosts of two ranks", Net::Hosts(|r, _| r / 2)),
     ("two hosts, ranks alternating", Net::Hosts(|r, _| r % 2)),
 ];

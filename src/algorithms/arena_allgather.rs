@@ -1,0 +1,40 @@
+//! All-gather in the shared arena, a slot's worth of every rank's block per
+//! round: each rank copies its part into its slot and, after one stage,
+//! copies every rank's part into place. Blocks may differ in size (a rank's
+//! output for rank r is as long as rank r's input). Nothing of the caller's
+//! is written before the stage.
+//!
+//! Bytes copied (`Cost`), per rank, for blocks of b bytes: b into its slot
+//! and W b into place, (W + 1)/W per output byte. Stages: 1 per slot of the
+//! largest block.
+
+use super::call_check::Fingerprint;
+use super::in_arena::round;
+use super::{OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::arena::Arena;
+use std::time::Instant;
+
+/// `outputs[r]` receives rank r's `input`.
+pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[RawBuf], fp: &Fingerprint) -> Result<()> {
+    let rank = ctx.transport.rank();
+    let deadline = Instant::now() + ctx.timeout;
+    let per_round = arena.slot_bytes();
+    let longest = outputs.iter().map(|o| o.len).max().unwrap_or(0);
+    // Round k's part of a block of `len` bytes.
+    let part = |b: RawBuf, k: usize| {
+        let off = (k * per_round).min(b.len);
+        RawBuf::new(unsafe { b.ptr.add(off) }, per_round.min(b.len - off))
+    };
+    for k in 0..longest.div_ceil(per_round).max(1) {
+        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+        let mine = part(input, k);
+        unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
+        r.stage()?;
+        for (p, out) in outputs.iter().enumerate() {
+            let dst = part(*out, k);
+            unsafe { ctx.copy(dst, r.slot(p, dst.len)) };
+        }
+    }
+    Ok(())
+}

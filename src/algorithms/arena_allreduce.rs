@@ -1,0 +1,103 @@
+//! All-reduce and reduce in the shared arena, as DeepSpeed's CPU all-reduce
+//! does it, a slot's worth of the buffer per round: every rank copies its
+//! chunk into its slot; after a stage, rank i folds slice i (1/W of the
+//! chunk) of every rank's slot into its own, in one pass per slot; after a
+//! second stage every rank (for reduce, the root alone) copies each rank's
+//! reduced slice out. Small buffers take one stage: every rank (the root)
+//! folds every slot, in rank order, straight into its buffer. Each element
+//! is reduced by one rank, or by every rank in the same order, so all ranks
+//! end bit-identical; nothing of the caller's is written before a round's
+//! last stage, and PREMUL_SUM scales the slot's copy, not the caller's buffer.
+//!
+//! Bytes copied (`Cost`), per rank, for n bytes: n into its slot +
+//! (W-1)n/W folding its slices + n copied out (reduce: the root only).
+//! Small (n W <= ONE_STAGE_BYTES): n into its slot + n + (W-1)n folding
+//! every slot into the buffer (reduce: the root only). Stages: 2 per slot
+//! of data, 1 if small; at most one wake-up each.
+
+use super::call_check::Fingerprint;
+use super::in_arena::round;
+use super::{OpCtx, RawBuf};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::{divide_by, scale};
+use crate::transport::arena::Arena;
+use std::time::Instant;
+
+/// Buffers whose every rank's copy together is at most this large take one
+/// stage: each rank reading every slot costs less than a second stage.
+pub const ONE_STAGE_BYTES: usize = 64 << 10;
+
+/// What is reduced, and who gets the result.
+pub struct Reducing {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// PREMUL_SUM's factor.
+    pub premul: Option<f64>,
+    /// Reduce: only this rank's buffer gets the result.
+    pub root: Option<usize>,
+}
+
+pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, fp: &Fingerprint) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let es = how.dtype.size();
+    let gets_result = how.root.is_none_or(|r| r == rank);
+    let deadline = Instant::now() + ctx.timeout;
+    let per_round = arena.slot_bytes() / es * es;
+    let one_stage = buf.len * world <= ONE_STAGE_BYTES && buf.len <= per_round;
+    let rounds = if one_stage { 1 } else { buf.len.div_ceil(per_round).max(1) };
+    for k in 0..rounds {
+        let off = k * per_round;
+        let len = per_round.min(buf.len - off);
+        let chunk = RawBuf::new(unsafe { buf.ptr.add(off) }, len);
+        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+        let mine = r.slot(rank, len);
+        unsafe {
+            ctx.copy(mine, chunk);
+            if let Some(f) = how.premul {
+                scale(how.dtype, mine.slice_mut(0, len), f);
+            }
+        }
+        r.stage()?;
+        if one_stage {
+            if gets_result {
+                let slots: Vec<RawBuf> = (0..world).map(|p| r.slot(p, len)).collect();
+                fold_all(ctx, how, chunk, &slots);
+            }
+            continue;
+        }
+        // Slice p of the chunk: elements [p m / W, (p + 1) m / W).
+        let m = len / es;
+        let slice = |p: usize, of: RawBuf| {
+            let (lo, hi) = (p * m / world * es, (p + 1) * m / world * es);
+            RawBuf::new(unsafe { of.ptr.add(lo) }, hi - lo)
+        };
+        let acc = slice(rank, mine);
+        let dst = unsafe { acc.slice_mut(0, acc.len) };
+        for p in ctx.peers() {
+            ctx.reduce_into(how.dtype, how.op, dst, unsafe { slice(rank, r.slot(p, len)).slice(0, acc.len) });
+        }
+        if how.op == ReduceOp::Avg {
+            divide_by(how.dtype, dst, world);
+        }
+        r.stage()?;
+        if gets_result {
+            for p in 0..world {
+                unsafe { ctx.copy(slice(p, chunk), slice(p, r.slot(p, len))) };
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `out` = the fold of `slots` in rank order (then divided, for an average).
+fn fold_all(ctx: &OpCtx, how: &Reducing, out: RawBuf, slots: &[RawBuf]) {
+    unsafe { ctx.copy(out, slots[0]) };
+    let acc = unsafe { out.slice_mut(0, out.len) };
+    for s in &slots[1..] {
+        ctx.reduce_into(how.dtype, how.op, acc, unsafe { s.slice(0, s.len) });
+    }
+    if how.op == ReduceOp::Avg {
+        divide_by(how.dtype, acc, slots.len());
+    }
+}

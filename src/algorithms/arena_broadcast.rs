@@ -1,0 +1,34 @@
+//! Broadcast in the shared arena, a slot's worth per round: the root copies
+//! its chunk into its slot and, after one stage, every other rank copies it
+//! out at once. While they read chunk k the root fills its other slot with
+//! chunk k + 1. Nothing of a receiver's is written before the stage.
+//!
+//! Bytes copied (`Cost`) per payload byte: 1 on the root, 1 on every other
+//! rank. Stages: 1 per slot of data.
+
+use super::call_check::Fingerprint;
+use super::in_arena::round;
+use super::{OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::arena::Arena;
+use std::time::Instant;
+
+pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp: &Fingerprint) -> Result<()> {
+    let rank = ctx.transport.rank();
+    let deadline = Instant::now() + ctx.timeout;
+    let per_round = arena.slot_bytes();
+    for k in 0..buf.len.div_ceil(per_round).max(1) {
+        let off = k * per_round;
+        let chunk = RawBuf::new(unsafe { buf.ptr.add(off) }, per_round.min(buf.len - off));
+        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+        let theirs = r.slot(root, chunk.len);
+        if rank == root {
+            unsafe { ctx.copy(theirs, chunk) };
+        }
+        r.stage()?;
+        if rank != root {
+            unsafe { ctx.copy(chunk, theirs) };
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! Reduce-scatter in the shared arena: each round takes up to 1/W of a slot
+//! from each of a rank's W input blocks, at the same offset in each; every
+//! rank copies its parts into its slot, part c at c/W of the slot, and after
+//! one stage rank c folds part c of every rank's slot, in rank order, into
+//! its output. Blocks may differ in size (every rank gives the same sizes).
+//! Nothing of the caller's is written before the stage, and PREMUL_SUM
+//! scales the slot's copy.
+//!
+//! Bytes copied (`Cost`), per rank, for blocks of b bytes: W b into its
+//! slot + W b folded into the output: 2 per input byte. Stages: 1 per
+//! slot / W of the largest block.
+
+use super::arena_allreduce::Reducing;
+use super::call_check::Fingerprint;
+use super::in_arena::round;
+use super::{OpCtx, RawBuf};
+use crate::dtype::ReduceOp;
+use crate::error::Result;
+use crate::reduce::{divide_by, scale};
+use crate::transport::arena::Arena;
+use std::time::Instant;
+
+/// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
+pub fn arena_reduce_scatter(
+    ctx: &OpCtx,
+    arena: &Arena,
+    inputs: &[RawBuf],
+    output: RawBuf,
+    how: &Reducing,
+    fp: &Fingerprint,
+) -> Result<()> {
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let es = how.dtype.size();
+    let deadline = Instant::now() + ctx.timeout;
+    // The dispatcher sees that every block gets an element at least.
+    let per_block = arena.slot_bytes() / world / es * es;
+    let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
+    let part = |b: RawBuf, k: usize| {
+        let off = (k * per_block).min(b.len);
+        RawBuf::new(unsafe { b.ptr.add(off) }, per_block.min(b.len - off))
+    };
+    for k in 0..longest.div_ceil(per_block).max(1) {
+        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+        // Block c's part in rank p's slot.
+        let slots: Vec<*mut u8> = (0..world).map(|p| r.slot(p, arena.slot_bytes()).ptr).collect();
+        let at = |p: usize, c: usize, len: usize| RawBuf::new(unsafe { slots[p].add(c * per_block) }, len);
+        for (c, block) in inputs.iter().enumerate() {
+            let src = part(*block, k);
+            let dst = at(rank, c, src.len);
+            unsafe {
+                ctx.copy(dst, src);
+                if let Some(f) = how.premul {
+                    scale(how.dtype, dst.slice_mut(0, dst.len), f);
+                }
+            }
+        }
+        r.stage()?;
+        let out = part(output, k);
+        unsafe { ctx.copy(out, at(0, rank, out.len)) };
+        let acc = unsafe { out.slice_mut(0, out.len) };
+        for p in 1..world {
+            ctx.reduce_into(how.dtype, how.op, acc, unsafe { at(p, rank, out.len).slice(0, out.len) });
+        }
+        if how.op == ReduceOp::Avg {
+            divide_by(how.dtype, acc, world);
+        }
+    }
+    Ok(())
+}

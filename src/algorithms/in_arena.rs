@@ -1,0 +1,118 @@
+//! An op's rounds in the group's shared arena (`transport::arena`), for the
+//! algorithms that run there: each round's tag says how this rank was
+//! called and where in the op the round is; once the round's first stage
+//! has passed, every rank compares every other rank's tag with its own, so a
+//! mismatched call fails on every rank before anything a peer wrote is
+//! used. The arena's failures become errors that name the op, the rank and
+//! the peer. `agree` is a round with nothing else in it: the call check of
+//! the ops that move their data elsewhere.
+
+use super::call_check::{mismatch, Fingerprint};
+use super::{OpCtx, RawBuf};
+use crate::error::{Error, Result};
+use crate::transport::arena::{Arena, Round, Stuck, TAG_BYTES};
+use crate::transport::waits::in_turn;
+use std::time::Instant;
+
+/// One round of an op in the arena.
+pub struct InArena<'a> {
+    ctx: &'a OpCtx<'a>,
+    round: Round<'a>,
+    mine: [u8; TAG_BYTES],
+    deadline: Instant,
+    checked: bool,
+}
+
+/// Round `index` of the op `ctx` runs (called as `fp` says), ending by `deadline`.
+pub fn round<'a>(
+    ctx: &'a OpCtx<'a>,
+    arena: &'a Arena,
+    fp: &Fingerprint,
+    index: u64,
+    deadline: Instant,
+) -> Result<InArena<'a>> {
+    let mine = tag(fp, ctx.seq, ctx.piece, index);
+    let round = arena.round(&mine).map_err(|stuck| failed(ctx, stuck))?;
+    Ok(InArena { ctx, round, mine, deadline, checked: false })
+}
+
+/// Check the call with every rank of the group in one round.
+pub fn agree(ctx: &OpCtx, arena: &Arena, mine: &Fingerprint) -> Result<()> {
+    let deadline = Instant::now() + ctx.timeout;
+    round(ctx, arena, mine, 0, deadline)?.stage()
+}
+
+impl InArena<'_> {
+    /// `len` bytes of this round's slot of `rank` (at most `Arena::slot_bytes`).
+    pub fn slot(&self, rank: usize, len: usize) -> RawBuf {
+        RawBuf::new(self.round.slot(rank), len)
+    }
+
+    /// Arrive, wait for every rank; after the first stage, check every tag.
+    pub fn stage(&mut self) -> Result<()> {
+        let ctx = self.ctx;
+        self.round.stage(self.deadline, ctx.spin, ctx.cost).map_err(|stuck| failed(ctx, stuck))?;
+        if !self.checked {
+            self.checked = true;
+            for peer in ctx.peers() {
+                let theirs = self.round.tag(peer);
+                if theirs != self.mine {
+                    return Err(mismatch(ctx, peer, describe(&self.mine), describe(&theirs)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The tag of round `index` of collective `seq` (its piece `piece`), called as `fp` says.
+fn tag(fp: &Fingerprint, seq: u64, piece: u64, index: u64) -> [u8; TAG_BYTES] {
+    let mut t = [0u8; TAG_BYTES];
+    t[..Fingerprint::LEN].copy_from_slice(&fp.encode());
+    for (i, v) in [seq, piece, index].into_iter().enumerate() {
+        let at = Fingerprint::LEN + 8 * i;
+        t[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    t
+}
+
+/// "allreduce(4096 bytes, dtype torch.float32, op SUM) as collective #3".
+fn describe(t: &[u8; TAG_BYTES]) -> String {
+    let word = |i: usize| u64::from_le_bytes(t[Fingerprint::LEN + 8 * i..][..8].try_into().unwrap());
+    let call = Fingerprint::decode(t[..Fingerprint::LEN].try_into().unwrap())
+        .map_or_else(|_| "something unknown".to_string(), |fp| fp.describe());
+    let (piece, index) = (word(1), word(2));
+    let mut at = format!(" as collective #{}", word(0));
+    if piece > 0 {
+        at += &format!(", piece {piece}");
+    }
+    if index > 0 {
+        at += &format!(", round {index}");
+    }
+    call + &at
+}
+
+/// The error of a round that did not pass.
+fn failed(ctx: &OpCtx, stuck: Stuck) -> Error {
+    let t = ctx.transport;
+    match stuck {
+        Stuck::TimedOut { missing } => {
+            let first = missing.first().copied().unwrap_or(t.rank());
+            let more = match missing.len() {
+                0 | 1 => String::new(),
+                n => format!(" and {} more", n - 1),
+            };
+            let said = format!("{} was waiting in the shared arena for {}{more}", ctx.what, t.describe_peer(first));
+            // The rank we waited for may be waiting, in turn, for the one really at fault.
+            Error::timed_out(ctx.timeout, in_turn(said, t.ask(first)))
+        }
+        Stuck::Aborted { by, reason } if by == t.rank() => {
+            Error::peer_lost(format!("rustc10d: {} failed: {reason}", ctx.what))
+        }
+        Stuck::Aborted { by, reason } => Error::peer_lost(format!(
+            "rustc10d: {} failed: {} gave up on the group: {reason}",
+            ctx.what,
+            t.describe_peer(by)
+        )),
+    }
+}

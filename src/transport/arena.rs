@@ -1,0 +1,493 @@
+//! The shared arena of a group whose ranks share a host: one sealed memfd
+//! that every rank maps, made by the group's lowest rank and handed to the
+//! others over their shared-memory connections with it, after the token
+//! handshake, as the rings are. It holds, for each rank, two slots of bytes
+//! and a control line, and for the group a count of arrivals and the reason
+//! it was aborted, if it was.
+//!
+//! Ranks use it in rounds, each round in the other of a rank's two slots
+//! (and tags) than the round before. A round has one or more stages; a
+//! stage is a barrier: a rank arrives once it has written what the others
+//! will read, then waits until every rank has arrived. Since no rank starts
+//! round k + 1 before every rank arrived at round k's first stage, which
+//! each does only after it finished round k - 1, a rank may fill its slot of
+//! round k + 1 while the others still read its slot of round k, and never
+//! the one of round k - 1: double buffering instead of a second barrier.
+//!
+//! A stage costs a rank one atomic add and, if it is not the last to
+//! arrive, a poll of one counter for `spin`, then a futex sleep that only
+//! the stage's last arrival wakes (one wake-up per stage, whatever the
+//! number of ranks). A rank that loses a peer, fails an op or shuts the
+//! group down aborts the arena: every rank waiting in it wakes and fails
+//! with the reason, and so does every later round. A rank that never
+//! arrives leaves the others waiting until their deadline, and then they
+//! know whom they waited for.
+//!
+//! It knows nothing of collectives: algorithms write tags (what each rank
+//! was called to do, compared once the first stage is passed) and bytes.
+
+use super::shared_mem::{sealed_len, sealed_memfd, Mapping};
+use crate::error::{Error, Result};
+use crate::status::Cost;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Bytes of the tag a rank writes for each round.
+pub const TAG_BYTES: usize = 64;
+
+const MAGIC: u64 = 0x5243_3130_4152_4e41; // "RC10ARNA"
+const HEADER_BYTES: usize = 4096;
+const LINE_BYTES: usize = 256;
+const REASON_MAX: usize = 2048;
+/// A sleeping waiter looks at the clock at least this often.
+const TICK: Duration = Duration::from_secs(1);
+
+/// Aborted: not yet, the reason being written, written.
+const OPEN: u32 = 0;
+const WRITING: u32 = 1;
+const ABORTED: u32 = 2;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    world: AtomicU64,
+    slot_bytes: AtomicU64,
+    _p0: [u8; 64 - 24],
+    /// Arrivals of all ranks at all stages so far (wrapping).
+    arrivals: AtomicU32,
+    _p1: [u8; 64 - 4],
+    /// Ranks asleep waiting for a stage.
+    sleepers: AtomicU32,
+    aborted: AtomicU32,
+    /// Who aborted, and the length of the reason that follows.
+    aborted_by: AtomicU32,
+    reason_len: AtomicU32,
+    _p2: [u8; 64 - 16],
+    reason: [u8; REASON_MAX],
+}
+
+#[repr(C)]
+struct Line {
+    /// The stages this rank has arrived at (wrapping).
+    arrived: AtomicU32,
+    _p: [u8; 64 - 4],
+    tags: [[u8; TAG_BYTES]; 2],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
+const _: () = assert!(std::mem::size_of::<Line>() <= LINE_BYTES);
+
+/// Why a stage did not pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stuck {
+    /// The deadline passed; these ranks had not arrived.
+    TimedOut { missing: Vec<usize> },
+    /// Rank `by` aborted the arena, for `reason`.
+    Aborted { by: usize, reason: String },
+}
+
+/// One rank's view of its group's arena.
+pub struct Arena {
+    map: Arc<Mapping>,
+    rank: usize,
+    world: usize,
+    slot_bytes: usize,
+    local: Mutex<Local>,
+    /// The descriptor, kept by the rank that hands it out.
+    fd: Option<OwnedFd>,
+}
+
+/// What only this rank counts.
+#[derive(Default)]
+struct Local {
+    stages: u32,
+    rounds: u64,
+}
+
+impl Arena {
+    fn bytes_for(world: usize, slot_bytes: usize) -> Option<usize> {
+        let lines = (world * LINE_BYTES).div_ceil(4096) * 4096;
+        world.checked_mul(2)?.checked_mul(slot_bytes)?.checked_add(HEADER_BYTES + lines)
+    }
+
+    /// A new arena for `world` ranks with slots of `slot_bytes`, as `rank`
+    /// sees it; it keeps the descriptor to hand out (`fd`).
+    pub fn create(world: usize, slot_bytes: usize, rank: usize) -> Result<Arena> {
+        let len = Self::bytes_for(world, slot_bytes).ok_or_else(|| Error::invalid("rustc10d: arena too large"))?;
+        let fd = sealed_memfd(len)?;
+        let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
+        Self::init(&map, world, slot_bytes);
+        Ok(Arena { fd: Some(fd), ..Arena::view(map, rank, world, slot_bytes) })
+    }
+
+    /// Map the arena a peer sent, after checking it is one, made for `world` ranks.
+    pub fn open(fd: &OwnedFd, rank: usize, world: usize) -> Result<Arena> {
+        let len = sealed_len(fd, "shared arena")?;
+        let malformed = || Error::io("rustc10d: malformed shared arena from a peer");
+        if len < HEADER_BYTES {
+            return Err(malformed());
+        }
+        let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
+        let h = unsafe { &*(map.base as *const Header) };
+        let (magic, theirs, slot_bytes) = (
+            h.magic.load(Ordering::Acquire),
+            h.world.load(Ordering::Relaxed) as usize,
+            h.slot_bytes.load(Ordering::Relaxed) as usize,
+        );
+        if magic != MAGIC || theirs != world || Self::bytes_for(world, slot_bytes) != Some(len) {
+            return Err(malformed());
+        }
+        Ok(Arena::view(map, rank, world, slot_bytes))
+    }
+
+    /// The views of every rank of an arena in this process's memory (tests:
+    /// threads as ranks).
+    pub fn in_memory(world: usize, slot_bytes: usize) -> Result<Vec<Arena>> {
+        let len = Self::bytes_for(world, slot_bytes).ok_or_else(|| Error::invalid("rustc10d: arena too large"))?;
+        let map = Arc::new(Mapping::anonymous(len)?);
+        Self::init(&map, world, slot_bytes);
+        Ok((0..world).map(|rank| Arena::view(map.clone(), rank, world, slot_bytes)).collect())
+    }
+
+    fn init(map: &Mapping, world: usize, slot_bytes: usize) {
+        let h = unsafe { &*(map.base as *const Header) };
+        h.world.store(world as u64, Ordering::Relaxed);
+        h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+    }
+
+    fn view(map: Arc<Mapping>, rank: usize, world: usize, slot_bytes: usize) -> Arena {
+        Arena { map, rank, world, slot_bytes, local: Mutex::default(), fd: None }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The bytes of each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// The descriptor to hand to the group's other ranks (on the rank that made it).
+    pub fn fd(&self) -> Option<&OwnedFd> {
+        self.fd.as_ref()
+    }
+
+    fn header(&self) -> &Header {
+        unsafe { &*(self.map.base as *const Header) }
+    }
+
+    fn line_ptr(&self, rank: usize) -> *mut Line {
+        unsafe { self.map.base.add(HEADER_BYTES + rank * LINE_BYTES) as *mut Line }
+    }
+
+    fn arrived(&self, rank: usize) -> &AtomicU32 {
+        unsafe { &(*self.line_ptr(rank)).arrived }
+    }
+
+    fn slot_ptr(&self, rank: usize, parity: usize) -> *mut u8 {
+        let lines = (self.world * LINE_BYTES).div_ceil(4096) * 4096;
+        unsafe { self.map.base.add(HEADER_BYTES + lines + (rank * 2 + parity) * self.slot_bytes) }
+    }
+
+    /// Start this rank's next round, with what it was called to do (`tag`).
+    /// Fails at once if the arena was aborted.
+    pub fn round(&self, tag: &[u8; TAG_BYTES]) -> std::result::Result<Round<'_>, Stuck> {
+        if let Some(stuck) = self.aborted() {
+            return Err(stuck);
+        }
+        let mut local = self.local.lock().unwrap();
+        let parity = (local.rounds % 2) as usize;
+        local.rounds += 1;
+        // Nobody reads this tag any more: everyone has finished the round before last.
+        unsafe { (*self.line_ptr(self.rank)).tags[parity] = *tag };
+        Ok(Round { arena: self, local, parity, stages: 0 })
+    }
+
+    /// Wake every rank waiting in the arena and fail every later round,
+    /// with `reason` (the first abort's reason stays).
+    pub fn abort(&self, reason: &str) {
+        let h = self.header();
+        if h.aborted.compare_exchange(OPEN, WRITING, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            let bytes = &reason.as_bytes()[..reason.len().min(REASON_MAX)];
+            let reason_ptr = std::ptr::addr_of!(h.reason) as *mut u8;
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), reason_ptr, bytes.len()) };
+            h.reason_len.store(bytes.len() as u32, Ordering::Relaxed);
+            h.aborted_by.store(self.rank as u32, Ordering::Relaxed);
+            h.aborted.store(ABORTED, Ordering::SeqCst);
+        }
+        futex_wake(&h.arrivals);
+    }
+
+    /// Who aborted the arena and why, once it is.
+    pub fn aborted(&self) -> Option<Stuck> {
+        let h = self.header();
+        let mut state = h.aborted.load(Ordering::SeqCst);
+        // The first aborter is writing its reason: a moment.
+        let until = Instant::now() + Duration::from_millis(100);
+        while state == WRITING && Instant::now() < until {
+            std::thread::yield_now();
+            state = h.aborted.load(Ordering::SeqCst);
+        }
+        match state {
+            OPEN => None,
+            ABORTED => {
+                let len = (h.reason_len.load(Ordering::Relaxed) as usize).min(REASON_MAX);
+                let reason = String::from_utf8_lossy(&h.reason[..len]).into_owned();
+                Some(Stuck::Aborted { by: h.aborted_by.load(Ordering::Relaxed) as usize, reason })
+            }
+            _ => Some(Stuck::Aborted { by: usize::MAX, reason: "(no reason given in time)".into() }),
+        }
+    }
+}
+
+/// One round of this rank in the arena; no other round starts until it ends.
+pub struct Round<'a> {
+    arena: &'a Arena,
+    local: MutexGuard<'a, Local>,
+    parity: usize,
+    stages: u32,
+}
+
+impl Round<'_> {
+    /// This round's slot of `rank` (`Arena::slot_bytes` long). Each rank
+    /// writes its own before a stage, others read it after.
+    pub fn slot(&self, rank: usize) -> *mut u8 {
+        self.arena.slot_ptr(rank, self.parity)
+    }
+
+    /// The tag `rank` wrote for this round (after the first stage: its own for this round).
+    pub fn tag(&self, rank: usize) -> [u8; TAG_BYTES] {
+        unsafe { (*self.arena.line_ptr(rank)).tags[self.parity] }
+    }
+
+    /// Arrive, then wait until every rank has arrived at this stage: poll
+    /// for `spin`, then sleep (each sleep charged to `cost`), until `deadline`.
+    pub fn stage(&mut self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {
+        let a = self.arena;
+        let h = a.header();
+        self.stages += 1;
+        let mine = self.local.stages.wrapping_add(1);
+        self.local.stages = mine;
+        a.arrived(a.rank).store(mine, Ordering::Release);
+        let target = mine.wrapping_mul(a.world as u32);
+        let reached = |n: u32| n.wrapping_sub(target) as i32 >= 0;
+        if h.arrivals.fetch_add(1, Ordering::SeqCst).wrapping_add(1) == target {
+            // The last to arrive wakes the others.
+            if h.sleepers.load(Ordering::SeqCst) > 0 {
+                futex_wake(&h.arrivals);
+            }
+            return Ok(());
+        }
+        let spin_until = Instant::now() + spin;
+        loop {
+            if reached(h.arrivals.load(Ordering::Acquire)) {
+                return Ok(());
+            }
+            if let Some(stuck) = a.aborted() {
+                return Err(stuck);
+            }
+            if Instant::now() >= spin_until.min(deadline) {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        loop {
+            h.sleepers.fetch_add(1, Ordering::SeqCst);
+            let seen = h.arrivals.load(Ordering::SeqCst);
+            let aborted = a.aborted();
+            let now = Instant::now();
+            let asleep = !reached(seen) && aborted.is_none() && now < deadline;
+            if asleep && futex_wait(&h.arrivals, seen, (deadline - now).min(TICK)) {
+                cost.slept();
+            }
+            h.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if reached(h.arrivals.load(Ordering::Acquire)) {
+                return Ok(());
+            }
+            if let Some(stuck) = a.aborted() {
+                return Err(stuck);
+            }
+            if Instant::now() >= deadline {
+                let missing = (0..a.world)
+                    .filter(|&r| (a.arrived(r).load(Ordering::Acquire).wrapping_sub(mine) as i32) < 0)
+                    .collect();
+                return Err(Stuck::TimedOut { missing });
+            }
+        }
+    }
+}
+
+impl Drop for Round<'_> {
+    fn drop(&mut self) {
+        // A round that never arrived anywhere leaves this rank a round out of
+        // step with the others: nothing may use the arena after it.
+        if self.stages == 0 {
+            self.arena.abort(&format!("rank {} left a round of the shared arena unused", self.arena.rank));
+        }
+    }
+}
+
+/// Sleep while `word` holds `seen`, up to `timeout`; whether this thread slept
+/// (not if the word had changed already).
+fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) -> bool {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // Not FUTEX_PRIVATE: the word is shared between processes. EAGAIN (it
+    // changed), EINTR and ETIMEDOUT all return to the caller's checks.
+    let rc =
+        unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN)
+}
+
+fn futex_wake(word: &AtomicU32) {
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(x: u8) -> [u8; TAG_BYTES] {
+        [x; TAG_BYTES]
+    }
+
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    /// Every rank writes its rank and round into its slot, then reads every
+    /// other's after the stage: what it reads is always that round's.
+    #[test]
+    fn rounds_alternate_slots_and_stages_order_writes_before_reads() {
+        for spin in [Duration::ZERO, Duration::from_micros(50)] {
+            let world = 4;
+            let arenas = Arena::in_memory(world, 4096).unwrap();
+            let costs: Vec<Cost> = (0..world).map(|_| Cost::default()).collect();
+            std::thread::scope(|s| {
+                for (a, cost) in arenas.iter().zip(&costs) {
+                    s.spawn(move || {
+                        for round in 0..500u32 {
+                            let mut r = a.round(&tag(round as u8)).unwrap();
+                            unsafe { (r.slot(a.rank()) as *mut [u32; 2]).write([a.rank() as u32, round]) };
+                            r.stage(far(), spin, cost).unwrap();
+                            for peer in 0..world {
+                                assert_eq!(r.tag(peer), tag(round as u8));
+                                let got = unsafe { (r.slot(peer) as *const [u32; 2]).read() };
+                                assert_eq!(got, [peer as u32, round], "rank {} round {round}", a.rank());
+                            }
+                        }
+                    });
+                }
+            });
+            // Without polling every wait sleeps at least once, but only the last arrival wakes anyone.
+            let woken: u64 = costs.iter().map(|c| c.totals().wakeups).sum();
+            assert!(woken <= (world as u64 - 1) * 500 * 2, "{woken} wake-ups");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_never_arrives_is_named_at_the_deadline() {
+        let arenas = Arena::in_memory(3, 64).unwrap();
+        let cost = Cost::default();
+        std::thread::scope(|s| {
+            let a1 = &arenas[1];
+            s.spawn(move || a1.round(&tag(0)).unwrap().stage(far(), Duration::ZERO, &Cost::default()));
+            let mut r = arenas[0].round(&tag(0)).unwrap();
+            let started = Instant::now();
+            let deadline = started + Duration::from_millis(200);
+            assert_eq!(r.stage(deadline, Duration::ZERO, &cost), Err(Stuck::TimedOut { missing: vec![2] }));
+            assert!(started.elapsed() < Duration::from_secs(2));
+            // Rank 1 waits on: free it.
+            arenas[2].abort("done");
+        });
+    }
+
+    #[test]
+    fn an_abort_wakes_the_waiters_and_fails_later_rounds() {
+        let arenas = Arena::in_memory(3, 64).unwrap();
+        std::thread::scope(|s| {
+            let waiters: Vec<_> = arenas[..2]
+                .iter()
+                .map(|a| s.spawn(move || a.round(&tag(1)).unwrap().stage(far(), Duration::ZERO, &Cost::default())))
+                .collect();
+            std::thread::sleep(Duration::from_millis(50));
+            arenas[2].abort("rank 2 lost its peer");
+            arenas[0].abort("a second reason is not kept");
+            for w in waiters {
+                let started = Instant::now();
+                let got = w.join().unwrap();
+                assert_eq!(got, Err(Stuck::Aborted { by: 2, reason: "rank 2 lost its peer".into() }));
+                assert!(started.elapsed() < Duration::from_secs(1));
+            }
+        });
+        assert!(matches!(arenas[1].round(&tag(2)), Err(Stuck::Aborted { by: 2, .. })));
+    }
+
+    #[test]
+    fn the_last_arrival_passes_even_if_the_arena_was_aborted_meanwhile() {
+        // Everything the stage waited for is there: an abort after the others
+        // arrived does not fail it, but the next round.
+        let arenas = Arena::in_memory(2, 64).unwrap();
+        let mut r1 = arenas[1].round(&tag(0)).unwrap();
+        std::thread::scope(|s| {
+            let a0 = &arenas[0];
+            let first = s.spawn(move || {
+                let mut r0 = a0.round(&tag(0)).unwrap();
+                r0.stage(far(), Duration::ZERO, &Cost::default())
+            });
+            while arenas[1].header().arrivals.load(Ordering::SeqCst) == 0 {
+                std::thread::yield_now();
+            }
+            arenas[0].abort("rank 0 shut the group down");
+            assert_eq!(r1.stage(far(), Duration::ZERO, &Cost::default()), Ok(()));
+            assert!(first.join().unwrap().is_ok() || arenas[0].aborted().is_some());
+        });
+        drop(r1);
+        assert!(arenas[1].round(&tag(1)).is_err());
+    }
+
+    #[test]
+    fn arrivals_wrap_around() {
+        let arenas = Arena::in_memory(3, 64).unwrap();
+        // Start every count just below the wrap.
+        let start = u32::MAX - 5;
+        for a in &arenas {
+            a.local.lock().unwrap().stages = start;
+            a.arrived(a.rank()).store(start, Ordering::Relaxed);
+        }
+        arenas[0].header().arrivals.store(start.wrapping_mul(3), Ordering::Relaxed);
+        std::thread::scope(|s| {
+            for a in &arenas {
+                s.spawn(move || {
+                    for k in 0..20u8 {
+                        a.round(&tag(k)).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn an_arena_travels_by_its_descriptor_and_is_checked() {
+        let made = Arena::create(2, 4096, 0).unwrap();
+        let opened = Arena::open(made.fd().unwrap(), 1, 2).unwrap();
+        assert_eq!(opened.slot_bytes(), 4096);
+        assert!(Arena::open(made.fd().unwrap(), 1, 3).is_err(), "made for another world size");
+        let (_, ring_fd) = super::super::ring::Segment::create(64 << 10).unwrap();
+        assert!(Arena::open(&ring_fd, 1, 2).is_err(), "not an arena");
+        let r = made.round(&tag(7)).unwrap();
+        let mut o = opened.round(&tag(7)).unwrap();
+        unsafe { *r.slot(0) = 42 };
+        drop(r);
+        assert!(opened.aborted().is_some(), "an unused round aborts the arena");
+        assert_eq!(unsafe { *o.slot(0) }, 42, "the same memory");
+        assert!(o.stage(far(), Duration::ZERO, &Cost::default()).is_err());
+    }
+}
