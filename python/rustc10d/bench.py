@@ -382,10 +382,12 @@ def worker_main(rank: int, world: int, port: int) -> int:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=3 * pg_timeout)
     groups = {}
     for t in cfg["transports"]:
-        for n in cfg.get("nsocks") or [None]:
+        # One series per value of a varied setting (--nsocks, --arena-slot-bytes), else one.
+        field, label, values = cfg.get("vary") or (None, "", [[None, ""]])
+        for v, text in values:
             os.environ["RUSTC10D_TRANSPORT"] = t  # read when the group is created
-            options = rustc10d.Options(nsocks=n) if n else None
-            name = f"rustc10d-{t}" + (f"-nsocks{n}" if n else "")
+            options = rustc10d.Options(**{field: v}) if v is not None else None
+            name = f"rustc10d-{t}" + (f"-{label}{text}" if v is not None else "")
             groups[name] = dist.new_group(backend="rustc10d", timeout=pg_timeout, pg_options=options)
     groups[BASELINE] = dist.new_group(backend=BASELINE, timeout=pg_timeout)
     me = Rank(rank, world, cfg, dist.group.WORLD, groups)
@@ -766,6 +768,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--hosts: cap each TCP connection at this many Gbit/s too, as one stream that cannot "
                         "fill a fast link (testbed.Hosts flow_gbit)")
     p.add_argument("--nsocks", help="rustc10d series per nsocks value, e.g. 1,auto (default: one, as configured)")
+    p.add_argument("--arena-slot-bytes",
+                   help="rustc10d series per arena_slot_bytes value, e.g. 0,1M (0: no arena; default: as configured)")
     p.add_argument("--interleave", action="store_true",
                    help="--hosts: rank r on host r %% H (default: consecutive ranks on each host)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
@@ -806,7 +810,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("world sizes must be at least 2")
     if args.hosts is None and (args.link_gbit or args.flow_gbit or args.interleave):
         p.error("--link-gbit, --flow-gbit and --interleave go with --hosts")
-    args.nsocks = args.nsocks.split(",") if args.nsocks else None
+    args.nsocks = [[n, n] for n in args.nsocks.split(",")] if args.nsocks else None
+    if args.arena_slot_bytes:
+        args.arena_slot_bytes = [[parse_size(v), v] for v in args.arena_slot_bytes.split(",")]
+    if args.nsocks and args.arena_slot_bytes:
+        p.error("--nsocks and --arena-slot-bytes each make series of their own: give one of them")
     if args.hosts is not None:
         if args.hosts < 2:
             p.error("--hosts must be at least 2")
@@ -853,7 +861,9 @@ def main(argv=None) -> int:
     if args.hosts:
         cfg.update(hosts=args.hosts, link_gbit=args.link_gbit, flow_gbit=args.flow_gbit, interleave=args.interleave)
     if args.nsocks:
-        cfg["nsocks"] = args.nsocks
+        cfg["vary"] = ("nsocks", "nsocks", args.nsocks)
+    if args.arena_slot_bytes:
+        cfg["vary"] = ("arena_slot_bytes", "arena", args.arena_slot_bytes)
 
     print(f"rustc10d {rustc10d.__version__} vs Gloo, torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"W={args.worlds}, {_size(args.min_size)}..{_size(args.max_size)}, {args.rounds} rounds of "
