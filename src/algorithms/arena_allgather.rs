@@ -9,7 +9,7 @@
 //! largest block.
 
 use super::call_check::Fingerprint;
-use super::in_arena::round;
+use super::in_arena::{part, round};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::arena::Arena;
@@ -21,18 +21,13 @@ pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[Raw
     let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes();
     let longest = outputs.iter().map(|o| o.len).max().unwrap_or(0);
-    // Round k's part of a block of `len` bytes.
-    let part = |b: RawBuf, k: usize| {
-        let off = (k * per_round).min(b.len);
-        RawBuf::new(unsafe { b.ptr.add(off) }, per_round.min(b.len - off))
-    };
     for k in 0..longest.div_ceil(per_round).max(1) {
         let mut r = round(ctx, arena, fp, k as u64, deadline)?;
-        let mine = part(input, k);
+        let mine = part(input, per_round, k);
         unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
         r.stage()?;
         for (p, out) in outputs.iter().enumerate() {
-            let dst = part(*out, k);
+            let dst = part(*out, per_round, k);
             unsafe { ctx.copy(dst, r.slot(p, dst.len)) };
         }
     }

@@ -16,7 +16,7 @@
 //! of data, 1 if small; at most one wake-up each.
 
 use super::call_check::Fingerprint;
-use super::in_arena::round;
+use super::in_arena::{part, round};
 use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -47,9 +47,8 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
     let one_stage = buf.len * world <= ONE_STAGE_BYTES && buf.len <= per_round;
     let rounds = if one_stage { 1 } else { buf.len.div_ceil(per_round).max(1) };
     for k in 0..rounds {
-        let off = k * per_round;
-        let len = per_round.min(buf.len - off);
-        let chunk = RawBuf::new(unsafe { buf.ptr.add(off) }, len);
+        let chunk = part(buf, per_round, k);
+        let len = chunk.len;
         let mut r = round(ctx, arena, fp, k as u64, deadline)?;
         let mine = r.slot(rank, len);
         unsafe {

@@ -7,7 +7,7 @@
 //! rank. Stages: 1 per slot of data.
 
 use super::call_check::Fingerprint;
-use super::in_arena::round;
+use super::in_arena::{part, round};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::arena::Arena;
@@ -18,8 +18,7 @@ pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp:
     let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes();
     for k in 0..buf.len.div_ceil(per_round).max(1) {
-        let off = k * per_round;
-        let chunk = RawBuf::new(unsafe { buf.ptr.add(off) }, per_round.min(buf.len - off));
+        let chunk = part(buf, per_round, k);
         let mut r = round(ctx, arena, fp, k as u64, deadline)?;
         let theirs = r.slot(root, chunk.len);
         if rank == root {

@@ -12,7 +12,7 @@
 
 use super::arena_allreduce::Reducing;
 use super::call_check::Fingerprint;
-use super::in_arena::round;
+use super::in_arena::{part, round};
 use super::{OpCtx, RawBuf};
 use crate::dtype::ReduceOp;
 use crate::error::Result;
@@ -35,17 +35,13 @@ pub fn arena_reduce_scatter(
     // The dispatcher sees that every block gets an element at least.
     let per_block = arena.slot_bytes() / world / es * es;
     let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
-    let part = |b: RawBuf, k: usize| {
-        let off = (k * per_block).min(b.len);
-        RawBuf::new(unsafe { b.ptr.add(off) }, per_block.min(b.len - off))
-    };
     for k in 0..longest.div_ceil(per_block).max(1) {
         let mut r = round(ctx, arena, fp, k as u64, deadline)?;
         // Block c's part in rank p's slot.
         let slots: Vec<*mut u8> = (0..world).map(|p| r.slot(p, arena.slot_bytes()).ptr).collect();
         let at = |p: usize, c: usize, len: usize| RawBuf::new(unsafe { slots[p].add(c * per_block) }, len);
         for (c, block) in inputs.iter().enumerate() {
-            let src = part(*block, k);
+            let src = part(*block, per_block, k);
             let dst = at(rank, c, src.len);
             unsafe {
                 ctx.copy(dst, src);
@@ -55,7 +51,7 @@ pub fn arena_reduce_scatter(
             }
         }
         r.stage()?;
-        let out = part(output, k);
+        let out = part(output, per_block, k);
         unsafe { ctx.copy(out, at(0, rank, out.len)) };
         let acc = unsafe { out.slice_mut(0, out.len) };
         for p in 1..world {

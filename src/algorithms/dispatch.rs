@@ -34,8 +34,9 @@ use std::sync::Mutex;
 /// Whether `part` checks the call itself, with every rank, rather than with
 /// its ring neighbour before it starts: the smallest all-reduces and
 /// barriers (alongside their one exchange), and the single-copy algorithms
-/// (before any data moves). PREMUL_SUM all-reduce scales the caller's buffer
-/// first, so it checks before.
+/// (before any data moves), and whatever runs in the arena (in its first
+/// round). PREMUL_SUM all-reduce outside the arena scales the caller's
+/// buffer first, so it checks before.
 pub fn checks_inline(ctx: &OpCtx, part: &Collective) -> bool {
     if in_arena(ctx, part) {
         return true;

@@ -65,6 +65,13 @@ impl InArena<'_> {
     }
 }
 
+/// Round `k`'s part of `buf` when every round takes `per_round` bytes of it
+/// (empty once the buffer is done).
+pub fn part(buf: RawBuf, per_round: usize, k: usize) -> RawBuf {
+    let off = (k * per_round).min(buf.len);
+    RawBuf::new(unsafe { buf.ptr.add(off) }, per_round.min(buf.len - off))
+}
+
 /// The tag of round `index` of collective `seq` (its piece `piece`), called as `fp` says.
 fn tag(fp: &Fingerprint, seq: u64, piece: u64, index: u64) -> [u8; TAG_BYTES] {
     let mut t = [0u8; TAG_BYTES];
