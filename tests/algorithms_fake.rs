@@ -274,26 +274,33 @@ fn reduce_scatter_matches_arithmetic_and_keeps_the_inputs() {
 
 #[test]
 fn all_to_all_with_uneven_blocks() {
-    for world in 1..=5 {
-        for scale in [1, 13, 70] {
-            // Bytes from rank p to rank q: a few blocks empty (2 to 1 and 3),
-            // none to itself, most of a size of their own.
-            let len = |p: usize, q: usize| ((p * 7 + q * 3 + 1) % 6) * scale;
-            let out = on_ranks(world, RING, |rk| {
-                let r = rk.rank();
-                let mut inputs: Vec<Buf> = (0..world).map(|q| Buf::bytes_of(&pattern(r, q, len(r, q)))).collect();
-                let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(len(p, r), 0xEE)).collect();
-                let part = Collective::AllToAll { inputs: raws(&mut inputs), outputs: raws(&mut outputs) };
-                ok(rk.run(part), "all_to_all");
-                outputs
-            });
-            for (q, outputs) in out.into_iter().enumerate() {
-                for (p, b) in outputs.iter().enumerate() {
-                    assert_eq!(
-                        b.bytes(),
-                        pattern(p, q, len(p, q)),
-                        "world {world}, x{scale}: rank {q}'s block from {p}"
-                    );
+    for (net, kind) in NETS.into_iter().filter(|(_, k)| !k.hosts()) {
+        for world in 1..=5 {
+            // 0: every block 300 bytes (single copy, where there is);
+            // else bytes from rank p to rank q: a few blocks empty (2 to 1
+            // and 3), none to itself, most of a size of their own.
+            for scale in [0, 1, 13, 70] {
+                let len = |p: usize, q: usize| if scale == 0 { 300 } else { ((p * 7 + q * 3 + 1) % 6) * scale };
+                let out = on_ranks_via(kind, world, RING, |rk| {
+                    let r = rk.rank();
+                    let mut inputs: Vec<Buf> = (0..world).map(|q| Buf::bytes_of(&pattern(r, q, len(r, q)))).collect();
+                    let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(len(p, r), 0xEE)).collect();
+                    let part = Collective::AllToAll { inputs: raws(&mut inputs), outputs: raws(&mut outputs) };
+                    let before = rk.t.sent();
+                    ok(rk.run(part), "all_to_all");
+                    (outputs, rk.t.sent() - before)
+                });
+                for (q, (outputs, sent)) in out.into_iter().enumerate() {
+                    let at = format!("{net}, world {world}, x{scale}");
+                    for (p, b) in outputs.iter().enumerate() {
+                        assert_eq!(b.bytes(), pattern(p, q, len(p, q)), "{at}: rank {q}'s block from {p}");
+                    }
+                    if kind.arena() {
+                        // Pairs exchange directly only where every block goes as its address.
+                        let direct = world > 1 && scale == 0 && kind.single_copy().is_some_and(|from| 300 >= from);
+                        let want = if direct { world as u64 - 1 } else { 0 };
+                        assert_eq!(sent, want, "{at}: rank {q} sent {sent} messages");
+                    }
                 }
             }
         }
@@ -303,9 +310,10 @@ fn all_to_all_with_uneven_blocks() {
 #[test]
 fn barrier_waits_for_the_last_rank_on_both_paths() {
     for world in 1..=5 {
-        for (path, small) in PATHS {
+        for (path, small, arena) in [("ring", RING, false), ("direct", DIRECT, false), ("arena", RING, true)] {
             let arrived = Mutex::new(None::<Instant>);
-            let out = on_ranks(world, small, |rk| {
+            let net = if arena { FakeNet::with_arena(world, 4096, None) } else { FakeNet::new(world) };
+            let out = on_net(&net, small, |rk| {
                 let late = rk.rank() == world - 1;
                 if late {
                     std::thread::sleep(Duration::from_millis(50));

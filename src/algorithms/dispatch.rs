@@ -13,8 +13,8 @@ use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::{
-    arena_allgather::arena_allgather, arena_broadcast::arena_broadcast, arena_reduce_scatter::arena_reduce_scatter,
-    in_arena,
+    arena_allgather::arena_allgather, arena_alltoall, arena_broadcast::arena_broadcast,
+    arena_reduce_scatter::arena_reduce_scatter, in_arena,
 };
 use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
@@ -62,6 +62,7 @@ fn in_arena(ctx: &OpCtx, part: &Collective) -> bool {
         // Every rank's slot holds a part of each of the W blocks.
         Collective::ReduceScatter { .. } => !single_copy(ctx, part) && arena.slot_bytes() / ctx.transport.size() >= 16,
         Collective::Reduce { .. } | Collective::Barrier => true,
+        Collective::AllToAll { .. } => arena_alltoall::fits(&arena, ctx.transport.size()),
         _ => false,
     }
 }
@@ -77,6 +78,7 @@ fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, fp: &Fingerprint)
         Collective::ReduceScatter { inputs, output, red } => {
             arena_reduce_scatter(ctx, arena, inputs, *output, &reducing(red, None), fp)
         }
+        Collective::AllToAll { inputs, outputs } => arena_alltoall::arena_alltoall(ctx, arena, inputs, outputs, fp),
         // A barrier: one stage with nothing in it.
         _ => in_arena::agree(ctx, arena, fp),
     }

@@ -15,6 +15,7 @@ use std::time::Duration;
 mod alltoall;
 mod arena_allgather;
 mod arena_allreduce;
+mod arena_alltoall;
 mod arena_broadcast;
 mod arena_reduce_scatter;
 mod broadcast;
