@@ -11,9 +11,9 @@
 //!
 //! Bytes copied (`Cost`), per rank, for n bytes: n into its slot +
 //! (W-1)n/W folding its slices + n copied out (reduce: the root only).
-//! Small (n W <= ONE_STAGE_BYTES): n into its slot + n + (W-1)n folding
-//! every slot into the buffer (reduce: the root only). Stages: 2 per slot
-//! of data, 1 if small; at most one wake-up each.
+//! Small (n W <= ONE_STAGE_BYTES, n <= small_allreduce_bytes): n into its
+//! slot + n + (W-1)n folding every slot into the buffer (reduce: the root
+//! only). Stages: 2 per slot of data, 1 if small; at most one wake-up each.
 
 use super::call_check::Fingerprint;
 use super::in_arena::{part, round};
@@ -25,7 +25,10 @@ use crate::transport::arena::Arena;
 use std::time::Instant;
 
 /// Buffers whose every rank's copy together is at most this large take one
-/// stage: each rank reading every slot costs less than a second stage.
+/// stage (if no larger than `small_allreduce_bytes`, where the direct
+/// exchange, which copies more, would have run): each rank reading every
+/// slot costs less than a second stage. It copies W + 1 bytes per byte
+/// against (3W - 1)/W, so only where latency, not bytes, is what counts.
 pub const ONE_STAGE_BYTES: usize = 64 << 10;
 
 /// What is reduced, and who gets the result.
@@ -44,7 +47,7 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
     let gets_result = how.root.is_none_or(|r| r == rank);
     let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes() / es * es;
-    let one_stage = buf.len * world <= ONE_STAGE_BYTES && buf.len <= per_round;
+    let one_stage = buf.len * world <= ONE_STAGE_BYTES && buf.len <= ctx.small_allreduce_bytes.min(per_round);
     let rounds = if one_stage { 1 } else { buf.len.div_ceil(per_round).max(1) };
     for k in 0..rounds {
         let chunk = part(buf, per_round, k);

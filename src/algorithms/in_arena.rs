@@ -116,10 +116,10 @@ fn failed(ctx: &OpCtx, stuck: Stuck) -> Error {
         Stuck::Aborted { by, reason } if by == t.rank() => {
             Error::peer_lost(format!("rustc10d: {} failed: {reason}", ctx.what))
         }
-        Stuck::Aborted { by, reason } => Error::peer_lost(format!(
-            "rustc10d: {} failed: {} gave up on the group: {reason}",
-            ctx.what,
-            t.describe_peer(by)
-        )),
+        Stuck::Aborted { by, reason } => {
+            // Whoever wrote the arena's abort says who it is; name only a rank there is.
+            let who = if by < t.size() { t.describe_peer(by) } else { "a rank".to_string() };
+            Error::peer_lost(format!("rustc10d: {} failed: {who} gave up on the group: {reason}", ctx.what))
+        }
     }
 }
