@@ -76,50 +76,45 @@ fn assert_copied(what: &str, check: usize, got: &[OpStats], expected: impl Fn(us
     }
 }
 
-fn counts_match_each_algorithm(single_copy: bool) {
-    let engines = group_costed(single_copy, false);
-    // Bytes a sender copies per byte it sends: none when the receiver reads its memory.
-    let send = usize::from(!single_copy);
-    let tag = if single_copy { "single copy" } else { "rings" };
+/// What each collective cost every rank, one call each (`each_collective`).
+struct Costs {
+    broadcast: Vec<OpStats>,
+    all_gather: Vec<OpStats>,
+    all_reduce: Vec<OpStats>,
+    reduce_scatter: Vec<OpStats>,
+    reduce: Vec<OpStats>,
+    all_to_all: Vec<OpStats>,
+    small_all_reduce: Vec<OpStats>,
+}
 
-    let n = W * BLOCK;
-    let got = cost_of(&engines, OpKind::Broadcast, |rank, e| {
-        let mut buf = vec![rank as u8; n];
+/// The payload: n bytes to broadcast, all-reduce and reduce; blocks of BLOCK
+/// to gather, scatter-reduce and exchange; SMALL bytes to all-reduce.
+const N: usize = W * BLOCK;
+const SMALL: usize = 4096;
+
+/// Run each collective once on every rank, its result checked; what each cost.
+fn each_collective(engines: &[Engine]) -> Costs {
+    let broadcast = cost_of(engines, OpKind::Broadcast, |rank, e| {
+        let mut buf = vec![rank as u8; N];
         wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0 }));
         assert!(buf.iter().all(|&b| b == 0));
     });
-    // Through the rings the root sends, and each other rank receives and,
-    // but the last, forwards; with single copy every rank reads the root's.
-    assert_copied(&format!("broadcast, {tag}"), check_bytes(single_copy), &got, |rank| match rank {
-        0 => send * n,
-        r if r == W - 1 => n,
-        _ => n + send * n,
-    });
-
-    let got = cost_of(&engines, OpKind::AllGather, |rank, e| {
+    let all_gather = cost_of(engines, OpKind::AllGather, |rank, e| {
         let mut input = vec![rank as u8 + 1; BLOCK];
         let mut out = vec![vec![0u8; BLOCK]; W];
         let outputs = out.iter_mut().map(|o| raw(o)).collect();
         wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs }));
         assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
     });
-    // Its own block copied, W-1 blocks received and W-1 sent.
-    assert_copied(&format!("all_gather, {tag}"), check_bytes(single_copy), &got, |_| {
-        BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
-    });
-
-    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
-        let mut buf = vec![rank as f32 + 1.0; n / 4];
-        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
-        assert!(buf.iter().all(|&x| x == 6.0));
-    });
-    // W-1 folded receives (read and fold) and W-1 plain ones, of n/W each; 2(W-1) sends.
-    let chunk = n / W;
-    assert_copied(&format!("all_reduce, {tag}"), check_bytes(single_copy), &got, |_| {
-        (W - 1) * 2 * chunk + (W - 1) * chunk + send * 2 * (W - 1) * chunk
-    });
-
-    let got = cost_of(&engines, OpKind::ReduceScatter, |rank, e| {
+    let sum_of = |bytes: usize| {
+        move |rank: usize, e: &Engine| {
+            let mut buf = vec![rank as f32 + 1.0; bytes / 4];
+            wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
+            assert!(buf.iter().all(|&x| x == 6.0));
+        }
+    };
+    let all_reduce = cost_of(engines, OpKind::AllReduce, sum_of(N));
+    let reduce_scatter = cost_of(engines, OpKind::ReduceScatter, |rank, e| {
         let mut ins: Vec<Vec<f32>> = (0..W).map(|_| vec![rank as f32 + 1.0; BLOCK / 4]).collect();
         let mut out = vec![0f32; BLOCK / 4];
         let red = Reduction::new(DType::F32, ReduceOp::Sum);
@@ -127,45 +122,65 @@ fn counts_match_each_algorithm(single_copy: bool) {
         wait_ok(run(e, Collective::ReduceScatter { inputs, output: raw(&mut out), red }));
         assert!(out.iter().all(|&x| x == 6.0));
     });
-    // Its own block copied; W-1 steps each receive and fold a block; W-1 sends.
-    assert_copied(&format!("reduce_scatter, {tag}"), check_bytes(single_copy), &got, |_| {
-        BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK
-    });
-
-    // Reduce to rank 0 goes along the chain 1, 2, 0: rank 1 sends, rank 2
-    // receives, folds in its own and sends on, the root receives and folds.
-    let got = cost_of(&engines, OpKind::Reduce, |rank, e| {
-        let mut buf = vec![rank as f32 + 1.0; n / 4];
+    let reduce = cost_of(engines, OpKind::Reduce, |rank, e| {
+        let mut buf = vec![rank as f32 + 1.0; N / 4];
         let red = Reduction::new(DType::F32, ReduceOp::Sum);
         wait_ok(run(e, Collective::Reduce { buf: raw(&mut buf), root: 0, red }));
         assert!(rank != 0 || buf.iter().all(|&x| x == 6.0));
     });
-    assert_copied(&format!("reduce, {tag}"), RING_CHECK, &got, |rank| match rank {
-        1 => send * n,
-        2 => 2 * n + send * n,
-        _ => 2 * n,
-    });
-
-    // All-to-all: its own block copied, W-1 received, W-1 sent.
-    let got = cost_of(&engines, OpKind::AllToAll, |rank, e| {
+    let all_to_all = cost_of(engines, OpKind::AllToAll, |rank, e| {
         let mut ins: Vec<Vec<u8>> = (0..W).map(|p| vec![(rank * W + p) as u8; BLOCK]).collect();
         let mut outs = vec![vec![0u8; BLOCK]; W];
         let (inputs, outputs) = (ins.iter_mut().map(|i| raw(i)).collect(), outs.iter_mut().map(|o| raw(o)).collect());
         wait_ok(run(e, Collective::AllToAll { inputs, outputs }));
         assert!(outs.iter().enumerate().all(|(p, o)| o.iter().all(|&b| b == (p * W + rank) as u8)));
     });
-    assert_copied(&format!("all_to_all, {tag}"), RING_CHECK, &got, |_| {
+    let small_all_reduce = cost_of(engines, OpKind::AllReduce, sum_of(SMALL));
+    Costs { broadcast, all_gather, all_reduce, reduce_scatter, reduce, all_to_all, small_all_reduce }
+}
+
+fn counts_match_each_algorithm(single_copy: bool) {
+    let engines = group_costed(single_copy, false);
+    // Bytes a sender copies per byte it sends: none when the receiver reads its memory.
+    let send = usize::from(!single_copy);
+    let tag = if single_copy { "single copy" } else { "rings" };
+    let (n, chunk) = (N, N / W);
+    let c = each_collective(&engines);
+
+    // Through the rings the root sends, and each other rank receives and,
+    // but the last, forwards; with single copy every rank reads the root's.
+    assert_copied(&format!("broadcast, {tag}"), check_bytes(single_copy), &c.broadcast, |rank| match rank {
+        0 => send * n,
+        r if r == W - 1 => n,
+        _ => n + send * n,
+    });
+    // Its own block copied, W-1 blocks received and W-1 sent.
+    assert_copied(&format!("all_gather, {tag}"), check_bytes(single_copy), &c.all_gather, |_| {
         BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
     });
-
-    // A small all-reduce: one exchange of whole buffers, through the rings.
-    let small = 4096;
-    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
-        let mut buf = vec![rank as f32 + 1.0; small / 4];
-        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
-        assert!(buf.iter().all(|&x| x == 6.0));
+    // W-1 folded receives (read and fold) and W-1 plain ones, of n/W each; 2(W-1) sends.
+    assert_copied(&format!("all_reduce, {tag}"), check_bytes(single_copy), &c.all_reduce, |_| {
+        (W - 1) * 2 * chunk + (W - 1) * chunk + send * 2 * (W - 1) * chunk
     });
-    assert_copied(&format!("small all_reduce, {tag}"), CHECK_WITH_ALL, &got, |_| 2 * small + 3 * (W - 1) * small);
+    // Its own block copied; W-1 steps each receive and fold a block; W-1 sends.
+    assert_copied(&format!("reduce_scatter, {tag}"), check_bytes(single_copy), &c.reduce_scatter, |_| {
+        BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK
+    });
+    // Reduce to rank 0 goes along the chain 1, 2, 0: rank 1 sends, rank 2
+    // receives, folds in its own and sends on, the root receives and folds.
+    assert_copied(&format!("reduce, {tag}"), RING_CHECK, &c.reduce, |rank| match rank {
+        1 => send * n,
+        2 => 2 * n + send * n,
+        _ => 2 * n,
+    });
+    // All-to-all: its own block copied, W-1 received, W-1 sent.
+    assert_copied(&format!("all_to_all, {tag}"), RING_CHECK, &c.all_to_all, |_| {
+        BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
+    });
+    // A small all-reduce: one exchange of whole buffers, through the rings.
+    assert_copied(&format!("small all_reduce, {tag}"), CHECK_WITH_ALL, &c.small_all_reduce, |_| {
+        2 * SMALL + 3 * (W - 1) * SMALL
+    });
 
     // Point to point, the receive posted first (so nothing arrives early):
     // the receiver copies once; the sender once more without single copy.
@@ -205,68 +220,20 @@ fn copied_bytes_match_each_algorithm_through_the_rings() {
 #[test]
 fn copied_bytes_match_each_algorithm_in_the_arena() {
     let engines = group_costed(false, true);
-    let n = W * BLOCK;
-    let got = cost_of(&engines, OpKind::Broadcast, |rank, e| {
-        let mut buf = vec![rank as u8; n];
-        wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0 }));
-        assert!(buf.iter().all(|&b| b == 0));
-    });
-    assert_copied("broadcast, arena", 0, &got, |_| n);
-
-    let got = cost_of(&engines, OpKind::AllGather, |rank, e| {
-        let mut input = vec![rank as u8 + 1; BLOCK];
-        let mut out = vec![vec![0u8; BLOCK]; W];
-        let outputs = out.iter_mut().map(|o| raw(o)).collect();
-        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs }));
-        assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
-    });
-    assert_copied("all_gather, arena", 0, &got, |_| (W + 1) * BLOCK);
-
-    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
-        let mut buf = vec![rank as f32 + 1.0; n / 4];
-        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
-        assert!(buf.iter().all(|&x| x == 6.0));
-    });
+    let n = N;
+    let c = each_collective(&engines);
+    assert_copied("broadcast, arena", 0, &c.broadcast, |_| n);
+    assert_copied("all_gather, arena", 0, &c.all_gather, |_| (W + 1) * BLOCK);
     // Into the slot, W-1 slices of n/W folded into its own, out.
-    assert_copied("all_reduce, arena", 0, &got, |_| n + (W - 1) * n / W + n);
-
-    let got = cost_of(&engines, OpKind::ReduceScatter, |rank, e| {
-        let mut ins: Vec<Vec<f32>> = (0..W).map(|_| vec![rank as f32 + 1.0; BLOCK / 4]).collect();
-        let mut out = vec![0f32; BLOCK / 4];
-        let red = Reduction::new(DType::F32, ReduceOp::Sum);
-        let inputs = ins.iter_mut().map(|i| raw(i)).collect();
-        wait_ok(run(e, Collective::ReduceScatter { inputs, output: raw(&mut out), red }));
-        assert!(out.iter().all(|&x| x == 6.0));
-    });
+    assert_copied("all_reduce, arena", 0, &c.all_reduce, |_| n + (W - 1) * n / W + n);
     // W blocks into the slot; W parts folded into the output.
-    assert_copied("reduce_scatter, arena", 0, &got, |_| 2 * W * BLOCK);
-
-    let got = cost_of(&engines, OpKind::Reduce, |rank, e| {
-        let mut buf = vec![rank as f32 + 1.0; n / 4];
-        let red = Reduction::new(DType::F32, ReduceOp::Sum);
-        wait_ok(run(e, Collective::Reduce { buf: raw(&mut buf), root: 0, red }));
-        assert!(rank != 0 || buf.iter().all(|&x| x == 6.0));
-    });
+    assert_copied("reduce_scatter, arena", 0, &c.reduce_scatter, |_| 2 * W * BLOCK);
     // As the all-reduce, but only the root copies out.
-    assert_copied("reduce, arena", 0, &got, |rank| n + (W - 1) * n / W + if rank == 0 { n } else { 0 });
-
+    assert_copied("reduce, arena", 0, &c.reduce, |rank| n + (W - 1) * n / W + if rank == 0 { n } else { 0 });
+    // Every block into the slot and out (its own too).
+    assert_copied("all_to_all, arena", 0, &c.all_to_all, |_| 2 * W * BLOCK);
     // A small all-reduce: one stage, every rank folds every slot.
-    let small = 4096;
-    let got = cost_of(&engines, OpKind::AllReduce, |rank, e| {
-        let mut buf = vec![rank as f32 + 1.0; small / 4];
-        wait_ok(all_reduce(e, raw(&mut buf), DType::F32, ReduceOp::Sum));
-        assert!(buf.iter().all(|&x| x == 6.0));
-    });
-    assert_copied("small all_reduce, arena", 0, &got, |_| 2 * small + (W - 1) * small);
-
-    // All-to-all: every block into the slot and out (its own too).
-    let got = cost_of(&engines, OpKind::AllToAll, |rank, e| {
-        let mut ins: Vec<Vec<u8>> = (0..W).map(|p| vec![(rank * W + p) as u8; BLOCK]).collect();
-        let mut outs = vec![vec![0u8; BLOCK]; W];
-        let (inputs, outputs) = (ins.iter_mut().map(|i| raw(i)).collect(), outs.iter_mut().map(|o| raw(o)).collect());
-        wait_ok(run(e, Collective::AllToAll { inputs, outputs }));
-    });
-    assert_copied("all_to_all, arena", 0, &got, |_| 2 * W * BLOCK);
+    assert_copied("small all_reduce, arena", 0, &c.small_all_reduce, |_| 2 * SMALL + (W - 1) * SMALL);
 }
 
 /// A rank waiting in the arena sleeps once per stage at most, however many
