@@ -186,34 +186,40 @@ fn all_gather_with_blocks_of_different_sizes() {
 
 #[test]
 fn gather_and_scatter_with_every_root() {
-    for world in 1..=5 {
-        for root in 0..world {
-            let out = on_ranks(world, RING, |rk| {
-                let r = rk.rank();
-                let at_root = |n: usize| if r == root { n } else { 0 };
-                [0, 1, 65, 300]
-                    .map(|len| {
-                        let mut input = Buf::bytes_of(&pattern(r, len, len));
-                        let mut gathered: Vec<Buf> = (0..at_root(world)).map(|_| Buf::filled(len, 0xEE)).collect();
-                        let part = Collective::Gather { input: input.raw(), outputs: raws(&mut gathered), root };
-                        ok(rk.run(part), "gather");
-                        let mut blocks: Vec<Buf> =
-                            (0..at_root(world)).map(|p| Buf::bytes_of(&pattern(p, 7, len))).collect();
-                        let mut output = Buf::filled(len, 0xEE);
-                        let part = Collective::Scatter { inputs: raws(&mut blocks), output: output.raw(), root };
-                        ok(rk.run(part), "scatter");
-                        (len, gathered, output)
-                    })
-                    .to_vec()
-            });
-            for (rank, got) in out.into_iter().enumerate() {
-                for (len, gathered, output) in got {
-                    let at = format!("world {world}, root {root}, rank {rank}, {len} bytes");
-                    assert_eq!(gathered.len(), if rank == root { world } else { 0 });
-                    for (p, b) in gathered.iter().enumerate() {
-                        assert_eq!(b.bytes(), pattern(p, len, len), "{at}: gathered block {p}");
+    for (net, kind) in NETS {
+        for world in 1..=5 {
+            for root in 0..world {
+                let out = on_ranks_via(kind, world, RING, |rk| {
+                    let r = rk.rank();
+                    let at_root = |n: usize| if r == root { n } else { 0 };
+                    [0, 1, 65, 300, 700]
+                        .map(|len| {
+                            let mut input = Buf::bytes_of(&pattern(r, len, len));
+                            let mut gathered: Vec<Buf> = (0..at_root(world)).map(|_| Buf::filled(len, 0xEE)).collect();
+                            let part = Collective::Gather { input: input.raw(), outputs: raws(&mut gathered), root };
+                            let before = rk.t.sent();
+                            ok(rk.run(part), "gather");
+                            let mut blocks: Vec<Buf> =
+                                (0..at_root(world)).map(|p| Buf::bytes_of(&pattern(p, 7, len))).collect();
+                            let mut output = Buf::filled(len, 0xEE);
+                            let part = Collective::Scatter { inputs: raws(&mut blocks), output: output.raw(), root };
+                            ok(rk.run(part), "scatter");
+                            (len, gathered, output, rk.t.sent() - before)
+                        })
+                        .to_vec()
+                });
+                for (rank, got) in out.into_iter().enumerate() {
+                    for (len, gathered, output, sent) in got {
+                        let at = format!("{net}, world {world}, root {root}, rank {rank}, {len} bytes");
+                        assert_eq!(gathered.len(), if rank == root { world } else { 0 });
+                        for (p, b) in gathered.iter().enumerate() {
+                            assert_eq!(b.bytes(), pattern(p, len, len), "{at}: gathered block {p}");
+                        }
+                        assert_eq!(output.bytes(), pattern(rank, 7, len), "{at}: scattered block");
+                        if kind.arena() && kind.single_copy().is_none_or(|from| len < from) {
+                            assert_eq!(sent, 0, "{at}: not the arena's gather and scatter");
+                        }
                     }
-                    assert_eq!(output.bytes(), pattern(rank, 7, len), "{at}: scattered block");
                 }
             }
         }

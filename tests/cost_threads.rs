@@ -84,6 +84,8 @@ struct Costs {
     reduce_scatter: Vec<OpStats>,
     reduce: Vec<OpStats>,
     all_to_all: Vec<OpStats>,
+    gather: Vec<OpStats>,
+    scatter: Vec<OpStats>,
     small_all_reduce: Vec<OpStats>,
 }
 
@@ -135,8 +137,22 @@ fn each_collective(engines: &[Engine]) -> Costs {
         wait_ok(run(e, Collective::AllToAll { inputs, outputs }));
         assert!(outs.iter().enumerate().all(|(p, o)| o.iter().all(|&b| b == (p * W + rank) as u8)));
     });
+    let gather = cost_of(engines, OpKind::Gather, |rank, e| {
+        let mut input = vec![rank as u8 + 1; BLOCK];
+        let mut out = vec![vec![0u8; BLOCK]; if rank == 0 { W } else { 0 }];
+        let outputs = out.iter_mut().map(|o| raw(o)).collect();
+        wait_ok(run(e, Collective::Gather { input: raw(&mut input), outputs, root: 0 }));
+        assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
+    });
+    let scatter = cost_of(engines, OpKind::Scatter, |rank, e| {
+        let mut ins: Vec<Vec<u8>> = (0..if rank == 0 { W } else { 0 }).map(|p| vec![p as u8 + 1; BLOCK]).collect();
+        let mut out = vec![0u8; BLOCK];
+        let inputs = ins.iter_mut().map(|i| raw(i)).collect();
+        wait_ok(run(e, Collective::Scatter { inputs, output: raw(&mut out), root: 0 }));
+        assert!(out.iter().all(|&b| b == rank as u8 + 1));
+    });
     let small_all_reduce = cost_of(engines, OpKind::AllReduce, sum_of(SMALL));
-    Costs { broadcast, all_gather, all_reduce, reduce_scatter, reduce, all_to_all, small_all_reduce }
+    Costs { broadcast, all_gather, all_reduce, reduce_scatter, reduce, all_to_all, gather, scatter, small_all_reduce }
 }
 
 fn counts_match_each_algorithm(single_copy: bool) {
@@ -176,6 +192,16 @@ fn counts_match_each_algorithm(single_copy: bool) {
     // All-to-all: its own block copied, W-1 received, W-1 sent.
     assert_copied(&format!("all_to_all, {tag}"), RING_CHECK, &c.all_to_all, |_| {
         BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
+    });
+    // Gather to rank 0: the root copies its own block and W-1 received; the others send theirs.
+    assert_copied(&format!("gather, {tag}"), RING_CHECK, &c.gather, |rank| match rank {
+        0 => W * BLOCK,
+        _ => send * BLOCK,
+    });
+    // Scatter from rank 0: the root copies its own block and sends W-1; the others receive one.
+    assert_copied(&format!("scatter, {tag}"), RING_CHECK, &c.scatter, |rank| match rank {
+        0 => BLOCK + send * (W - 1) * BLOCK,
+        _ => BLOCK,
     });
     // A small all-reduce: one exchange of whole buffers, through the rings.
     assert_copied(&format!("small all_reduce, {tag}"), CHECK_WITH_ALL, &c.small_all_reduce, |_| {
@@ -232,6 +258,10 @@ fn copied_bytes_match_each_algorithm_in_the_arena() {
     assert_copied("reduce, arena", 0, &c.reduce, |rank| n + (W - 1) * n / W + if rank == 0 { n } else { 0 });
     // Every block into the slot and out (its own too).
     assert_copied("all_to_all, arena", 0, &c.all_to_all, |_| 2 * W * BLOCK);
+    // Gather and scatter: W blocks through the root, one through each other rank.
+    let through_root = |rank: usize| if rank == 0 { W * BLOCK } else { BLOCK };
+    assert_copied("gather, arena", 0, &c.gather, through_root);
+    assert_copied("scatter, arena", 0, &c.scatter, through_root);
     // A small all-reduce: one stage, every rank folds every slot.
     assert_copied("small all_reduce, arena", 0, &c.small_all_reduce, |_| 2 * SMALL + (W - 1) * SMALL);
 }

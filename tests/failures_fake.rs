@@ -102,13 +102,13 @@ fn a_cut_link_during_an_op_fails_every_rank_promptly_naming_the_lost_peer() {
 /// there before it uses anything a peer wrote: a mismatch fails every rank
 /// promptly, at every world size (the ring's gap above does not arise), and
 /// no buffer changes, also where the odd rank's call would take the
-/// single-copy algorithm and the others' the arena's.
+/// single-copy algorithm and the others' the arena's, or names another root.
 #[test]
 fn in_the_arena_mismatched_calls_fail_on_every_rank_and_touch_no_buffer() {
     for world in 2..=5 {
         for (slot, single_copy) in [(256, None), (4096, Some(64))] {
             for odd in 0..world {
-                for case in ["byte count", "larger than small", "op"] {
+                for case in ["byte count", "larger than small", "op", "gather root"] {
                     let t0 = Instant::now();
                     let net = FakeNet::with_arena(world, slot, single_copy);
                     let out = on_net(&net, DIRECT, |rk| {

@@ -15,7 +15,8 @@ Conventions of nccl-tests: warm-up iterations, then an adaptive number of timed 
 measurement takes about --budget seconds; the time of an op is the slowest rank's (MAX over ranks);
 algbw = bytes / time and busbw = algbw * factor (all_reduce 2(W-1)/W, all_gather, reduce_scatter
 and all_to_all (W-1)/W, broadcast 1; the ping-pong's time is half a round trip). "bytes" is the
-larger per-rank buffer: all_gather's output, reduce_scatter's and all_to_all's input. After the
+larger per-rank buffer: all_gather's output, reduce_scatter's and all_to_all's input, the gather's
+output and the scatter's input at the root. After the
 timing, every backend runs each op once more on fresh data and the result is checked against
 arithmetic; a failed check is reported loudly and makes the exit code 1. That call also gives
 rustc10d's costs that do not depend on the machine (`rustc10d.stats()`): bytes each rank copied
@@ -150,6 +151,36 @@ def _check_broadcast(b, rank, world):
     return _diff("broadcast result", b["x"], _pattern(len(b["x"]), b["x"].dtype, 1))
 
 
+def _make_gather(n, dtype, rank, world):
+    y = [torch.empty(n // world, dtype=dtype) for _ in range(world)] if rank == 0 else None
+    return {"x": _pattern(n // world, dtype, rank + 1), "y": y}
+
+
+def _run_gather(b, group, rank, world):
+    dist.gather(b["x"], b["y"], dst=0, group=group)
+
+
+def _check_gather(b, rank, world):
+    if b["y"] is None:
+        return None
+    m = len(b["x"])
+    return _diff("gather output", torch.cat(b["y"]), torch.cat([_pattern(m, b["x"].dtype, r + 1) for r in range(world)]))
+
+
+def _make_scatter(n, dtype, rank, world):
+    x = list(_pattern(n, dtype, 1).view(world, -1).clone().unbind()) if rank == 0 else None
+    return {"x": x, "y": torch.full((n // world,), -1, dtype=dtype)}
+
+
+def _run_scatter(b, group, rank, world):
+    dist.scatter(b["y"], b["x"], src=0, group=group)
+
+
+def _check_scatter(b, rank, world):
+    m = len(b["y"])
+    return _diff("scatter output", b["y"], _pattern(m * world, b["y"].dtype, 1)[rank * m:(rank + 1) * m])
+
+
 def _a2a_input(n, dtype, world, src):
     """Rank src's input: block d, for rank d, is the pattern's block d plus 16 src + d."""
     blocks = _pattern(n, dtype, 0).view(world, -1)
@@ -212,6 +243,8 @@ OPS: dict[str, Op] = {
     "reduce_scatter_tensor": Op(_make_reduce_scatter, _run_reduce_scatter, _check_reduce_scatter,
                                 lambda w: (w - 1) / w, dtypes=("float32", "bfloat16"), chunked=True),
     "broadcast": Op(_make_broadcast, _run_broadcast, _check_broadcast, lambda w: 1.0),
+    "gather": Op(_make_gather, _run_gather, _check_gather, lambda w: (w - 1) / w, chunked=True),
+    "scatter": Op(_make_scatter, _run_scatter, _check_scatter, lambda w: (w - 1) / w, chunked=True),
     "all_to_all_single": Op(_make_all_to_all, _run_all_to_all, _check_all_to_all,
                             lambda w: (w - 1) / w, chunked=True),
     "pingpong": Op(_make_pingpong, _run_pingpong, _check_pingpong, lambda w: 1.0, round_trip=True),

@@ -13,8 +13,8 @@ use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::{
-    arena_allgather::arena_allgather, arena_alltoall, arena_broadcast::arena_broadcast,
-    arena_reduce_scatter::arena_reduce_scatter, in_arena,
+    arena_allgather::arena_allgather, arena_alltoall, arena_broadcast::arena_broadcast, arena_gather::arena_gather,
+    arena_reduce_scatter::arena_reduce_scatter, arena_scatter::arena_scatter, in_arena,
 };
 use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
@@ -63,6 +63,9 @@ fn in_arena(ctx: &OpCtx, part: &Collective) -> bool {
         Collective::ReduceScatter { .. } => !single_copy(ctx, part) && arena.slot_bytes() / ctx.transport.size() >= 16,
         Collective::Reduce { .. } | Collective::Barrier => true,
         Collective::AllToAll { .. } => arena_alltoall::fits(&arena, ctx.transport.size()),
+        Collective::Gather { input: block, .. } | Collective::Scatter { output: block, .. } => {
+            ctx.transport.single_copy_bytes().is_none_or(|from| block.len < from)
+        }
         _ => false,
     }
 }
@@ -79,6 +82,8 @@ fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, fp: &Fingerprint)
             arena_reduce_scatter(ctx, arena, inputs, *output, &reducing(red, None), fp)
         }
         Collective::AllToAll { inputs, outputs } => arena_alltoall::arena_alltoall(ctx, arena, inputs, outputs, fp),
+        Collective::Gather { input, outputs, root } => arena_gather(ctx, arena, *input, outputs, *root, fp),
+        Collective::Scatter { inputs, output, root } => arena_scatter(ctx, arena, inputs, *output, *root, fp),
         // A barrier: one stage with nothing in it.
         _ => in_arena::agree(ctx, arena, fp),
     }

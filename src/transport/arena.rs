@@ -254,7 +254,8 @@ pub struct Round<'a> {
 
 impl Round<'_> {
     /// This round's slot of `rank` (`Arena::slot_bytes` long). Each rank
-    /// writes its own before a stage, others read it after.
+    /// writes its own before a stage (or one rank writes the others', as a
+    /// scatter's root does), others read it after.
     pub fn slot(&self, rank: usize) -> *mut u8 {
         self.arena.slot_ptr(rank, self.parity)
     }

@@ -286,8 +286,10 @@ pub const COUNTS: [usize; 12] = [0, 1, 2, 3, 7, 8, 9, 16, 17, 64, 257, 1000];
 
 /// Run on rank `rk` an all-reduce of 8 i64, or, on rank `odd`, the call of
 /// `case`: "byte count" (9 i64), "larger than small" (16 i64: past a small
-/// threshold between 72 and 128 bytes), "op" (a reduce of 8). Returns how
-/// the op ended, and whether the buffer is as it was.
+/// threshold between 72 and 128 bytes), "op" (a reduce of 8), "gather
+/// root" (a gather of the 8 i64 to rank 1, where the others gather to rank
+/// 0). Returns how the op ended, and whether the buffer (the gather's
+/// outputs) is as it was.
 pub fn mismatched_call(rk: &mut Rank, odd: usize, case: &str) -> (Result<()>, bool) {
     let r = rk.rank();
     let n = match case {
@@ -297,6 +299,14 @@ pub fn mismatched_call(rk: &mut Rank, odd: usize, case: &str) -> (Result<()>, bo
     };
     let mut b = Buf::of(DType::I64, &values(r, n, 0));
     let kept = b.clone();
+    if case == "gather root" {
+        // The odd rank gathers to rank 1, the others to rank 0.
+        let root = usize::from(r == odd);
+        let mut outputs: Vec<Buf> =
+            (0..if r == root { rk.t.size() } else { 0 }).map(|_| Buf::filled(64, 0xEE)).collect();
+        let part = Collective::Gather { input: b.raw(), outputs: raws(&mut outputs), root };
+        return (rk.run(part), outputs.iter().all(|o| o == &Buf::filled(64, 0xEE)));
+    }
     let red = Reduction::new(DType::I64, ReduceOp::Sum);
     let part = if case == "op" && r == odd {
         Collective::Reduce { buf: b.raw(), root: 0, red }

@@ -1,0 +1,44 @@
+//! Gather in the shared arena, a slot's worth of every block per round:
+//! each rank but the root copies its part into its slot and, after one
+//! stage, the root copies every rank's part into place (its own straight
+//! from its input). Nothing of the root's is written before the stage.
+//!
+//! Bytes copied (`Cost`), for blocks of b bytes: b on every other rank (into
+//! its slot), W b on the root (its own block and W-1 slots), as the direct
+//! gather through the rings. Stages: 1 per slot of a block, instead of a
+//! message from every rank; one wake-up of the root per stage.
+
+use super::call_check::Fingerprint;
+use super::in_arena::{part, round};
+use super::{OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::arena::Arena;
+use std::time::Instant;
+
+/// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
+pub fn arena_gather(
+    ctx: &OpCtx,
+    arena: &Arena,
+    input: RawBuf,
+    outputs: &[RawBuf],
+    root: usize,
+    fp: &Fingerprint,
+) -> Result<()> {
+    let rank = ctx.transport.rank();
+    let deadline = Instant::now() + ctx.timeout;
+    let per_round = arena.slot_bytes();
+    for k in 0..input.len.div_ceil(per_round).max(1) {
+        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+        let mine = part(input, per_round, k);
+        if rank != root {
+            unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
+        }
+        r.stage()?;
+        for (p, out) in outputs.iter().enumerate() {
+            let dst = part(*out, per_round, k);
+            let src = if p == rank { mine } else { r.slot(p, dst.len) };
+            unsafe { ctx.copy(dst, src) };
+        }
+    }
+    Ok(())
+}

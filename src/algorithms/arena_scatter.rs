@@ -1,0 +1,43 @@
+//! Scatter in the shared arena, a slot's worth of every block per round:
+//! the root copies each rank's part into that rank's slot (the one slot a
+//! rank does not write itself) and, after one stage, every rank copies its
+//! own out at once (the root straight from its input). Nothing of a
+//! receiver's is written before the stage.
+//!
+//! Bytes copied (`Cost`), for blocks of b bytes: W b on the root (W-1 slots
+//! and its own block), b on every other rank (out of its slot), as the
+//! direct scatter through the rings. Stages: 1 per slot of a block, instead
+//! of a message to every rank.
+
+use super::call_check::Fingerprint;
+use super::in_arena::{part, round};
+use super::{OpCtx, RawBuf};
+use crate::error::Result;
+use crate::transport::arena::Arena;
+use std::time::Instant;
+
+/// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
+pub fn arena_scatter(
+    ctx: &OpCtx,
+    arena: &Arena,
+    inputs: &[RawBuf],
+    output: RawBuf,
+    root: usize,
+    fp: &Fingerprint,
+) -> Result<()> {
+    let rank = ctx.transport.rank();
+    let deadline = Instant::now() + ctx.timeout;
+    let per_round = arena.slot_bytes();
+    for k in 0..output.len.div_ceil(per_round).max(1) {
+        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+        for (p, block) in inputs.iter().enumerate().filter(|&(p, _)| p != rank) {
+            let src = part(*block, per_round, k);
+            unsafe { ctx.copy(r.slot(p, src.len), src) };
+        }
+        r.stage()?;
+        let dst = part(output, per_round, k);
+        let src = if rank == root { part(inputs[rank], per_round, k) } else { r.slot(rank, dst.len) };
+        unsafe { ctx.copy(dst, src) };
+    }
+    Ok(())
+}
