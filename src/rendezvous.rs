@@ -9,6 +9,7 @@ use crate::transport::arena::Arena;
 use crate::transport::conn::read_process;
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
 use crate::transport::mesh::{ArenaRole, Layout, Mesh, PeerAddr, ShmEndpoint};
+use crate::transport::peer_reads::allow_peer_reads;
 use crate::transport::reactor::Reactor;
 use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
@@ -169,8 +170,12 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         None => (None, None),
     };
     let host = fdpass::host_key().unwrap_or_else(|| "unknown".into());
-    let probe = (cfg.single_copy_bytes > 0 && shm_name.is_some())
-        .then(|| (std::process::id() as i32, &PROBE as *const u64 as u64));
+    // Where Yama lets only ancestors read a process, let the peers read this
+    // one; whatever it says (CAP_SYS_PTRACE may still read), the vote decides.
+    let probe = (cfg.single_copy_bytes > 0 && shm_name.is_some()).then(|| {
+        allow_peer_reads();
+        (std::process::id() as i32, &PROBE as *const u64 as u64)
+    });
     let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared(), probe };
     store.set(&keys.addr(rank), mine.encode().as_bytes())?;
     let records = (0..size)

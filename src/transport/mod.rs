@@ -15,6 +15,7 @@ pub mod mailbox;
 pub mod mesh;
 mod mesh_core;
 pub mod peer;
+pub mod peer_reads;
 pub mod reactor;
 mod reader;
 mod readers;
