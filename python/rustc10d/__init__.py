@@ -76,8 +76,9 @@ class Options:
     stage_piece_bytes: int | None = None
     #: Messages of at least this many bytes to a rank on this host are read by it straight from
     #: this rank's memory where the kernel allows it, one copy instead of two, and collectives of
-    #: blocks that large take one or two steps where every rank can; 0: never
-    #: (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB). Shared.
+    #: blocks that large take one or two steps where every rank can. Above 0, at Yama
+    #: ptrace_scope 1, the process lets its user's processes read it (PR_SET_PTRACER_ANY); 0:
+    #: never (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB). Shared.
     single_copy_bytes: int | None = None
     #: Bytes of each of a rank's two slots in the shared arena of a group whose ranks all run
     #: on one host, where its collectives run (but those that take single copy); 0 or a

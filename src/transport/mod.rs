@@ -143,7 +143,7 @@ pub trait Transport: Send + Sync {
     }
 
     /// Note that an op blocks waiting for a peer, until `end_wait` (with
-    /// what the rank said if it timed out): what this rank answers when a
+    /// what the rank said if it timed out or failed): what this rank answers when a
     /// peer asks.
     fn begin_wait(&self, _wait: Wait) -> u64 {
         0
@@ -304,15 +304,18 @@ impl<'t> Transfers<'t> {
         });
         let waited = p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer)));
         let end = |said: Option<String>| noted.map(|id| self.transport.end_wait(id, said));
-        if waited.is_some() {
-            end(None);
-        }
         match waited {
-            Some(Ok(_)) => Ok(()),
-            Some(Err(e)) => Err(Error::new(
-                e.kind,
-                format!("rustc10d: {} failed with {}: {}", self.what, self.transport.describe_peer(p.peer), e.message),
-            )),
+            Some(Ok(_)) => {
+                end(None);
+                Ok(())
+            }
+            Some(Err(e)) => {
+                let peer = self.transport.describe_peer(p.peer);
+                let e = Error::new(e.kind, format!("rustc10d: {} failed with {peer}: {}", self.what, e.message));
+                // A peer that times out waiting for this rank learns why it stopped.
+                end(Some(e.message.clone()));
+                Err(e)
+            }
             None => {
                 // The peer may be waiting, in turn, for the rank really at fault.
                 let said = format!(
@@ -322,7 +325,7 @@ impl<'t> Transfers<'t> {
                     self.transport.describe_peer(p.peer)
                 );
                 let said = waits::in_turn(said, self.transport.ask(p.peer));
-                end(Some(said.clone()));
+                end(Some(format!("{said} (and timed out)")));
                 Err(Error::timed_out(self.timeout, format_args!("{said}")))
             }
         }

@@ -2,8 +2,8 @@
 //! it can ask and say so: on a network cut in two, a rank that waited for a
 //! rank still joined would otherwise name only that one, not the rank
 //! behind it that is really gone. Each blocking wait of an op is noted
-//! while it lasts, and what the rank said when its last wait timed out is
-//! kept. A peer's question is answered from here in `ANSWER_LEN` bytes
+//! while it lasts, and what the rank said when its last wait timed out or
+//! failed (a peer's abort, say, which names the rank behind) is kept. A peer's question is answered from here in `ANSWER_LEN` bytes
 //! (`Key::answer`); the answering rank first asks, in turn, the rank it
 //! waits for, up to `MAX_DEPTH` ranks down a chain of waits.
 
@@ -34,7 +34,7 @@ pub struct Wait {
 pub struct Waits {
     next: u64,
     now: Vec<(u64, Wait)>,
-    timed_out: Option<String>,
+    gave_up: Option<String>,
 }
 
 impl Waits {
@@ -44,13 +44,13 @@ impl Waits {
         self.next
     }
 
-    /// The wait ended; `said`: it timed out, and this is what the rank said.
+    /// The wait ended; `said`: it timed out or failed, and this is what the rank said.
     pub fn end(&mut self, id: u64, said: Option<String>) {
         if let Some(i) = self.now.iter().position(|(n, _)| *n == id) {
             self.now.swap_remove(i);
         }
         if said.is_some() {
-            self.timed_out = said;
+            self.gave_up = said;
         }
     }
 
@@ -61,7 +61,7 @@ impl Waits {
 
     /// "allreduce #4 on rank 1 was waiting for data from rank 5 (…) for
     /// 4.9 s", one per wait now, or what the rank said when its last wait
-    /// timed out; `describe` names a rank of the group.
+    /// timed out or failed; `describe` names a rank of the group.
     pub fn answer(&self, describe: impl Fn(usize) -> String) -> String {
         let now: Vec<String> = self
             .now
@@ -72,9 +72,9 @@ impl Waits {
                 format!("{} was waiting for {from} {} for {secs:.1} s", w.what, describe(w.peer))
             })
             .collect();
-        match (now.is_empty(), &self.timed_out) {
+        match (now.is_empty(), &self.gave_up) {
             (false, _) => now.join("; "),
-            (true, Some(said)) => format!("{said} (and timed out)"),
+            (true, Some(said)) => said.clone(),
             (true, None) => String::new(),
         }
     }
@@ -115,7 +115,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn answers_what_waits_now_else_what_it_said_when_it_timed_out() {
+    fn answers_what_waits_now_else_what_it_said_when_it_gave_up() {
         let mut w = Waits::default();
         assert_eq!(w.answer(|p| format!("rank {p}")), "");
         let wait = |peer| Wait { what: "allreduce #4 on rank 1".into(), peer, recv: true, since: Instant::now() };
@@ -126,12 +126,17 @@ mod tests {
         assert!(told.starts_with("allreduce #4 on rank 1 was waiting for data from rank 5 for 0.0 s; "), "{told}");
         assert!(told.ends_with("was waiting for a send to rank 2 for 0.0 s"), "{told}");
         w.end(b, None);
-        w.end(a, Some("allreduce #4 on rank 1 was waiting for data from rank 5".into()));
+        let said = "allreduce #4 on rank 1 was waiting for data from rank 5 (and timed out)";
+        w.end(a, Some(said.into()));
         assert_eq!(w.waiting_for(), None);
-        assert_eq!(
-            w.answer(|p| format!("rank {p}")),
-            "allreduce #4 on rank 1 was waiting for data from rank 5 (and timed out)"
-        );
+        assert_eq!(w.answer(|p| format!("rank {p}")), said);
+        // A wait that ends well keeps what the last one that failed said.
+        let c = w.begin(wait(3));
+        w.end(c, None);
+        assert_eq!(w.answer(|p| format!("rank {p}")), said);
+        let d = w.begin(wait(3));
+        w.end(d, Some("allreduce #5 on rank 1 failed with rank 3: rank 0 gave up".into()));
+        assert_eq!(w.answer(|p| format!("rank {p}")), "allreduce #5 on rank 1 failed with rank 3: rank 0 gave up");
         assert!(grace_at(0) > grace_at(1) && grace_at(MAX_DEPTH) == ASK_GRACE);
         let long = "é".repeat(1000);
         let enc = encode_answer(&long);
