@@ -9,20 +9,17 @@
 //! largest block.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
+use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 /// `outputs[r]` receives rank r's `input`.
 pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[RawBuf], fp: &Fingerprint) -> Result<()> {
     let rank = ctx.transport.rank();
-    let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes();
     let longest = outputs.iter().map(|o| o.len).max().unwrap_or(0);
-    for k in 0..longest.div_ceil(per_round).max(1) {
-        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+    in_rounds(ctx, arena, fp, longest, per_round, |r, k| {
         let mine = part(input, per_round, k);
         unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
         r.stage()?;
@@ -30,6 +27,6 @@ pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[Raw
             let dst = part(*out, per_round, k);
             unsafe { ctx.copy(dst, r.slot(p, dst.len)) };
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }

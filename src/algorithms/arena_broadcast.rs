@@ -7,19 +7,16 @@
 //! rank. Stages: 1 per slot of data.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
+use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp: &Fingerprint) -> Result<()> {
     let rank = ctx.transport.rank();
-    let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes();
-    for k in 0..buf.len.div_ceil(per_round).max(1) {
+    in_rounds(ctx, arena, fp, buf.len, per_round, |r, k| {
         let chunk = part(buf, per_round, k);
-        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
         let theirs = r.slot(root, chunk.len);
         if rank == root {
             unsafe { ctx.copy(theirs, chunk) };
@@ -28,6 +25,6 @@ pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp:
         if rank != root {
             unsafe { ctx.copy(chunk, theirs) };
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }

@@ -9,11 +9,10 @@
 //! message from every rank; one wake-up of the root per stage.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
+use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 /// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
 pub fn arena_gather(
@@ -25,10 +24,8 @@ pub fn arena_gather(
     fp: &Fingerprint,
 ) -> Result<()> {
     let rank = ctx.transport.rank();
-    let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes();
-    for k in 0..input.len.div_ceil(per_round).max(1) {
-        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+    in_rounds(ctx, arena, fp, input.len, per_round, |r, k| {
         let mine = part(input, per_round, k);
         if rank != root {
             unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
@@ -39,6 +36,6 @@ pub fn arena_gather(
             let src = if p == rank { mine } else { r.slot(p, dst.len) };
             unsafe { ctx.copy(dst, src) };
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }

@@ -10,11 +10,10 @@
 //! of a message to every rank.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
+use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 /// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
 pub fn arena_scatter(
@@ -26,10 +25,8 @@ pub fn arena_scatter(
     fp: &Fingerprint,
 ) -> Result<()> {
     let rank = ctx.transport.rank();
-    let deadline = Instant::now() + ctx.timeout;
     let per_round = arena.slot_bytes();
-    for k in 0..output.len.div_ceil(per_round).max(1) {
-        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
+    in_rounds(ctx, arena, fp, output.len, per_round, |r, k| {
         for (p, block) in inputs.iter().enumerate().filter(|&(p, _)| p != rank) {
             let src = part(*block, per_round, k);
             unsafe { ctx.copy(r.slot(p, src.len), src) };
@@ -38,6 +35,6 @@ pub fn arena_scatter(
         let dst = part(output, per_round, k);
         let src = if rank == root { part(inputs[rank], per_round, k) } else { r.slot(rank, dst.len) };
         unsafe { ctx.copy(dst, src) };
-    }
-    Ok(())
+        Ok(())
+    })
 }

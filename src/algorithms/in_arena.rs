@@ -36,6 +36,24 @@ pub fn round<'a>(
     Ok(InArena { ctx, round, mine, deadline, checked: false })
 }
 
+/// Run `each(round, k)` for round k of an op that moves up to `bytes` per
+/// slot, `per_round` of them each round: at least one round, so that even
+/// an op with nothing to move checks its call.
+pub fn in_rounds(
+    ctx: &OpCtx,
+    arena: &Arena,
+    fp: &Fingerprint,
+    bytes: usize,
+    per_round: usize,
+    mut each: impl FnMut(&mut InArena, usize) -> Result<()>,
+) -> Result<()> {
+    let deadline = Instant::now() + ctx.timeout;
+    for k in 0..bytes.div_ceil(per_round).max(1) {
+        each(&mut round(ctx, arena, fp, k as u64, deadline)?, k)?;
+    }
+    Ok(())
+}
+
 /// Check the call with every rank of the group in one round.
 pub fn agree(ctx: &OpCtx, arena: &Arena, mine: &Fingerprint) -> Result<()> {
     let deadline = Instant::now() + ctx.timeout;
