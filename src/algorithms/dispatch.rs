@@ -63,8 +63,10 @@ fn in_arena(ctx: &OpCtx, part: &Collective) -> bool {
         Collective::ReduceScatter { .. } => !single_copy(ctx, part) && arena.slot_bytes() / ctx.transport.size() >= 16,
         Collective::Reduce { .. } | Collective::Barrier => true,
         Collective::AllToAll { .. } => arena_alltoall::fits(&arena, ctx.transport.size()),
+        // Not `single_copy`: a large gather or scatter goes by direct messages,
+        // its call checked before (`checks_inline`), not by a single-copy algorithm.
         Collective::Gather { input: block, .. } | Collective::Scatter { output: block, .. } => {
-            ctx.transport.single_copy_bytes().is_none_or(|from| block.len < from)
+            !goes_as_address(ctx, block.len)
         }
         _ => false,
     }
@@ -95,7 +97,6 @@ fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, fp: &Fingerprint)
 /// enough to go as its address. Every rank decides the same for the same call.
 fn single_copy(ctx: &OpCtx, part: &Collective) -> bool {
     let world = ctx.transport.size();
-    let Some(from) = ctx.transport.single_copy_bytes().filter(|_| world > 1) else { return false };
     let smallest = match part {
         Collective::Broadcast { buf, .. } => buf.len,
         Collective::AllGather { outputs, .. } => outputs.iter().map(|o| o.len).min().unwrap_or(0),
@@ -104,7 +105,13 @@ fn single_copy(ctx: &OpCtx, part: &Collective) -> bool {
         Collective::AllReduce { buf, red } => buf.len / red.dtype.size() / world * red.dtype.size(),
         _ => return false,
     };
-    smallest >= from
+    world > 1 && goes_as_address(ctx, smallest)
+}
+
+/// Whether a message of `bytes` to a rank of this group is read straight
+/// from the sender's memory (`Transport::single_copy_bytes`).
+fn goes_as_address(ctx: &OpCtx, bytes: usize) -> bool {
+    ctx.transport.single_copy_bytes().is_some_and(|from| bytes >= from)
 }
 
 /// Run one collective whose call has been checked (or, with `check`, is

@@ -25,13 +25,14 @@ pub enum PeerReads {
     Refused,
 }
 
-/// What a `ptrace_scope` (the file's contents, None without Yama) calls for:
-/// whether to call `PR_SET_PTRACER_ANY`, or what holds without it.
-pub fn for_scope(scope: Option<&str>) -> Result<(), PeerReads> {
+/// What holds at a `ptrace_scope` (the file's contents, None without
+/// Yama), once `set_ptracer_any` (which says whether it worked) is called
+/// where that is what it takes.
+pub fn at_scope(scope: Option<&str>, set_ptracer_any: impl FnOnce() -> bool) -> PeerReads {
     match scope.map(str::trim) {
-        None | Some("0") => Err(PeerReads::Allowed),
-        Some("1") => Ok(()),
-        Some(_) => Err(PeerReads::Refused),
+        None | Some("0") => PeerReads::Allowed,
+        Some("1") if set_ptracer_any() => PeerReads::Opened,
+        Some(_) => PeerReads::Refused,
     }
 }
 
@@ -41,17 +42,9 @@ pub fn allow_peer_reads() -> PeerReads {
     static DONE: OnceLock<PeerReads> = OnceLock::new();
     *DONE.get_or_init(|| {
         let scope = std::fs::read_to_string(SCOPE_FILE).ok();
-        let outcome = match for_scope(scope.as_deref()) {
-            Err(holds) => holds,
-            Ok(()) => {
-                let r = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
-                if r == 0 {
-                    PeerReads::Opened
-                } else {
-                    PeerReads::Refused
-                }
-            }
-        };
+        let outcome = at_scope(scope.as_deref(), || unsafe {
+            libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+        });
         tracing::debug!("rustc10d: Yama ptrace_scope {:?}: peer reads {outcome:?}", scope.as_deref().map(str::trim));
         outcome
     })
@@ -63,11 +56,13 @@ mod tests {
 
     #[test]
     fn only_scope_one_calls_for_the_prctl() {
-        assert_eq!(for_scope(None), Err(PeerReads::Allowed));
-        assert_eq!(for_scope(Some("0\n")), Err(PeerReads::Allowed));
-        assert_eq!(for_scope(Some("1\n")), Ok(()));
-        assert_eq!(for_scope(Some("2\n")), Err(PeerReads::Refused));
-        assert_eq!(for_scope(Some("3")), Err(PeerReads::Refused));
+        let never = || -> bool { panic!("the prctl called where it is not needed") };
+        assert_eq!(at_scope(None, never), PeerReads::Allowed);
+        assert_eq!(at_scope(Some("0\n"), never), PeerReads::Allowed);
+        assert_eq!(at_scope(Some("1\n"), || true), PeerReads::Opened);
+        assert_eq!(at_scope(Some("1\n"), || false), PeerReads::Refused);
+        assert_eq!(at_scope(Some("2\n"), never), PeerReads::Refused);
+        assert_eq!(at_scope(Some("3"), never), PeerReads::Refused);
     }
 
     /// Whatever this machine's Yama says, asking is harmless and answers
@@ -77,9 +72,9 @@ mod tests {
         let first = allow_peer_reads();
         assert_eq!(allow_peer_reads(), first);
         let scope = std::fs::read_to_string(SCOPE_FILE).ok();
-        match for_scope(scope.as_deref()) {
-            Err(holds) => assert_eq!(first, holds),
-            Ok(()) => assert_ne!(first, PeerReads::Allowed),
+        match scope.as_deref().map(str::trim) {
+            Some("1") => assert_ne!(first, PeerReads::Allowed),
+            _ => assert_eq!(first, at_scope(scope.as_deref(), || unreachable!())),
         }
     }
 }

@@ -3,7 +3,8 @@
 //! rank still joined would otherwise name only that one, not the rank
 //! behind it that is really gone. Each blocking wait of an op is noted
 //! while it lasts, and what the rank said when its last wait timed out or
-//! failed (a peer's abort, say, which names the rank behind) is kept. A peer's question is answered from here in `ANSWER_LEN` bytes
+//! failed (a peer's abort, say, which names the rank behind) is kept. A
+//! peer's question is answered from here in `ANSWER_LEN` bytes
 //! (`Key::answer`); the answering rank first asks, in turn, the rank it
 //! waits for, up to `MAX_DEPTH` ranks down a chain of waits.
 
