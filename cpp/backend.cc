@@ -134,8 +134,31 @@ class RustWork final : public compat::Work {
   // torch's kNoTimeout (0 ms) means: until the op finishes or its own timeout.
   // A CUDA op's wait returns once the network part is done and its copies
   // back are queued: the caller's current stream waits for them, the host
-  // does not (synchronize() does).
+  // does not (synchronize() does). Stream-ordered (`gated`), the copies back
+  // were queued at issue behind the op's gate: the caller's stream waits
+  // for them at once, and an error surfaces as NCCL's do (the Work's
+  // exception, the group's next op), the tensors left as they were.
   bool wait(milliseconds timeout = kNoTimeout) override {
+    if (cuda_ && cuda_->gated) {
+      if (op_->is_done() && !op_->error_message().empty()) raise(op_->error_kind(), std::string(op_->error_message()));
+      cuda_->done.block(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
+      return true;
+    }
+    return host_wait(timeout);
+  }
+
+  void synchronize() override {
+    if (cuda_ && cuda_->gated) cuda_->done.synchronize();
+    host_wait(kNoTimeout);
+    if (cuda_) cuda_->done.synchronize();
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  uint64_t getSequencenumber() const override { return op_->seq(); }
+
+ private:
+  bool host_wait(milliseconds timeout) {
     int64_t ms = timeout == kNoTimeout ? -1 : to_ms(timeout);
     switch (op_->wait(ms)) {
       case WaitOutcome::Done:
@@ -149,16 +172,6 @@ class RustWork final : public compat::Work {
     }
   }
 
-  void synchronize() override {
-    wait();
-    if (cuda_) cuda_->done.synchronize();
-  }
-
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
-  uint64_t getSequencenumber() const override { return op_->seq(); }
-
- private:
   rust::Box<Op> op_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
@@ -309,9 +322,18 @@ class RustBackend final : public compat::Backend<RustBackend> {
     coalesced_.clear();
   }
 
+  // A batch of CUDA ops: its Work orders the caller's stream after every
+  // op's copies back, which their completions queued on rustc10d's stream
+  // before the batch completes (ops in a batch are never stream-ordered).
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
     coalescing_ = false;
     auto b = builder("coalesced", OpKind::Barrier, std::move(coalesced_));
+    for (const auto& t : b.impl().outputs) {
+      if (t.defined() && t.device().is_cuda()) {
+        b.impl().cuda = std::make_shared<DeviceSync>(t.device());
+        break;
+      }
+    }
     auto [done, state] = b.finish(hooks_, next_key_++);
     return work(OpType::COALESCED, group_->end_coalescing(std::move(done)), std::move(state));
   }

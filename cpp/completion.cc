@@ -112,9 +112,9 @@ Completion::~Completion() = default;
 
 DeviceSync::DeviceSync(c10::Device d) : device(d), stream(stream_for(d)) {}
 
-void DeviceSync::record_use(const at::Tensor& t) const {
+void DeviceSync::record_use(const at::Tensor& t, const c10::Stream& s) const {
   if (t.defined() && t.storage().data_ptr().get()) {
-    c10::impl::getDeviceGuardImpl(device.type())->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+    c10::impl::getDeviceGuardImpl(device.type())->recordDataPtrOnStream(t.storage().data_ptr(), s);
   }
 }
 
@@ -157,6 +157,62 @@ void to_device(const Completion& done, size_t buffer, size_t start, size_t len) 
   d.cuda->record_use(device);
 }
 
+int32_t staged_device(const Completion& done) {
+  auto& d = *done.impl;
+  return d.cuda ? static_cast<int32_t>(d.cuda->device.index()) : -1;
+}
+
+namespace {
+
+// A stream the engine made, as c10 knows a stream made outside torch: its
+// native handle is its id (what torch.cuda.ExternalStream wraps).
+c10::Stream ours(c10::Device d, size_t handle) {
+  return c10::Stream(c10::Stream::UNSAFE, d, static_cast<c10::StreamId>(handle));
+}
+
+DeviceSync& cuda_of(const Completion& done, size_t buffer) {
+  auto& d = *done.impl;
+  TORCH_CHECK(d.cuda, "rustc10d: stream-ordered completion of an op not on a CUDA device");
+  TORCH_CHECK(buffer < d.staged.size(), "rustc10d: no staged buffer ", buffer);
+  return *d.cuda;
+}
+
+}  // namespace
+
+// The op's first held copy orders the held stream after its copies in (they
+// read the host buffers these copies write); `done` follows its last.
+void to_device_held(const Completion& done, size_t held, size_t side, size_t buffer, size_t start, size_t len) {
+  auto& sync = cuda_of(done, buffer);
+  if (!sync.held) {
+    sync.held = ours(sync.device, held);
+    sync.side = ours(sync.device, side);
+    c10::Event copied_in(c10::DeviceType::CUDA);
+    copied_in.record(sync.stream);
+    copied_in.block(*sync.held);
+    sync.gated = true;
+  }
+  auto& [device, host] = done.impl->staged[buffer];
+  c10::StreamGuard guard(*sync.held);
+  bytes_of(device, start, len).copy_(bytes_of(host, start, len), /*non_blocking=*/true);
+  sync.record_use(device, *sync.held);
+  sync.done.record(*sync.held);
+}
+
+// On the side stream, which nothing holds: after the caller's work queued
+// before the op, and waited for here (the engine then opens the gate).
+void restore(const Completion& done, size_t side, size_t buffer, size_t start, size_t len) {
+  auto& sync = cuda_of(done, buffer);
+  auto s = ours(sync.device, side);
+  auto& [device, host] = done.impl->staged[buffer];
+  c10::StreamGuard guard(s);
+  sync.ready.block(s);
+  bytes_of(host, start, len).copy_(bytes_of(device, start, len), /*non_blocking=*/true);
+  sync.record_use(device, s);
+  c10::Event restored(c10::DeviceType::CUDA);
+  restored.record(s);
+  restored.synchronize();
+}
+
 // ---------------------------------------------------------------- finishing
 
 void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error) noexcept {
@@ -168,9 +224,14 @@ void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error)
     }
     for (auto& [user, copy] : d.copy_back) user.copy_(copy);
     // A CUDA future's value is usable on a stream once our stream's copies
-    // back are done: its events are recorded on the current stream.
+    // back are done: its events are recorded on the current stream. Held
+    // copies were queued at issue: the side stream waits for them, so that
+    // the future's events do not also wait for later ops' held copies.
     std::optional<c10::StreamGuard> on_our_stream;
-    if (d.cuda) {
+    if (d.cuda && d.cuda->gated) {
+      on_our_stream.emplace(*d.cuda->side);
+      d.cuda->done.block(*d.cuda->side);
+    } else if (d.cuda) {
       on_our_stream.emplace(d.cuda->stream);
       d.cuda->done.record(d.cuda->stream);
     }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <optional>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
@@ -31,15 +32,21 @@ struct OpTiming {
 // device-generic interface only (no CUDA headers, no CUDA link dependency):
 // copies run on rustc10d's own stream for the device, after the caller's
 // stream as it was at issue (`ready`); `done` marks the copies back.
+// With stream-ordered completion (`gated`), the copies back were queued at
+// issue on the group's `held` stream behind the op's gate, and the future's
+// events are recorded on its `side` stream (streams the engine made).
 struct DeviceSync {
   explicit DeviceSync(c10::Device d);
-  // Keep the caching allocator from reusing `t`'s memory while our stream uses it.
-  void record_use(const at::Tensor& t) const;
+  // Keep the caching allocator from reusing `t`'s memory while stream `s` uses it.
+  void record_use(const at::Tensor& t, const c10::Stream& s) const;
+  void record_use(const at::Tensor& t) const { record_use(t, stream); }
 
   c10::Device device;
   c10::Stream stream;
   c10::Event ready{c10::DeviceType::CUDA};
   c10::Event done{c10::DeviceType::CUDA};
+  std::optional<c10::Stream> held, side;
+  std::atomic<bool> gated{false};
 };
 
 // A device tensor and the host copy the engine works on.

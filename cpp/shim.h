@@ -39,6 +39,9 @@ void complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_
 uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len);
 void wait_event(const Completion& done, uint64_t event);
 void to_device(const Completion& done, size_t buffer, size_t start, size_t len);
+int32_t staged_device(const Completion& done);
+void to_device_held(const Completion& done, size_t held, size_t side, size_t buffer, size_t start, size_t len);
+void restore(const Completion& done, size_t side, size_t buffer, size_t start, size_t len);
 
 // Wrap the engine in a c10d::Backend and return a new reference to its Python object.
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size);

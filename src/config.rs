@@ -22,6 +22,16 @@ pub enum TransportMode {
     Tcp,
 }
 
+/// What `Work.wait()` on a CUDA collective does: block the host until the
+/// network part is done (`Host`), or only order the caller's stream after
+/// the op's copies back, which a word the engine writes holds (`Stream`, as
+/// NCCL's wait does; see `engine::gates`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaWait {
+    Host,
+    Stream,
+}
+
 /// stderr log level of the engine's `tracing` output (process-wide).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogLevel {
@@ -62,6 +72,7 @@ pub struct Config {
     pub faults: Arc<Faults>,
     /// CUDA tensors are accepted (staged through host memory).
     pub cuda: bool,
+    pub cuda_wait: CudaWait,
     /// Tests only: CPU tensors are staged as CUDA tensors are (host memory as the device).
     pub test_staging: bool,
     pub log: LogLevel,
@@ -83,6 +94,7 @@ impl Default for Config {
             socket_ifname: None,
             faults: Arc::default(),
             cuda: true,
+            cuda_wait: CudaWait::Host,
             test_staging: false,
             log: LogLevel::Warn,
         }
@@ -243,6 +255,20 @@ const SETTINGS: &[Setting] = &[
         show: |c| u8::from(c.cuda).to_string(),
     },
     Setting {
+        option: "cuda_wait",
+        env: "RUSTC10D_CUDA_WAIT",
+        shared: false,
+        set: |c, v| {
+            c.cuda_wait = match v {
+                "host" => CudaWait::Host,
+                "stream" => CudaWait::Stream,
+                _ => return Err("expected host or stream".into()),
+            };
+            Ok(())
+        },
+        show: |c| format!("{:?}", c.cuda_wait).to_ascii_lowercase(),
+    },
+    Setting {
         option: "test_staging",
         env: "RUSTC10D_TEST_STAGING",
         shared: false,
@@ -397,6 +423,7 @@ mod tests {
             (("RUSTC10D_NSOCKS", "17"), "RUSTC10D_NSOCKS=\"17\": expected auto or a number from 1 to 16"),
             (("RUSTC10D_TRANSPORT", "udp"), "expected auto, shm or tcp"),
             (("RUSTC10D_CUDA", "yes"), "RUSTC10D_CUDA=\"yes\": expected 0 or 1"),
+            (("RUSTC10D_CUDA_WAIT", "later"), "RUSTC10D_CUDA_WAIT=\"later\": expected host or stream"),
             (("RUSTC10D_LOG", "loud"), "expected error, warn"),
             (("RUSTC10D_FAULT", "op=allreduse,action=fail"), "unknown op \"allreduse\""),
         ];

@@ -8,6 +8,7 @@
 
 pub mod algorithms;
 pub mod config;
+pub mod cuda;
 pub mod dtype;
 pub mod engine;
 pub mod error;

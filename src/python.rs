@@ -86,8 +86,12 @@ fn create_backend(
     groups.retain(|_, g| g.stats.strong_count() > 0);
     groups.insert(group_name, Watched { stats: Arc::downgrade(&engine.stats()), transport });
     drop(groups);
-    let ptr =
-        backend_to_python(Box::new(Group { engine, cfg, stream: Default::default() }), rank, size).map_err(err)?;
+    let ptr = backend_to_python(
+        Box::new(Group { engine, cfg, stream: Default::default(), gates: Default::default() }),
+        rank,
+        size,
+    )
+    .map_err(err)?;
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
 }
 

@@ -200,12 +200,13 @@ def error_kinds(store, rank, world):
 
 def options_apply(store, rank, world):
     """rustc10d.Options given to init_process_group and to new_group set each group's
-    settings (here the transport: TCP for the world, shared memory for a subgroup); anything
-    but rustc10d.Options is refused."""
+    settings (here the transport: TCP for the world, shared memory for a subgroup, which also
+    asks for stream-ordered CUDA waits: CPU tensors are unaffected); anything but
+    rustc10d.Options is refused."""
     init(store, rank, world, options=rustc10d.Options(transport="tcp", spin_us=0))
     t = torch.ones(4)
     dist.all_reduce(t)
-    group = dist.new_group(list(range(world)), pg_options=rustc10d.Options(transport="shm"))
+    group = dist.new_group(list(range(world)), pg_options=rustc10d.Options(transport="shm", cuda_wait="stream"))
     dist.all_reduce(t, group=group)
     wrong = timed_failure(lambda: dist.new_group(list(range(world)), pg_options=object()))
     report(world_links=rustc10d.links(), group_links=rustc10d.links(group), sum=t.tolist(), wrong=wrong)

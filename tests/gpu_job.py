@@ -146,6 +146,99 @@ def _():
     same(fut.wait()[0], torch.full((10,), float(WORLD)), "future value")
 
 
+STREAM_WAIT = os.environ.get("RUSTC10D_CUDA_WAIT") == "stream"
+
+
+def busy(n=30):
+    """Queue some 100 ms of matmuls on the current stream: what comes after it waits."""
+    a = torch.randn(4096, 4096, device=DEV)
+    for _ in range(n):
+        a = (a @ a).clamp_(-1, 1)
+    return a
+
+
+@check("wait() while the inputs are still being produced: the consumer sees the result")
+def _():
+    n = 16 << 20  # 64 MiB of float32: in pieces
+    t = torch.zeros(n, device=DEV)
+    busy()
+    t.add_(RANK + 1)  # the producer, queued behind the matmuls
+    work = dist.all_reduce(t, group=RUST, async_op=True)
+    t0 = time.perf_counter()
+    work.wait()
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    t.mul_(2)  # the consumer, on the same stream
+    got = t.sum().item()
+    want = 2.0 * n * WORLD * (WORLD + 1) / 2
+    print(f"WAIT rank {RANK} ({'stream' if STREAM_WAIT else 'host'}): wait() took {waited_ms:.2f} ms", flush=True)
+    if got != want:
+        raise AssertionError(f"sum {got}, want {want}")
+    if STREAM_WAIT and waited_ms >= 1.0:
+        raise AssertionError(f"a stream-ordered wait() blocked the host for {waited_ms:.2f} ms")
+
+
+@check("a failed op (injected fault) leaves every tensor as it was")
+def _():
+    for n in (1000, (5 << 20) + 3):  # whole, and in pieces
+        # rank 1 fails its first all_reduce on this group; every rank's op fails (fail fast)
+        faulty = dist.new_group(backend="rustc10d", timeout=timedelta(seconds=60),
+                                pg_options=rustc10d.Options(fault="rank=1,op=allreduce,seq=0,action=fail"))
+        t = ramp(n, torch.float32, RANK)
+        original = t.clone()
+        busy(5)
+        work = dist.all_reduce(t, group=faulty, async_op=True)
+        try:
+            work.wait()
+            raised = False
+        except Exception:  # noqa: BLE001 - any exception: the op failed
+            raised = True
+        torch.cuda.synchronize(DEV)
+        deadline = time.monotonic() + 30
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if work.is_success():
+            raise AssertionError(f"n={n}: the op succeeded despite the fault")
+        if not raised and not STREAM_WAIT:
+            raise AssertionError(f"n={n}: wait() returned for a failed op")
+        same(t, original, f"n={n}: the tensor after the failed op")
+        later = ramp(10, torch.float32, RANK)
+        try:
+            dist.all_reduce(later, group=faulty)  # the group is broken: this fails too
+            torch.cuda.synchronize(DEV)
+        except Exception:  # noqa: BLE001
+            pass
+        same(later, ramp(10, torch.float32, RANK), f"n={n}: a later op's tensor")
+        dist.destroy_process_group(faulty)
+
+
+@check("a coalesced batch and batch_isend_irecv: the consumer on the stream sees the results")
+def _():
+    n = 1 << 22
+    ts = [torch.zeros(n, device=DEV) for _ in range(3)]
+    busy()
+    for i, t in enumerate(ts):
+        t.add_(RANK + i)
+    with dist._coalescing_manager(group=RUST, device=DEV, async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t, group=RUST)
+    cm.wait()
+    sums = torch.stack([t.sum() for t in ts]).tolist()  # the consumer, on the current stream
+    want = [float(n * sum(r + i for r in range(WORLD))) for i in range(3)]
+    if sums != want:
+        raise AssertionError(f"coalesced sums {sums}, want {want}")
+    peer, src = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    out = torch.empty(n, device=DEV)
+    busy()
+    out.fill_(float(RANK))
+    got = torch.zeros(n, device=DEV)
+    ops = [dist.P2POp(dist.isend, out, peer, group=RUST), dist.P2POp(dist.irecv, got, src, group=RUST)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    total = got.sum().item()
+    if total != float(src * n):
+        raise AssertionError(f"batch_isend_irecv received a sum of {total}, want {src * n}")
+
+
 @check("DDP step on CUDA: replicas stay equal")
 def _():
     torch.manual_seed(0)
@@ -162,6 +255,25 @@ def _():
     dist.all_gather(everyone, flat, group=RUST)
     for r, x in enumerate(everyone):
         same(x, everyone[0], f"rank {r}'s parameters")
+
+
+@check("DDP steps on CUDA: the same parameters as with Gloo")
+def _():
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(DEV)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEV.index], process_group=group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        torch.manual_seed(100 + RANK)
+        for _ in range(5):
+            opt.zero_grad()
+            ddp(torch.randn(32, 64, device=DEV)).square().mean().backward()
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    ours, gloo = train(RUST), train(GLOO)
+    if not torch.allclose(ours, gloo, rtol=1e-5, atol=1e-6):
+        raise AssertionError(f"max difference {(ours - gloo).abs().max().item()}")
 
 
 @check("mixed CPU and CUDA tensors are refused clearly")

@@ -3,7 +3,11 @@
 
 mod threads;
 
-use rustc10d::engine::{run_in_pieces, Device, Event, StagedBuffer, Staging, StreamThread};
+use rustc10d::engine::{
+    run_in_pieces, Device, Event, GateWord, GatedOp, HeldCopies, StagedBuffer, Staging, StreamGates, StreamThread,
+};
+use std::collections::VecDeque;
+use std::sync::Condvar;
 use threads::*;
 
 /// Host memory standing in for a device: copies happen at once, and every
@@ -14,6 +18,10 @@ struct FakeDevice {
     log: Arc<Mutex<Vec<String>>>,
     /// The first copy to the host of the range starting here fails.
     fail_in_at: Option<usize>,
+    /// Where its copies back are held, with gates.
+    held: Option<HeldStream>,
+    /// The copy that failed, on a held stream's device.
+    failed: Option<Event>,
 }
 unsafe impl Send for FakeDevice {}
 
@@ -22,6 +30,11 @@ impl Device for FakeDevice {
         self.log.lock().unwrap().push(format!("in {start}+{len}"));
         if self.fail_in_at == Some(start) {
             self.fail_in_at = None;
+            // Queued on a held stream's device: the copy fails as it is waited for.
+            if self.held.is_some() {
+                self.failed = Some(start as Event);
+                return Ok(start as Event);
+            }
             return Err(rustc10d::error::Error::io(format!("device copy at {start} failed")));
         }
         unsafe { std::ptr::copy_nonoverlapping(self.device.ptr.add(start), self.host.ptr.add(start), len) };
@@ -29,6 +42,9 @@ impl Device for FakeDevice {
     }
     fn wait(&mut self, event: Event) -> rustc10d::error::Result<()> {
         self.log.lock().unwrap().push(format!("wait {event}"));
+        if self.failed == Some(event) {
+            return Err(rustc10d::error::Error::io(format!("device copy at {event} failed")));
+        }
         Ok(())
     }
     fn to_device(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
@@ -38,11 +54,153 @@ impl Device for FakeDevice {
     }
 }
 
+/// A held stream as a CUDA stream runs it (`cuStreamWaitValue32`, then
+/// copies back): a thread runs what is queued in order, and a wait for the
+/// word holds everything behind it until the word reaches its value.
+#[derive(Clone, Default)]
+struct HeldStream(Arc<(Mutex<OnStream>, Condvar)>);
+
+#[derive(Default)]
+struct OnStream {
+    word: u32,
+    queue: VecDeque<Queued>,
+}
+
+enum Queued {
+    Until(u32),
+    Copy { from: RawBuf, to: RawBuf },
+}
+
+impl HeldStream {
+    fn start() -> HeldStream {
+        let stream = HeldStream::default();
+        let run = stream.clone();
+        std::thread::spawn(move || run.run());
+        stream
+    }
+
+    /// Until nothing but this thread holds the stream.
+    fn run(&self) {
+        let (state, changed) = &*self.0;
+        let mut s = state.lock().unwrap();
+        while Arc::strong_count(&self.0) > 1 {
+            let runnable = match s.queue.front() {
+                Some(Queued::Until(v)) => (s.word.wrapping_sub(*v) as i32) >= 0,
+                Some(Queued::Copy { .. }) => true,
+                None => false,
+            };
+            if !runnable {
+                s = changed.wait_timeout(s, Duration::from_millis(20)).unwrap().0;
+                continue;
+            }
+            if let Some(Queued::Copy { from, to }) = s.queue.pop_front() {
+                unsafe { std::ptr::copy_nonoverlapping(from.ptr, to.ptr, from.len) };
+            }
+            changed.notify_all();
+        }
+    }
+
+    fn push(&self, q: Queued) {
+        self.0 .0.lock().unwrap().queue.push_back(q);
+        self.0 .1.notify_all();
+    }
+
+    /// Whether everything queued has run within a second.
+    fn drained(&self) -> bool {
+        let (state, changed) = &*self.0;
+        let s = state.lock().unwrap();
+        !changed.wait_timeout_while(s, Duration::from_secs(1), |s| !s.queue.is_empty()).unwrap().1.timed_out()
+    }
+}
+
+impl GateWord for HeldStream {
+    fn hold_until(&self, value: u32) -> rustc10d::error::Result<()> {
+        self.push(Queued::Until(value));
+        Ok(())
+    }
+    fn release_to(&self, value: u32) {
+        self.0 .0.lock().unwrap().word = value;
+        self.0 .1.notify_all();
+    }
+}
+
+impl HeldCopies for FakeDevice {
+    fn to_device_held(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(format!("held {start}+{len}"));
+        let (from, to) = unsafe { (self.host.ptr.add(start), self.device.ptr.add(start)) };
+        let held = self.held.as_ref().expect("a device with a held stream");
+        held.push(Queued::Copy { from: RawBuf::new(from, len), to: RawBuf::new(to, len) });
+        Ok(())
+    }
+    fn restore(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(format!("restore {start}+{len}"));
+        unsafe { std::ptr::copy_nonoverlapping(self.device.ptr.add(start), self.host.ptr.add(start), len) };
+        Ok(())
+    }
+}
+
+/// Stream-ordered completion as test staging runs it (a stream thread that
+/// holds copies back), or as a CUDA device does (a held stream and its gates).
+enum Streams {
+    Thread(StreamThread),
+    Gated(HeldStream, Arc<StreamGates>),
+}
+
+impl Streams {
+    fn new(gated: bool) -> Streams {
+        if gated {
+            let held = HeldStream::start();
+            let gates = Arc::new(StreamGates::new(Box::new(held.clone())));
+            Streams::Gated(held, gates)
+        } else {
+            Streams::Thread(StreamThread::start("test-stream").unwrap())
+        }
+    }
+
+    /// `host` staged for `device` on these streams, in pieces of
+    /// `piece_bytes`, the copy to the host of the range at `fail_in_at` failing.
+    fn staged<T>(
+        &self,
+        device: &mut [T],
+        host: &mut [T],
+        piece_bytes: usize,
+        contiguous: bool,
+        fail_in_at: Option<usize>,
+    ) -> Staging {
+        let buffer = StagedBuffer { host: raw(host), copy_in: true, copy_out: true, contiguous };
+        let log = Arc::default();
+        let mut device = FakeDevice { device: raw(device), host: raw(host), log, fail_in_at, held: None, failed: None };
+        let device: Box<dyn Device> = match self {
+            Streams::Thread(stream) => Box::new(stream.op(Box::new(device))),
+            Streams::Gated(held, gates) => {
+                device.held = Some(held.clone());
+                Box::new(GatedOp::new(device, gates.clone()))
+            }
+        };
+        Staging::new(vec![buffer], device, piece_bytes)
+    }
+
+    /// Whether the copies queued so far have run (a stream thread's op waits for them as it settles).
+    fn drained(&self) -> bool {
+        match self {
+            Streams::Thread(_) => true,
+            Streams::Gated(held, _) => held.drained(),
+        }
+    }
+}
+
 /// `host` staged for `device`, in pieces of `piece_bytes`; the log of device calls.
 fn staged<T>(device: &mut [T], host: &mut [T], piece_bytes: usize) -> (Staging, Arc<Mutex<Vec<String>>>) {
     let log = Arc::new(Mutex::new(Vec::new()));
     let buffer = StagedBuffer { host: raw(host), copy_in: true, copy_out: true, contiguous: true };
-    let device = FakeDevice { device: raw(device), host: raw(host), log: log.clone(), fail_in_at: None };
+    let device = FakeDevice {
+        device: raw(device),
+        host: raw(host),
+        log: log.clone(),
+        fail_in_at: None,
+        held: None,
+        failed: None,
+    };
     (Staging::new(vec![buffer], Box::new(device), piece_bytes), log)
 }
 
@@ -58,7 +216,8 @@ fn streamed<T>(
 ) -> (Staging, Arc<Mutex<Vec<String>>>) {
     let log = Arc::new(Mutex::new(Vec::new()));
     let buffer = StagedBuffer { host: raw(host), copy_in: true, copy_out: true, contiguous };
-    let device = FakeDevice { device: raw(device), host: raw(host), log: log.clone(), fail_in_at };
+    let device =
+        FakeDevice { device: raw(device), host: raw(host), log: log.clone(), fail_in_at, held: None, failed: None };
     (Staging::new(vec![buffer], Box::new(stream.op(Box::new(device))), piece_bytes), log)
 }
 
@@ -160,10 +319,14 @@ fn a_stream_holds_the_copy_back_until_the_op_has_succeeded() {
 /// stream goes on: pieces run through `run_in_pieces` as the engine runs
 /// them, each scribbling over its host bytes (a partial result), the k-th
 /// failing; a failed copy in; an op dropped before it ran; an op not cut in
-/// pieces.
+/// pieces. On a stream thread, and on a held stream with gates.
 #[test]
 fn a_failed_op_leaves_the_device_as_it_was() {
-    let stream = StreamThread::start("test-stream").unwrap();
+    a_failed_op_leaves_the_device_as_it_was_on(Streams::new(false));
+    a_failed_op_leaves_the_device_as_it_was_on(Streams::new(true));
+}
+
+fn a_failed_op_leaves_the_device_as_it_was_on(streams: Streams) {
     let original: Vec<u8> = (0..7000u32).map(|i| (i % 251) as u8).collect();
     let ranges = [(0, 2999), (2999, 2999), (5998, 1002)];
     let part_of = |host: &mut [u8]| Collective::Broadcast { buf: raw(host), root: 0 };
@@ -175,7 +338,7 @@ fn a_failed_op_leaves_the_device_as_it_was() {
                 let mut host = vec![0u8; 7000];
                 let fail_in_at = (copy_fails && fail_at < ranges.len()).then(|| ranges[fail_at].0);
                 let fail_in_at = fail_in_at.filter(|_| contiguous);
-                let (mut staging, _) = streamed(&stream, &mut device, &mut host, 2999, contiguous, fail_in_at);
+                let mut staging = streams.staged(&mut device, &mut host, 2999, contiguous, fail_in_at);
                 let part = part_of(&mut host);
                 staging.queue(std::slice::from_ref(&part)).unwrap();
                 let ran = run_in_pieces(&mut staging, &part, 2999, |i, piece| {
@@ -191,6 +354,7 @@ fn a_failed_op_leaves_the_device_as_it_was() {
                 assert_eq!(ran.is_ok(), ok, "{at}");
                 assert!(settled.is_ok(), "{at}: {settled:?}");
                 drop(staging);
+                assert!(streams.drained(), "{at}: the stream is stuck");
                 let want = if ok { vec![0xAB; 7000] } else { original.clone() };
                 assert!(device == want, "{at}: the device holds what it should not");
             }
@@ -199,19 +363,20 @@ fn a_failed_op_leaves_the_device_as_it_was() {
     // Dropped before it ran (the engine stopped): nothing changes, nothing stays held.
     let mut device = original.clone();
     let mut host = vec![0u8; 7000];
-    let (mut staging, _) = streamed(&stream, &mut device, &mut host, 0, true, None);
+    let mut staging = streams.staged(&mut device, &mut host, 0, true, None);
     staging.queue(&[]).unwrap();
     unsafe { std::ptr::write_bytes(host.as_mut_ptr(), 0xAB, host.len()) };
     drop(staging);
-    assert!(device == original, "a dropped op changed the device");
+    assert!(streams.drained() && device == original, "a dropped op changed the device");
     // Not cut in pieces: one gate for every output; the stream is not stuck.
-    let (mut staging, _) = streamed(&stream, &mut device, &mut host, 0, true, None);
+    let mut staging = streams.staged(&mut device, &mut host, 0, true, None);
     staging.queue(&[]).unwrap();
     staging.all_in().unwrap();
     host.iter_mut().for_each(|b| *b = b.wrapping_add(1));
     staging.all_out().unwrap();
     staging.settle().unwrap();
     drop(staging);
+    assert!(streams.drained());
     assert!(device.iter().zip(&original).all(|(d, o)| *d == o.wrapping_add(1)), "the result came back");
 }
 
@@ -246,20 +411,20 @@ fn a_later_op_waits_behind_a_held_copy_back() {
 /// changes however far its pieces got.
 #[test]
 fn an_injected_fault_leaves_every_device_as_it_was() {
-    for fault in
-        ["rank=0,op=allreduce,action=fail", "rank=1,op=allreduce,action=drop", "rank=2,op=allreduce,action=fail"]
-    {
+    let faults =
+        ["rank=0,op=allreduce,action=fail", "rank=1,op=allreduce,action=drop", "rank=2,op=allreduce,action=fail"];
+    for (fault, gated) in faults.into_iter().flat_map(|f| [(f, false), (f, true)]) {
         let engines = group_with_faults(3, Duration::from_secs(10), fault);
         let t0 = Instant::now();
         let out = on_all(&engines, |rank, e| {
-            let stream = StreamThread::start("test-stream").unwrap();
+            let streams = Streams::new(gated);
             let original: Vec<f32> = (0..4096).map(|i| (i + rank) as f32).collect();
             let mut device = original.clone();
             let mut host = vec![f32::NAN; 4096];
-            let (staging, _) = streamed(&stream, &mut device, &mut host, 4000, true, None);
+            let staging = streams.staged(&mut device, &mut host, 4000, true, None);
             let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
             let waited = unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() }.wait(None);
-            (waited, device == original)
+            (waited, streams.drained() && device == original)
         });
         assert!(t0.elapsed() < Duration::from_secs(5), "{fault}: no waiting for the timeout");
         for (rank, (waited, unchanged)) in out.into_iter().enumerate() {
@@ -267,4 +432,49 @@ fn an_injected_fault_leaves_every_device_as_it_was() {
             assert!(unchanged, "{fault}: rank {rank}'s device changed");
         }
     }
+}
+
+/// With gates, a staged all_reduce in pieces: every copy is queued at issue,
+/// the copy back held until the op has succeeded, and the device ends with
+/// the right values.
+#[test]
+fn a_gated_op_lands_once_it_has_succeeded() {
+    let engines = group(3, Duration::from_secs(10));
+    let out = on_all(&engines, |rank, e| {
+        let streams = Streams::new(true);
+        let mut device: Vec<f64> = (0..1001).map(|i| (i * 3 + rank) as f64).collect();
+        let mut host = vec![f64::NAN; 1001];
+        let staging = streams.staged(&mut device, &mut host, 2999, true, None);
+        let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
+        wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
+        assert!(streams.drained());
+        device
+    });
+    for device in out {
+        assert_eq!(device, (0..1001).map(|i| (i * 9 + 3) as f64).collect::<Vec<_>>());
+    }
+}
+
+/// With gates, an op's copy back runs once every op issued before it has
+/// ended too: the second of two ops succeeds first, and its result lands
+/// only once the first has ended (failed: its device as it was).
+#[test]
+fn gated_copies_back_go_in_issue_order() {
+    let streams = Streams::new(true);
+    let (mut d1, mut h1, mut d2, mut h2) = (vec![1u8; 64], vec![0u8; 64], vec![2u8; 64], vec![0u8; 64]);
+    let mut first = streams.staged(&mut d1, &mut h1, 0, true, None);
+    let mut second = streams.staged(&mut d2, &mut h2, 0, true, None);
+    for op in [&mut first, &mut second] {
+        op.queue(&[]).unwrap();
+        op.all_in().unwrap();
+    }
+    h1.fill(7);
+    h2.fill(9);
+    second.all_out().unwrap();
+    second.settle().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(d2, vec![2u8; 64], "the second op's result passed the first op's gate");
+    first.settle().unwrap();
+    assert!(streams.drained());
+    assert_eq!((d1, d2), (vec![1u8; 64], vec![9u8; 64]));
 }

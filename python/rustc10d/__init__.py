@@ -97,6 +97,10 @@ class Options:
     fault: str | None = None
     #: False refuses CUDA tensors (RUSTC10D_CUDA; True).
     cuda: bool | None = None
+    #: What Work.wait() on a CUDA collective does: "host" blocks the calling thread until the
+    #: network part is done; "stream" returns at once and makes the caller's current stream
+    #: wait for the results, as NCCL's does (RUSTC10D_CUDA_WAIT; "host", see the README).
+    cuda_wait: str | None = None
 
     def _given(self) -> dict[str, str]:
         def text(v: object) -> str:

@@ -6,12 +6,14 @@
 //! a collective is `algorithms::run`'s business, moving device tensors in
 //! and out staging.rs's.
 
+mod gates;
 mod handle;
 mod job;
 mod p2p;
 mod staging;
 mod stream;
 
+pub use gates::{GateWord, GatedOp, HeldCopies, ReleaseOrder, StreamGates};
 pub use handle::{OpHandle, Waited};
 pub use staging::{run_in_pieces, Device, Event, Gates, StagedBuffer, Staging};
 pub use stream::{StreamOp, StreamThread};
@@ -168,6 +170,11 @@ impl Engine {
         let seq = self.shared.next_seq.load(Ordering::SeqCst);
         let status = Status::all(&ops, done);
         Ok(OpHandle { status, seq, source_rank: -1, expiry: None, spin: self.shared.spin })
+    }
+
+    /// Whether a coalescing batch is open (its ops are waited for together).
+    pub fn is_coalescing(&self) -> bool {
+        self.coalescing.lock().unwrap().is_some()
     }
 
     /// Note an op for a coalescing batch, if one is open.

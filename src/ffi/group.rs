@@ -2,21 +2,32 @@
 //! shim calls them.
 
 use super::bridge::{self, Call, OpKind, WaitOutcome};
-use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
+use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, HeldShim, ShimDevice};
 use super::{Group, Op};
-use crate::engine::{Device, OpHandle, StagedBuffer, Staging, StreamThread, Waited};
+use crate::config::CudaWait;
+use crate::cuda::{DeviceGate, Stream};
+use crate::engine::{Device, GatedOp, OpHandle, StagedBuffer, Staging, StreamGates, StreamThread, Waited};
 use crate::error::Result;
 use crate::ops::{self, SparseGathered};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// A group's stream-ordered completion on one CUDA device.
+pub(crate) struct DeviceGates {
+    streams: [Stream; 2],
+    gates: Arc<StreamGates>,
+}
+
 impl Group {
     /// The op's staged buffers, on the shim's device primitives. Under test
     /// staging (host memory standing in for a device), a collective's are on
     /// the group's stream thread, so that it completes in stream order as on
-    /// a device. Point-to-point ops complete in any order (tags, sources), so
-    /// one held in a stream would hold up the others: theirs copy back when
-    /// they complete.
+    /// a device; on a CUDA device with `cuda_wait=stream`, its copies back
+    /// are held behind a gate on the group's stream for that device (but in
+    /// a coalescing batch, whose one Work orders its consumers after the
+    /// copies back of all its ops on the shim's stream). Point-to-point ops
+    /// complete in any order (tags, sources), so one held in a stream would
+    /// hold up the others: theirs copy back when they complete.
     pub(crate) fn staging(&self, call: &Call, done: &cxx::UniquePtr<bridge::Completion>) -> Result<Option<Staging>> {
         let Some(completion) = done.as_ref().filter(|_| !call.staged.is_empty()) else { return Ok(None) };
         let buffers = call
@@ -29,11 +40,30 @@ impl Group {
                 contiguous: s.contiguous,
             })
             .collect();
-        let shim: Box<dyn Device> = Box::new(ShimDevice(completion));
         let p2p = matches!(call.kind, OpKind::Send | OpKind::Recv);
-        let streamed = self.cfg.test_staging && !p2p;
-        let device: Box<dyn Device> = if streamed { Box::new(self.stream()?.op(shim)) } else { shim };
+        let cuda = bridge::staged_device(completion);
+        let device: Box<dyn Device> = match (p2p, self.cfg.test_staging, self.cfg.cuda_wait) {
+            (false, true, _) => Box::new(self.stream()?.op(Box::new(ShimDevice(completion)))),
+            (false, false, CudaWait::Stream) if cuda >= 0 && !self.engine.is_coalescing() => {
+                let (streams, gates) = self.gates(cuda)?;
+                Box::new(GatedOp::new(HeldShim { shim: ShimDevice(completion), streams }, gates))
+            }
+            _ => Box::new(ShimDevice(completion)),
+        };
         Ok(Some(Staging::new(buffers, device, self.cfg.stage_piece_bytes)))
+    }
+
+    /// CUDA device `device`'s gates and streams, made with its first op.
+    fn gates(&self, device: i32) -> Result<([Stream; 2], Arc<StreamGates>)> {
+        let mut all = self.gates.lock().unwrap();
+        if let Some(g) = all.get(&device) {
+            return Ok((g.streams, g.gates.clone()));
+        }
+        let gate = DeviceGate::new(device)?;
+        let streams = gate.streams();
+        let gates = Arc::new(StreamGates::new(Box::new(gate)));
+        all.insert(device, DeviceGates { streams, gates: gates.clone() });
+        Ok((streams, gates))
     }
 
     /// The group's stream thread, started with its first staged op.
@@ -109,6 +139,8 @@ impl Group {
         if let Some(stream) = self.stream.lock().unwrap().take() {
             stream.stop();
         }
+        // Every op has released its gate; the device's word goes once its streams drain.
+        self.gates.lock().unwrap().clear();
     }
 
     pub(crate) fn cuda_allowed(&self) -> bool {

@@ -179,6 +179,23 @@ pub mod bridge {
         fn wait_event(done: &Completion, event: u64) -> Result<()>;
         /// Queue bytes [start, start + len) back to the device.
         fn to_device(done: &Completion, buffer: usize, start: usize, len: usize) -> Result<()>;
+        /// The CUDA device the op's staged tensors are on; -1: not a CUDA device.
+        fn staged_device(done: &Completion) -> i32;
+        /// Stream-ordered completion: queue bytes [start, start + len) back to
+        /// the device on stream `held` (a native handle, behind the op's
+        /// gate queued there), after the op's copies in; the op's Work then
+        /// orders its consumers after `held`, and its future through `side`.
+        fn to_device_held(
+            done: &Completion,
+            held: usize,
+            side: usize,
+            buffer: usize,
+            start: usize,
+            len: usize,
+        ) -> Result<()>;
+        /// Copy bytes [start, start + len) from the device to the host copy
+        /// now, on stream `side` (nothing holds it), and wait for the copy.
+        fn restore(done: &Completion, side: usize, buffer: usize, start: usize, len: usize) -> Result<()>;
 
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
     }
@@ -213,6 +230,8 @@ pub struct Group {
     pub cfg: Config,
     /// Under test staging: the stream the group's copies run on.
     pub stream: std::sync::Mutex<Option<std::sync::Arc<crate::engine::StreamThread>>>,
+    /// With `cuda_wait=stream`: each CUDA device's gates, made with its first op.
+    pub gates: std::sync::Mutex<std::collections::HashMap<i32, group::DeviceGates>>,
 }
 
 pub struct Op {

@@ -5,7 +5,7 @@
 use super::bridge::{self, Call, OpKind, ReduceOpCode};
 use crate::algorithms::RawBuf;
 use crate::dtype;
-use crate::engine::{Device, Event, Staging};
+use crate::engine::{Device, Event, HeldCopies, Staging};
 use crate::error::{Error, Result};
 use crate::ops::{self, Collective, Reduction, SparseGathered};
 use crate::status::Callback;
@@ -186,5 +186,35 @@ impl Device for ShimDevice {
     }
     fn to_device(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
         self.call(|c| bridge::to_device(c, index, start, len))
+    }
+}
+
+/// The shim's device primitives for a CUDA op whose copies back are held on
+/// its group's stream (`streams`: the held one, and the side one).
+pub(super) struct HeldShim {
+    pub(super) shim: ShimDevice,
+    pub(super) streams: [crate::cuda::Stream; 2],
+}
+
+impl Device for HeldShim {
+    fn to_host(&mut self, index: usize, start: usize, len: usize) -> Result<Event> {
+        self.shim.to_host(index, start, len)
+    }
+    fn wait(&mut self, event: Event) -> Result<()> {
+        self.shim.wait(event)
+    }
+    fn to_device(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
+        self.shim.to_device(index, start, len)
+    }
+}
+
+impl HeldCopies for HeldShim {
+    fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
+        let [held, side] = self.streams.map(|s| s.0);
+        self.shim.call(|c| bridge::to_device_held(c, held, side, index, start, len))
+    }
+    fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
+        let side = self.streams[1].0;
+        self.shim.call(|c| bridge::restore(c, side, index, start, len))
     }
 }
