@@ -2,7 +2,7 @@
 //! shim calls them.
 
 use super::bridge::{self, Call, OpKind, WaitOutcome};
-use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, HeldShim, ShimDevice};
+use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
 use super::{Group, Op};
 use crate::config::CudaWait;
 use crate::cuda::{DeviceGate, Stream};
@@ -42,13 +42,14 @@ impl Group {
             .collect();
         let p2p = matches!(call.kind, OpKind::Send | OpKind::Recv);
         let cuda = bridge::staged_device(completion);
+        let shim = ShimDevice { done: completion, streams: None };
         let device: Box<dyn Device> = match (p2p, self.cfg.test_staging, self.cfg.cuda_wait) {
-            (false, true, _) => Box::new(self.stream()?.op(Box::new(ShimDevice(completion)))),
+            (false, true, _) => Box::new(self.stream()?.op(Box::new(shim))),
             (false, false, CudaWait::Stream) if cuda >= 0 && !self.engine.is_coalescing() => {
                 let (streams, gates) = self.gates(cuda)?;
-                Box::new(GatedOp::new(HeldShim { shim: ShimDevice(completion), streams }, gates))
+                Box::new(GatedOp::new(ShimDevice { streams: Some(streams), ..shim }, gates))
             }
-            _ => Box::new(ShimDevice(completion)),
+            _ => Box::new(shim),
         };
         Ok(Some(Staging::new(buffers, device, self.cfg.stage_piece_bytes)))
     }

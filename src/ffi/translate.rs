@@ -164,8 +164,13 @@ pub(super) fn finish_with(
     })
 }
 
-/// The shim's device primitives for one op's staged buffers.
-pub(super) struct ShimDevice(pub(super) *const bridge::Completion);
+/// The shim's device primitives for one op's staged buffers; with
+/// `streams` (the held one, and the side one), for copies back held behind a
+/// gate too.
+pub(super) struct ShimDevice {
+    pub(super) done: *const bridge::Completion,
+    pub(super) streams: Option<[crate::cuda::Stream; 2]>,
+}
 
 // The Completion lives in the op's callback, which runs only after staging is
 // done with (for a send: after its ready).
@@ -173,7 +178,12 @@ unsafe impl Send for ShimDevice {}
 
 impl ShimDevice {
     fn call<T>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
-        f(unsafe { &*self.0 }).map_err(|e| Error::io(e.what().to_string()))
+        f(unsafe { &*self.done }).map_err(|e| Error::io(e.what().to_string()))
+    }
+
+    fn streams(&self) -> Result<[usize; 2]> {
+        let streams = self.streams.ok_or_else(|| Error::invalid("rustc10d: a held copy back without streams"))?;
+        Ok(streams.map(|s| s.0))
     }
 }
 
@@ -189,32 +199,13 @@ impl Device for ShimDevice {
     }
 }
 
-/// The shim's device primitives for a CUDA op whose copies back are held on
-/// its group's stream (`streams`: the held one, and the side one).
-pub(super) struct HeldShim {
-    pub(super) shim: ShimDevice,
-    pub(super) streams: [crate::cuda::Stream; 2],
-}
-
-impl Device for HeldShim {
-    fn to_host(&mut self, index: usize, start: usize, len: usize) -> Result<Event> {
-        self.shim.to_host(index, start, len)
-    }
-    fn wait(&mut self, event: Event) -> Result<()> {
-        self.shim.wait(event)
-    }
-    fn to_device(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
-        self.shim.to_device(index, start, len)
-    }
-}
-
-impl HeldCopies for HeldShim {
+impl HeldCopies for ShimDevice {
     fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
-        let [held, side] = self.streams.map(|s| s.0);
-        self.shim.call(|c| bridge::to_device_held(c, held, side, index, start, len))
+        let [held, side] = self.streams()?;
+        self.call(|c| bridge::to_device_held(c, held, side, index, start, len))
     }
     fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
-        let side = self.streams[1].0;
-        self.shim.call(|c| bridge::restore(c, side, index, start, len))
+        let [_, side] = self.streams()?;
+        self.call(|c| bridge::restore(c, side, index, start, len))
     }
 }
