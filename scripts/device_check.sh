@@ -12,7 +12,7 @@
 # PARTS (run in this order, each under its own time limit, each writing into $OUT as it goes):
 #   cuda  scripts/gpu_check.sh: every CUDA check, with RUSTC10D_CUDA_WAIT=host then =stream
 #         (issue #16: wait() under 1 ms while the inputs are still being produced, a failed op
-#         leaves its tensor as it was, DDP as with Gloo); about 3 minutes
+#         leaves its tensor as it was, DDP and FSDP2 as with Gloo, FSDP2's step time); about 3 minutes
 #   node  the benchmark against Gloo at W=4, 8, 16 on this host (issue #14's table: all_reduce
 #         f32 and bf16, all_gather, reduce_scatter, broadcast, ping-pong, 16 B to 64 MiB, with
 #         copies and wake-ups per byte); about 5 minutes
@@ -41,7 +41,7 @@ for p in ${PARTS:-cuda node}; do
     case $p in
         cuda)
             part cuda "${CUDA_LIMIT:-300}" env PYTHON="$PYTHON" bash scripts/gpu_check.sh
-            grep -E "CHECK .* FAIL|WAIT |BUSBW|gpu_check:" "$OUT/cuda.log"
+            grep -E "CHECK .* FAIL|WAIT |BUSBW|STEP |gpu_check:" "$OUT/cuda.log"
             ;;
         node)
             part node "${NODE_LIMIT:-330}" "$PYTHON" -m rustc10d.bench --worlds 4,8,16 --transports shm \

@@ -12,7 +12,8 @@
 # all_gather_into_tensor, reduce_scatter_tensor, isend/irecv, a stream-ordering
 # test, wait() while the inputs are still being produced (timed; under 1 ms with
 # RUSTC10D_CUDA_WAIT=stream), an injected failure that must leave the tensor as
-# it was, DDP steps (replicas equal, and equal to Gloo's), the mixed-device
+# it was, DDP and FSDP2 steps (replicas equal, and equal to Gloo's; FSDP2's step
+# time against Gloo's), the mixed-device
 # error, and busbw against Gloo's CUDA path; every check with each
 # RUSTC10D_CUDA_WAIT.
 set -euo pipefail

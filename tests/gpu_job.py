@@ -1,9 +1,12 @@
 """One rank of the CUDA checks (scripts/gpu_check.sh launches it with torchrun on a GPU machine).
 
 Every rank drives rustc10d and Gloo groups over CUDA tensors (NCCL too where each rank has a GPU
-of its own) and compares results with plain arithmetic; then a DDP step, a stream-ordering test
-and a quick timing against Gloo. Prints `CHECK <name> ok|FAIL <why>` lines and exits 1 on any
-failure. Not part of pytest: CI has no GPU.
+of its own) and compares results with plain arithmetic; then stream-ordering tests (wait() timed
+while its inputs are still being produced: `WAIT` lines), an injected failure that must leave the
+tensor as it was, coalesced batches, DDP and FSDP2 steps against Gloo or one process (`STEP`),
+and a quick timing against Gloo (`BUSBW`). RUSTC10D_CUDA_WAIT=stream (gpu_check.sh runs both
+modes) also requires wait() to return within 1 ms. Prints `CHECK <name> ok|FAIL <why>` lines and
+exits 1 on any failure. Not part of pytest: CI has no GPU.
 """
 
 import os
@@ -15,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import rustc10d  # noqa: F401  (registers the backend)
+import rustc10d  # registers the backend
 
 FAILURES = []
 
@@ -311,6 +314,64 @@ def _():
         if RANK == 0:
             print(f"BUSBW {4 * n >> 20} MiB: rustc10d {bus / r:.2f} GB/s, gloo {bus / g:.2f} GB/s, "
                   f"ratio {g / r:.2f}", flush=True)
+
+
+# Last: Gloo may lack an op FSDP2 needs on CUDA, and a failure could leave its group unusable.
+def batches(rank, steps):
+    g = torch.Generator(device=DEV).manual_seed(100 + rank)
+    return [torch.randn(64, 1024, device=DEV, generator=g) for _ in range(steps)]
+
+
+def layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(DEV)
+
+
+def fsdp2_train(group, steps):
+    """fully_shard per layer and at the root, on CUDA; the parameters (whole) and the mean step time."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cuda")
+    model = layers()
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = batches(RANK, steps)
+    torch.cuda.synchronize(DEV)
+    dist.barrier(group=CPU)
+    t0 = time.perf_counter()
+    for x in xs:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize(DEV)
+    took = (time.perf_counter() - t0) / steps
+    return torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]), took
+
+
+@check("FSDP2 steps on CUDA: the same parameters as one process on every rank's batch, and the step time")
+def _():
+    steps = 10
+    ours, ours_s = fsdp2_train(RUST, steps)
+    model = layers()  # the reference: every rank's batch at once (the mean of equal means)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x in map(torch.cat, zip(*[batches(r, steps) for r in range(WORLD)])):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    want = torch.cat([p.detach().flatten() for p in model.parameters()])
+    try:
+        _, gloo_s = fsdp2_train(GLOO, steps)
+        gloo = f"gloo {gloo_s * 1e3:.2f} ms, ratio {gloo_s / ours_s:.2f}"
+    except Exception as e:  # noqa: BLE001 - Gloo's CUDA path may lack an op FSDP2 needs
+        gloo = f"gloo failed: {type(e).__name__}: {str(e)[:120]}"
+    if RANK == 0:
+        print(f"STEP FSDP2 ({'stream' if STREAM_WAIT else 'host'} wait): rustc10d {ours_s * 1e3:.2f} ms, {gloo}",
+              flush=True)
+    if not torch.allclose(ours, want, rtol=1e-4, atol=1e-5):
+        raise AssertionError(f"max difference {(ours - want).abs().max().item()}")
 
 
 dist.destroy_process_group()
