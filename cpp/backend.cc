@@ -148,7 +148,6 @@ class RustWork final : public compat::Work {
   }
 
   void synchronize() override {
-    if (cuda_ && cuda_->gated) cuda_->done.synchronize();
     host_wait(kNoTimeout);
     if (cuda_) cuda_->done.synchronize();
   }
