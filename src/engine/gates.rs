@@ -123,6 +123,15 @@ impl<D: HeldCopies> GatedOp<D> {
     }
 }
 
+impl<D> GatedOp<D> {
+    /// Release the op's ticket, if it took one and has not released it.
+    fn release(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.gates.release(t);
+        }
+    }
+}
+
 impl<D: HeldCopies> Device for GatedOp<D> {
     fn to_host(&mut self, index: usize, start: usize, len: usize) -> Result<Event> {
         self.device.to_host(index, start, len)
@@ -147,9 +156,7 @@ impl<D: HeldCopies> Gates for GatedOp<D> {
     }
 
     fn open(&mut self) {
-        if let Some(t) = self.ticket.take() {
-            self.gates.release(t);
-        }
+        self.release();
     }
 
     fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
@@ -165,9 +172,7 @@ impl<D: HeldCopies> Gates for GatedOp<D> {
 impl<D> Drop for GatedOp<D> {
     /// An op dropped before it settled still lets its copies through.
     fn drop(&mut self) {
-        if let Some(t) = self.ticket.take() {
-            self.gates.release(t);
-        }
+        self.release();
     }
 }
 
