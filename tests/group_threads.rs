@@ -157,6 +157,31 @@ fn injected_faults_fail_stall_and_drop() {
     }
 }
 
+/// The rank that drops its connections names why. Over shared memory it
+/// writes the reason into the arena before any peer can see a connection
+/// close and write only "closed its connection" there, so every rank does.
+#[test]
+fn the_ranks_learn_why_a_rank_dropped_its_connections() {
+    for (mode, round) in BOTH.into_iter().flat_map(|mode| (0..10).map(move |round| (mode, round))) {
+        let faults = Arc::new(Faults::parse("rank=0,op=allreduce,seq=1,action=drop").unwrap());
+        let engines = group_with(3, Duration::from_secs(10), Config { transport: mode, faults, ..Config::default() });
+        let out = on_all(&engines, |_, e| {
+            let mut v = vec![1.0f32; 100];
+            wait_ok(all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum));
+            all_reduce(e, raw(&mut v), DType::F32, ReduceOp::Sum).wait(None)
+        });
+        for (rank, second) in out.into_iter().enumerate() {
+            match second {
+                Waited::Failed(Error { message: msg, .. }) => assert!(
+                    (rank > 0 && mode == TransportMode::Tcp) || msg.contains("connections dropped by RUSTC10D_FAULT"),
+                    "{mode:?}, round {round}, rank {rank}: {msg}"
+                ),
+                other => panic!("{mode:?}, round {round}, rank {rank}: expected failure, got {other:?}"),
+            }
+        }
+    }
+}
+
 #[test]
 fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
     let store = Arc::new(MemStore::default());

@@ -294,6 +294,15 @@ impl Core {
         };
         // Links that ended or are closed now: their queued sends fail, with the peer's loss if it is lost.
         let mut closed: Vec<Arc<Link>> = ended.and_then(take).into_iter().collect();
+        // Ranks waiting in the arena learn of a loss at once, not at their
+        // deadline, and from this rank before any connection closes: else a
+        // peer that sees the close first writes only "rank N closed its
+        // connection" there, and the reason is lost for every rank.
+        if let Some(Action::Lost(err)) = actions.iter().find(|a| matches!(a, Action::Lost(_))) {
+            if !self.stopping.load(Ordering::SeqCst) {
+                self.abort_arena(&format!("rank {}: {}", self.rank(), err.message));
+            }
+        }
         let mut lost = None;
         for action in actions {
             match action {
@@ -320,10 +329,6 @@ impl Core {
                         } else {
                             tracing::debug!("rustc10d: rank {}: {}", self.rank(), err.message);
                         }
-                    }
-                    // Ranks waiting in the arena learn of it at once, not at their deadline.
-                    if !self.stopping.load(Ordering::SeqCst) {
-                        self.abort_arena(&format!("rank {}: {}", self.rank(), err.message));
                     }
                     lost = Some(err);
                 }
