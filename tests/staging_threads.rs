@@ -478,3 +478,75 @@ fn gated_copies_back_go_in_issue_order() {
     assert!(streams.drained());
     assert_eq!((d1, d2), (vec![1u8; 64], vec![9u8; 64]));
 }
+
+/// One of several ops issued at once from different threads, telling the
+/// shared log when it takes its ticket and when the engine runs it.
+struct Tagged {
+    device: FakeDevice,
+    id: usize,
+    log: Arc<Mutex<Vec<(&'static str, usize)>>>,
+}
+
+impl Device for Tagged {
+    fn to_host(&mut self, index: usize, start: usize, len: usize) -> rustc10d::error::Result<Event> {
+        self.device.to_host(index, start, len)
+    }
+    fn wait(&mut self, event: Event) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(("run", self.id));
+        self.device.wait(event)
+    }
+    fn to_device(&mut self, index: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
+        self.device.to_device(index, start, len)
+    }
+}
+
+impl HeldCopies for Tagged {
+    fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
+        self.log.lock().unwrap().push(("ticket", self.id));
+        self.device.to_device_held(index, start, len)
+    }
+    fn restore(&mut self, index: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
+        self.device.restore(index, start, len)
+    }
+}
+
+/// Ops issued from several threads at once take their tickets in the order
+/// the engine runs them (else, on a CUDA device, an op that fails could
+/// restore behind the copies back of an op run before it, which wait for
+/// its ticket: a deadlock; see `Engine::submit`).
+#[test]
+fn gated_ops_from_many_threads_take_tickets_in_run_order() {
+    let engines = group(1, Duration::from_secs(10));
+    // A stream that runs nothing: the copies back would outlive the buffers.
+    let held = HeldStream::default();
+    let gates = Arc::new(StreamGates::new(Box::new(held.clone())));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    std::thread::scope(|s| {
+        for thread in 0..4 {
+            let (e, held, gates, log) = (&engines[0], held.clone(), gates.clone(), log.clone());
+            s.spawn(move || {
+                for i in 0..50 {
+                    let (mut device, mut host) = (vec![1.0f32; 8], vec![0.0f32; 8]);
+                    let fake = FakeDevice {
+                        device: raw(&mut device),
+                        host: raw(&mut host),
+                        log: Arc::default(),
+                        fail_in_at: None,
+                        held: Some(held.clone()),
+                        failed: None,
+                    };
+                    let tagged = Tagged { device: fake, id: thread * 1000 + i, log: log.clone() };
+                    let buffer = StagedBuffer { host: raw(&mut host), copy_in: true, copy_out: true, contiguous: true };
+                    let staging = Staging::new(vec![buffer], Box::new(GatedOp::new(tagged, gates.clone())), 0);
+                    let part =
+                        Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
+                    wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
+                }
+            });
+        }
+    });
+    let log = log.lock().unwrap();
+    let order = |what| log.iter().filter(|(w, _)| *w == what).map(|(_, id)| *id).collect::<Vec<_>>();
+    assert_eq!(order("ticket").len(), 200);
+    assert_eq!(order("ticket"), order("run"));
+}

@@ -133,12 +133,19 @@ impl Engine {
         let (rank, world) = (self.rank(), self.size());
         let mut staging = staging;
         let checked = parts.iter().try_for_each(|p| p.check(rank, world));
+        // Queued under the lock, so that ops issued from several threads at
+        // once take their gates' tickets in the order the engine runs them.
+        // Else an op run first with a higher ticket completes by ordering the
+        // group's side stream after its copies back, which wait for the lower
+        // ticket; the op holding it, run next, fails and restores on that
+        // side stream: a deadlock.
+        let queue = self.queue.lock().unwrap();
         if let Err(e) = checked.and_then(|()| staging.as_mut().map_or(Ok(()), |s| s.queue(&parts))) {
+            drop(queue);
             // Settled (its copies let through) while `done` still holds the tensors.
             drop(staging);
             return Err(e);
         }
-        let queue = self.queue.lock().unwrap();
         let Some(tx) = queue.as_ref() else {
             return Err(Error::aborted("rustc10d: the process group was shut down"));
         };
