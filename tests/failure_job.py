@@ -35,7 +35,7 @@ def timed_failure(fn) -> dict:
 
 
 def rustc10d_threads() -> int:
-    return sum(n.startswith("rustc10d") for n in own_threads.names())
+    return sum(n.startswith("rustc10d") for n in own_threads.names_after_joins())
 
 
 def sockets() -> int:

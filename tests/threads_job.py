@@ -23,10 +23,6 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def names() -> list[str]:
-    return sorted(own_threads.names())
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--groups", type=int, default=64)
@@ -48,7 +44,8 @@ def main():
     for g in groups:
         dist.destroy_process_group(g)
     dist.destroy_process_group()
-    result = {"before": before, "live": live, "after": threads(), "left": names()}
+    left = sorted(own_threads.names_after_joins())
+    result = {"before": before, "live": live, "after": threads(), "left": left}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)
