@@ -4,7 +4,7 @@
 //! memory (single-copy collectives), and bring up the mesh.
 
 use crate::config::{Config, TransportMode};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::arena::Arena;
 use crate::transport::conn::read_process;
 use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
@@ -164,7 +164,10 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
             .transpose()?;
         Ok((listener, addr, io, shm, arena))
     };
-    let (listener, addr, _io, shm, arena) = local_setup().inspect_err(|why| refuse_in(store, &keys, rank, why))?;
+    let (listener, addr, _io, shm, arena) = local_setup().inspect_err(|why| {
+        refuse_in(store, &keys, rank, why);
+        settle(store, &keys, size, true, deadline);
+    })?;
     let (local, shm_name) = match shm {
         Some((ep, name)) => (Some(ep), Some(name)),
         None => (None, None),
@@ -184,7 +187,11 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
             cfg.check_shared(&theirs.settings, rank, peer)?;
             Ok(theirs)
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>();
+    // Every rank reads a refusal, a differing setting or protocol; not who is missing.
+    let shared = records.as_ref().is_err_and(|e| matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Aborted));
+    settle(store, &keys, size, shared, deadline);
+    let records = records?;
     let addrs = records
         .iter()
         .enumerate()
@@ -281,11 +288,34 @@ fn single_copy_group(
 pub fn refuse(store: &dyn Store, me: &Member, why: &Error) {
     if let Ok(keys) = Keys::join(store, me.size.max(1)) {
         refuse_in(store, &keys, me.rank, why);
+        settle(store, &keys, me.size, true, Instant::now() + me.timeout);
     }
 }
 
 fn refuse_in(store: &dyn Store, keys: &Keys, rank: usize, why: &Error) {
     let _ = store.set(&keys.addr(rank), format!("v{PROTOCOL_VERSION} refused {}", why.message).as_bytes());
+}
+
+/// At most this long, a rank that fails init for a reason every rank
+/// learns from the Store waits for the others to have learnt it.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// This rank is done with the others' addresses: it has read them all, or
+/// it fails. The Store may live in a failing rank's process (env:// puts it
+/// in rank 0's), whose exit would take it down before slower ranks have
+/// read why, leaving them only "the Store failed". So a rank that fails for
+/// a reason the others read too (`failed_with_them`: its refusal, a setting
+/// or protocol that differs) waits, at most `LINGER`, until every rank has
+/// counted itself done. Best effort: a Store that fails ends the wait.
+fn settle(store: &dyn Store, keys: &Keys, size: usize, failed_with_them: bool, deadline: Instant) {
+    let Ok(done) = store.add(&keys.settled(), 1) else { return };
+    if done == size as i64 {
+        let _ = store.set(&keys.all_settled(), b"1");
+    }
+    let wait = deadline.saturating_duration_since(Instant::now()).min(LINGER);
+    if failed_with_them && done < size as i64 && !wait.is_zero() {
+        let _ = store.get(&keys.all_settled(), wait);
+    }
 }
 
 /// The Store keys of one incarnation of the group.
@@ -308,6 +338,12 @@ impl Keys {
     }
     fn vote(&self, rank: usize) -> String {
         format!("rustc10d/{}/single-copy/{rank}", self.0)
+    }
+    fn settled(&self) -> String {
+        format!("rustc10d/{}/settled", self.0)
+    }
+    fn all_settled(&self) -> String {
+        format!("rustc10d/{}/settled/all", self.0)
     }
 }
 

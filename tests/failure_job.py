@@ -168,6 +168,25 @@ def settings_differ(store, rank, world):
     report(first=timed_failure(lambda: init(store, rank, world, options=options)))
 
 
+def settings_differ_store_in_rank_0(store, rank, world):
+    """settings_differ with the Store in rank 0's process, as env:// puts it: rank 0 exits
+    as soon as its init has failed, and rank 2 comes a second late."""
+    if rank == 0:
+        own = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+        store.set("rank 0's store", str(own.port))
+        while store.add("connected to rank 0's store", 0) < world - 1:
+            time.sleep(0.01)
+    else:
+        own = dist.TCPStore("127.0.0.1", int(store.get("rank 0's store")), world, is_master=False,
+                            timeout=timedelta(seconds=30))
+        store.add("connected to rank 0's store", 1)
+    if rank == 2:
+        time.sleep(1)
+    options = rustc10d.Options(segment_bytes=65536) if rank == 1 else None
+    report(first=timed_failure(lambda: init(own, rank, world, options=options)))
+
+
 def bad_setting(store, rank, world):
     """Rank 1 asks for an impossible setting: it fails, and tells the others so at once."""
     options = rustc10d.Options(nsocks=0) if rank == 1 else rustc10d.Options(nsocks=2)
@@ -213,7 +232,7 @@ def options_apply(store, rank, world):
 
 
 SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch,
-                                      destroy_cleans_up, settings_differ, bad_setting, no_threads, error_kinds,
+                                      destroy_cleans_up, settings_differ, settings_differ_store_in_rank_0, bad_setting, no_threads, error_kinds,
                                       options_apply)}
 
 if __name__ == "__main__":

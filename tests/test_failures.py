@@ -144,6 +144,14 @@ def test_ranks_with_different_shared_settings_all_fail_init_naming_it(tmp_path):
         assert "65536 on rank 1" in first["error"] or "65536 on rank" in first["error"], first["error"]
 
 
+def test_a_rank_hosting_the_store_stays_until_every_rank_has_read_why_init_failed(tmp_path):
+    results, procs = run("settings_differ_store_in_rank_0", 3, tmp_path)
+    for rank in range(3):
+        first = results[rank]["first"]
+        assert first["raised"] and first["seconds"] < 10, (rank, first)
+        assert "disagree on segment_bytes (RUSTC10D_SEGMENT_BYTES)" in first["error"], (rank, first["error"])
+
+
 def test_a_bad_setting_fails_its_rank_and_the_others_at_once(tmp_path):
     results, procs = run("bad_setting", 3, tmp_path)
     bad = results[1]["first"]
