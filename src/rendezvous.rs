@@ -188,10 +188,11 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
             Ok(theirs)
         })
         .collect::<Result<Vec<_>>>();
-    // Every rank reads a refusal, a differing setting or protocol; not who is missing.
-    let shared = records.as_ref().is_err_and(|e| matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Aborted));
-    settle(store, &keys, size, shared, deadline);
-    let records = records?;
+    let records = records.inspect_err(|e| {
+        // Every rank reads a refusal, a differing setting or protocol; not who is missing.
+        let shared = matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Aborted);
+        settle(store, &keys, size, shared, deadline);
+    })?;
     let addrs = records
         .iter()
         .enumerate()
@@ -300,13 +301,15 @@ fn refuse_in(store: &dyn Store, keys: &Keys, rank: usize, why: &Error) {
 /// learns from the Store waits for the others to have learnt it.
 const LINGER: Duration = Duration::from_secs(5);
 
-/// This rank is done with the others' addresses: it has read them all, or
-/// it fails. The Store may live in a failing rank's process (env:// puts it
-/// in rank 0's), whose exit would take it down before slower ranks have
-/// read why, leaving them only "the Store failed". So a rank that fails for
-/// a reason the others read too (`failed_with_them`: its refusal, a setting
-/// or protocol that differs) waits, at most `LINGER`, until every rank has
-/// counted itself done. Best effort: a Store that fails ends the wait.
+/// This rank fails init and is done with the Store. It may live in this
+/// rank's process (env:// puts it in rank 0's), whose exit would take it
+/// down before slower ranks have read why, leaving them only "the Store
+/// failed". So a rank that fails for a reason the others read too
+/// (`failed_with_them`: its refusal, a setting or protocol that differs)
+/// waits, at most `LINGER`, until every rank has counted itself done here.
+/// Every rank does fail then (a setting that differs differs for each rank
+/// from some other), so ranks that succeed need not count. Best effort: a
+/// Store that fails ends the wait.
 fn settle(store: &dyn Store, keys: &Keys, size: usize, failed_with_them: bool, deadline: Instant) {
     let Ok(done) = store.add(&keys.settled(), 1) else { return };
     if done == size as i64 {
