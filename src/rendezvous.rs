@@ -158,7 +158,8 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         let io = Reactor::join()?;
         let shm = shm_endpoint(cfg, rank)?;
         // Rank 0 makes the arena before it publishes, so that if it cannot
-        // the others learn why at once; it is dropped if the group spans hosts.
+        // the others learn why at once; if the group spans hosts, it makes
+        // one for its host's ranks instead, as every host's lowest rank does.
         let arena = (rank == 0 && size > 1 && shm.is_some() && cfg.arena_slot_bytes > 0)
             .then(|| Arena::create(size, cfg.arena_slot_bytes, rank))
             .transpose()?;
@@ -203,7 +204,9 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         })
         .collect();
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
-    let layout = Layout { hosts: number_hosts(&records), single_copy, arena: arena_role(cfg, &records, arena) };
+    let hosts = number_hosts(&records);
+    let arena = arena_role(cfg, &records, &hosts, rank, arena)?;
+    let layout = Layout { hosts, single_copy, arena };
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
@@ -230,20 +233,36 @@ fn number_hosts(records: &[Published]) -> Vec<usize> {
         .collect()
 }
 
-/// Whether the group gets a shared arena (every rank on one host, every one
-/// offering shared memory, `arena_slot_bytes` above 0: the same on every
-/// rank), and this rank's part in it: rank 0 made it (`made`) and hands it out.
-fn arena_role(cfg: &Config, records: &[Published], made: Option<Arena>) -> ArenaRole {
-    let host = &records[0].host;
-    let one_host = records.len() > 1
-        && host != "unknown"
-        && records.iter().all(|r| r.shm.is_some() && &r.host == host)
+/// This rank's part in the shared arena of its host's ranks (`hosts`, as
+/// `number_hosts` gives them), where they get one: two or more of them, every
+/// one offering shared memory, `arena_slot_bytes` above 0 (the same on every
+/// rank). In a group on one host that is the group's arena, which rank 0
+/// made before it published (`made`); otherwise each host's lowest rank
+/// makes its host's now. The ranks of hosts that get none talk through
+/// their rings and sockets alone.
+fn arena_role(
+    cfg: &Config,
+    records: &[Published],
+    hosts: &[usize],
+    rank: usize,
+    made: Option<Arena>,
+) -> Result<ArenaRole> {
+    let members: Vec<usize> = (0..records.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
+    let shared = members.len() > 1
+        && records[rank].host != "unknown"
+        && members.iter().all(|&r| records[r].shm.is_some())
         && cfg.arena_slot_bytes > 0;
-    match (one_host, made) {
-        (false, _) => ArenaRole::None,
-        (true, Some(arena)) => ArenaRole::Lead(arena),
-        (true, None) => ArenaRole::Join { leader: 0 },
+    if !shared {
+        return Ok(ArenaRole::None);
     }
+    if members[0] != rank {
+        return Ok(ArenaRole::Join { members });
+    }
+    let arena = match made {
+        Some(arena) if members.len() == records.len() => arena,
+        _ => Arena::create(members.len(), cfg.arena_slot_bytes, 0)?,
+    };
+    Ok(ArenaRole::Lead { arena, members })
 }
 
 /// Whether every rank of the group can read every other's memory directly,

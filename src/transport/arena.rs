@@ -1,7 +1,8 @@
-//! The shared arena of a group whose ranks share a host: one sealed memfd
-//! that every rank maps, made by the group's lowest rank and handed to the
-//! others over their shared-memory connections with it, after the token
-//! handshake, as the rings are. It holds, for each rank, two slots of bytes
+//! The shared arena of ranks that share a host (a whole group's, or one
+//! host's ranks' in a group on several): one sealed memfd that each of them
+//! maps, made by the lowest of them and handed to the others over their
+//! shared-memory connections with it, after the token handshake, as the
+//! rings are. It holds, for each rank, two slots of bytes
 //! and a control line, and for the group a count of arrivals and the reason
 //! it was aborted, if it was.
 //!

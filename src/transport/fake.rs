@@ -7,7 +7,10 @@
 //! fails with the size mismatch, otherwise the message waits until its
 //! receive is posted. Then the send finishes with its length.
 //!
-//! It may have a shared arena (`with_arena`), in memory all its ranks share.
+//! It may have a shared arena (`with_arena`), in memory all its ranks share,
+//! or, with ranks on several hosts, one for each host's ranks
+//! (`on_hosts_with_arenas`). A cut link aborts the arenas of both ends, as
+//! the lost peer does the mesh's.
 //!
 //! A test may `hold` a link: sends over it then wait, unread, until it is
 //! released, as sends behind a busy connection do; they read their memory
@@ -46,6 +49,9 @@ pub struct FakeNet {
     held: Vec<Vec<Mutex<Option<Vec<HeldSend>>>>>,
     /// `waits[r]`: what rank r's ops wait for; a rank that asks reads it.
     waits: Vec<Mutex<Waits>>,
+    /// `arenas[r]`: rank r's view of its shared arena, and the ranks that
+    /// map it, if it has one.
+    arenas: Vec<Option<(Arc<Arena>, Vec<usize>)>>,
 }
 
 /// A send that has not read its memory yet.
@@ -65,14 +71,13 @@ pub struct FakeTransport {
     net: Arc<FakeNet>,
     rank: usize,
     sent: AtomicU64,
-    /// Bytes delivered to ranks on other hosts.
+    /// Bytes delivered to ranks on other hosts, and to the others on this one.
     crossed: AtomicU64,
+    on_host: AtomicU64,
     /// What `Transport::single_copy_bytes` says (the bytes are copied alike).
     single_copy: Option<usize>,
     /// What `Transport::host_of` says of each rank (the links are alike).
     hosts: Arc<Vec<usize>>,
-    /// This rank's view of the group's shared arena, if it has one.
-    arena: Option<Arc<Arena>>,
 }
 
 impl FakeNet {
@@ -92,8 +97,7 @@ impl FakeNet {
     /// process's memory), so that the arena's algorithms run. A cut link
     /// aborts the arena, as a lost peer does the mesh's.
     pub fn with_arena(world: usize, slot_bytes: usize, single_copy: Option<usize>) -> Vec<Arc<FakeTransport>> {
-        let arenas = Arena::in_memory(world, slot_bytes).expect("shared memory for the arena");
-        FakeNet::build(vec![0; world], single_copy, Some(arenas))
+        FakeNet::build(vec![0; world], single_copy, Some(slot_bytes))
     }
 
     /// The endpoints of a new network whose rank r says it runs on host
@@ -103,8 +107,25 @@ impl FakeNet {
         FakeNet::build(hosts, None, None)
     }
 
-    fn build(hosts: Vec<usize>, single_copy: Option<usize>, arenas: Option<Vec<Arena>>) -> Vec<Arc<FakeTransport>> {
+    /// The same, with an arena of slots of `slot_bytes` for the ranks of
+    /// each host that holds two or more.
+    pub fn on_hosts_with_arenas(hosts: Vec<usize>, slot_bytes: usize) -> Vec<Arc<FakeTransport>> {
+        FakeNet::build(hosts, None, Some(slot_bytes))
+    }
+
+    fn build(hosts: Vec<usize>, single_copy: Option<usize>, slot_bytes: Option<usize>) -> Vec<Arc<FakeTransport>> {
         let world = hosts.len();
+        let mut arenas: Vec<Option<(Arc<Arena>, Vec<usize>)>> = (0..world).map(|_| None).collect();
+        for host in 0..slot_bytes.map_or(0, |_| world) {
+            let members: Vec<usize> = (0..world).filter(|&r| hosts[r] == host).collect();
+            if members.len() < 2 {
+                continue;
+            }
+            let views = Arena::in_memory(members.len(), slot_bytes.unwrap()).expect("shared memory for the arena");
+            for (&r, view) in members.iter().zip(views) {
+                arenas[r] = Some((Arc::new(view), members.clone()));
+            }
+        }
         let hosts = Arc::new(hosts);
         let net = Arc::new(FakeNet {
             inbox: (0..world).map(|_| (0..world).map(|src| Mutex::new(Mailbox::new(src))).collect()).collect(),
@@ -112,14 +133,13 @@ impl FakeNet {
             cut: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
             held: (0..world).map(|_| (0..world).map(|_| Mutex::new(None)).collect()).collect(),
             waits: (0..world).map(|_| Mutex::default()).collect(),
+            arenas,
         });
-        let mut arenas = arenas.map(Vec::into_iter);
         (0..world)
             .map(|rank| {
                 let (net, hosts) = (net.clone(), hosts.clone());
-                let (sent, crossed) = (AtomicU64::new(0), AtomicU64::new(0));
-                let arena = arenas.as_mut().and_then(Iterator::next).map(Arc::new);
-                Arc::new(FakeTransport { net, rank, sent, crossed, single_copy, hosts, arena })
+                let (sent, crossed, on_host) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+                Arc::new(FakeTransport { net, rank, sent, crossed, on_host, single_copy, hosts })
             })
             .collect()
     }
@@ -135,6 +155,11 @@ impl FakeTransport {
     /// what would have crossed its host's link.
     pub fn crossed(&self) -> u64 {
         self.crossed.load(Ordering::SeqCst)
+    }
+
+    /// Bytes this endpoint has delivered to the other ranks of its host so far.
+    pub fn on_host(&self) -> u64 {
+        self.on_host.load(Ordering::SeqCst)
     }
 
     /// From now on, sends from this rank to `peer` wait unread until `release`.
@@ -191,8 +216,11 @@ impl FakeTransport {
         let net = &self.net;
         let mine = net.cut[self.rank][peer].lock().unwrap().get_or_insert(mine).clone();
         let theirs = net.cut[peer][self.rank].lock().unwrap().get_or_insert(theirs).clone();
-        if let Some(arena) = &self.arena {
+        if let Some((arena, _)) = &net.arenas[self.rank] {
             arena.abort(&format!("rank {}: {}", self.rank, mine.message));
+        }
+        if let Some((arena, _)) = &net.arenas[peer] {
+            arena.abort(&format!("rank {peer}: {}", theirs.message));
         }
         net.inbox[self.rank][peer].lock().unwrap().close(mine.clone());
         net.inbox[peer][self.rank].lock().unwrap().close(theirs.clone());
@@ -260,6 +288,8 @@ impl Transport for FakeTransport {
         self.sent.fetch_add(1, Ordering::SeqCst);
         if self.hosts[peer] != self.hosts[self.rank] {
             self.crossed.fetch_add(len as u64, Ordering::SeqCst);
+        } else {
+            self.on_host.fetch_add(len as u64, Ordering::SeqCst);
         }
         status.finish(Ok(len as i64));
         Ok(())
@@ -336,8 +366,9 @@ impl Transport for FakeTransport {
         self.single_copy
     }
 
-    fn arena(&self) -> Option<Arc<Arena>> {
-        self.arena.clone()
+    fn shared_arena(&self) -> Option<(Arc<Arena>, &[usize])> {
+        let (arena, members) = self.net.arenas[self.rank].as_ref()?;
+        Some((arena.clone(), members))
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

@@ -49,14 +49,19 @@ pub struct Layout {
     pub arena: ArenaRole,
 }
 
-/// This rank's part in the group's shared arena (arena.rs).
+/// This rank's part in a shared arena (arena.rs): the group's, or its host's.
 pub enum ArenaRole {
     None,
-    /// It made the arena, and hands it to every rank that connects.
-    Lead(Arena),
-    /// It gets the arena from `leader`, which it connects to at init.
+    /// It made the arena of `members` (ranks in the arena's order, itself
+    /// first), and hands it to each of them that connects.
+    Lead {
+        arena: Arena,
+        members: Vec<usize>,
+    },
+    /// It gets the arena of `members` from the first of them, which it
+    /// connects to at init.
     Join {
-        leader: usize,
+        members: Vec<usize>,
     },
 }
 
@@ -100,10 +105,10 @@ impl Mesh {
         deadline: Instant,
     ) -> Result<Mesh> {
         let (reactor, membership) = Reactor::join()?;
-        let (arena, arena_leader) = match layout.arena {
-            ArenaRole::None => (None, None),
-            ArenaRole::Lead(arena) => (Some(arena), Some(me.rank as usize)),
-            ArenaRole::Join { leader } => (None, Some(leader)),
+        let (arena, arena_members) = match layout.arena {
+            ArenaRole::None => (None, Vec::new()),
+            ArenaRole::Lead { arena, members } => (Some(arena), members),
+            ArenaRole::Join { members } => (None, members),
         };
         let tcp_addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
         let peers = (0..addrs.len())
@@ -135,7 +140,7 @@ impl Mesh {
             spin: cfg.spin,
             waits: Mutex::default(),
             arena: Mutex::new(arena.map(Arc::new)),
-            arena_leader,
+            arena_members,
         });
         let mesh = Mesh { core: core.clone() };
         let mut listeners = vec![Listener::Tcp(listener)];
@@ -157,11 +162,11 @@ impl Mesh {
             core.wait_linked(p, deadline)?;
         }
         // The arena comes with the first shared-memory connection to its leader.
-        if let Some(leader) = arena_leader.filter(|&l| l != core.rank()) {
+        if let Some(leader) = core.arena_leader().filter(|&l| l != core.rank()) {
             core.lane(leader, 0, false, deadline)?;
             if core.arena.lock().unwrap().is_none() {
                 return Err(Error::io(format!(
-                    "rustc10d: rank {} did not receive the group's shared arena from {}",
+                    "rustc10d: rank {} did not receive its shared arena from {}",
                     core.rank(),
                     core.describe(leader)
                 )));
@@ -300,8 +305,9 @@ impl Transport for Mesh {
         self.core.single_copy_group.then_some(self.core.direct_from)
     }
 
-    fn arena(&self) -> Option<Arc<Arena>> {
-        self.core.arena.lock().unwrap().clone()
+    fn shared_arena(&self) -> Option<(Arc<Arena>, &[usize])> {
+        let arena = self.core.arena.lock().unwrap().clone()?;
+        Some((arena, &self.core.arena_members))
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

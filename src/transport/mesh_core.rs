@@ -60,11 +60,12 @@ pub struct Core {
     pub spin: Duration,
     /// What this rank's ops wait for, to answer a peer that asks.
     pub(super) waits: Mutex<Waits>,
-    /// The group's shared arena, once this rank has it (arena.rs), until
-    /// the group shuts down (ops still in it keep it mapped until they end).
+    /// This rank's shared arena, once it has it (arena.rs), until the group
+    /// shuts down (ops still in it keep it mapped until they end).
     pub(super) arena: Mutex<Option<Arc<Arena>>>,
-    /// The rank that makes the arena and hands it out (None: no arena).
-    pub(super) arena_leader: Option<usize>,
+    /// The ranks that map it, in its order (empty: no arena); the first
+    /// makes it and hands it out.
+    pub(super) arena_members: Vec<usize>,
 }
 
 pub struct PeerSlot {
@@ -230,15 +231,20 @@ impl Core {
         }
     }
 
+    /// The rank that makes this rank's arena and hands it out, if it has one.
+    pub(super) fn arena_leader(&self) -> Option<usize> {
+        self.arena_members.first().copied()
+    }
+
     /// The arena, on the rank that hands it out (`Arena::fd`).
     pub(super) fn arena_to_hand_out(&self) -> Option<Arc<Arena>> {
-        self.arena.lock().unwrap().clone().filter(|_| self.arena_leader == Some(self.rank()))
+        self.arena.lock().unwrap().clone().filter(|_| self.arena_leader() == Some(self.rank()))
     }
 
     /// Map the arena `peer` sent with its shared-memory connection; only
     /// the rank that makes it hands it out (anything else is dropped).
     pub(super) fn take_arena(&self, peer: usize, fd: OwnedFd) -> Result<()> {
-        if self.arena_leader != Some(peer) {
+        if self.arena_leader() != Some(peer) {
             tracing::warn!(
                 "rustc10d: rank {}: {} sent an arena it does not hand out",
                 self.rank(),
@@ -248,7 +254,9 @@ impl Core {
         }
         let mut mine = self.arena.lock().unwrap();
         if mine.is_none() && !self.stopping.load(Ordering::SeqCst) {
-            *mine = Some(Arc::new(Arena::open(&fd, self.rank(), self.peers.len())?));
+            let members = &self.arena_members;
+            let at = members.iter().position(|&r| r == self.rank()).expect("a rank that joins an arena maps it");
+            *mine = Some(Arc::new(Arena::open(&fd, at, members.len())?));
         }
         Ok(())
     }

@@ -121,10 +121,18 @@ pub trait Transport: Send + Sync {
         None
     }
 
-    /// The group's shared arena, where every rank of the group runs on this
-    /// host and maps it (arena.rs); the same on every rank.
-    fn arena(&self) -> Option<Arc<arena::Arena>> {
+    /// The shared arena this rank maps (arena.rs) and the ranks that map it,
+    /// in the arena's order: every rank of a group on one host, or the ranks
+    /// of this rank's host in a group on several. The same on each of them.
+    fn shared_arena(&self) -> Option<(Arc<arena::Arena>, &[usize])> {
         None
+    }
+
+    /// The arena of exactly this group's ranks, rank i in slot i: the
+    /// algorithms that run there need every rank of the group in it.
+    fn arena(&self) -> Option<Arc<arena::Arena>> {
+        let (arena, members) = self.shared_arena()?;
+        (members.len() == self.size()).then_some(arena)
     }
 
     /// How bytes reach `peer` now: "shm", "tcp", or None before the first connection.

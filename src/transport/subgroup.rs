@@ -2,8 +2,10 @@
 //! written for a whole group runs on them unchanged: rank i of the view is
 //! rank `members[i]` of the group. Hierarchical collectives run their phases
 //! on such views (the ranks of one host, or one rank of every host), and a
-//! view of every rank in another order makes a ring follow the hosts.
+//! view of every rank in another order makes a ring follow the hosts. A view
+//! of one host's ranks has that host's shared arena, where there is one.
 
+use super::arena::Arena;
 use super::{Fold, Key, Ready, Transport, Wait};
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
@@ -113,6 +115,13 @@ impl Transport for Subgroup<'_> {
 
     fn single_copy_bytes(&self) -> Option<usize> {
         self.group.single_copy_bytes().filter(|_| self.members.len() == self.group.size())
+    }
+
+    /// The arena of a view whose ranks are exactly those that map one, in
+    /// its order: one host's ranks of a group on several hosts.
+    fn arena(&self) -> Option<Arc<Arena>> {
+        let (arena, members) = self.group.shared_arena()?;
+        (members == self.members.as_slice()).then_some(arena)
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
