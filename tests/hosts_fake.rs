@@ -4,7 +4,9 @@
 //! messages the two-step all-reduce and the trees, give the right values and
 //! send across hosts only the bytes their doc comments promise, counted at
 //! each rank (`FakeTransport::crossed`), for hosts of equal and unequal
-//! sizes, ranks numbered host by host or alternating.
+//! sizes, ranks numbered host by host or alternating, each layout with and
+//! without an arena for each host's ranks. With the arenas, the phases on
+//! the host move nothing through the links between a host's ranks.
 //! (algorithms_fake.rs checks values on such networks too, at every size.)
 
 mod fake;
@@ -43,10 +45,30 @@ fn shape(hosts: &[usize]) -> (usize, Vec<usize>, bool) {
     (count, per, uniform)
 }
 
-/// Run `f` on every rank of a network laid out as `hosts`; returns what each
-/// returned and the bytes each host sent across its link meanwhile.
-fn on_layout<T: Send>(hosts: &[usize], small: usize, f: impl Fn(&mut Rank) -> T + Sync) -> (Vec<T>, Vec<u64>) {
-    let net = FakeNet::on_hosts(hosts.to_vec());
+/// Every layout, without and with an arena for each host's ranks (slots of
+/// 4 KiB: the tests' ops go in several rounds).
+fn layouts() -> Vec<(String, &'static [usize], bool)> {
+    let named = |arenas: bool| {
+        LAYOUTS.map(|(name, hosts)| (if arenas { format!("{name}, arenas") } else { name.into() }, hosts, arenas))
+    };
+    named(false).into_iter().chain(named(true)).collect()
+}
+
+const SLOT: usize = 4096;
+
+/// Run `f` on every rank of a network laid out as `hosts` (with `arenas` on
+/// the hosts); returns what each returned and the bytes each host sent
+/// across its link meanwhile.
+fn on_layout<T: Send>(
+    hosts: &[usize],
+    arenas: bool,
+    small: usize,
+    f: impl Fn(&mut Rank) -> T + Sync,
+) -> (Vec<T>, Vec<u64>) {
+    let net = match arenas {
+        true => FakeNet::on_hosts_with_arenas(hosts.to_vec(), SLOT),
+        false => FakeNet::on_hosts(hosts.to_vec()),
+    };
     let out = on_net(&net, small, f);
     let mut crossed = vec![0u64; shape(hosts).0];
     for (t, &h) in net.iter().zip(hosts) {
@@ -57,12 +79,12 @@ fn on_layout<T: Send>(hosts: &[usize], small: usize, f: impl Fn(&mut Rank) -> T 
 
 #[test]
 fn all_reduce_crosses_each_link_2_h_minus_1_over_h_times_the_buffer() {
-    for (name, hosts) in LAYOUTS {
+    for (name, hosts, arenas) in layouts() {
         let w = hosts.len();
         let (count, _, uniform) = shape(hosts);
         let n = BLOCK * w;
         for red in [REDS[0], REDS[2]] {
-            let (out, crossed) = on_layout(hosts, RING, |rk| {
+            let (out, crossed) = on_layout(hosts, arenas, RING, |rk| {
                 let mut b = Buf::of(red.dtype, &values(rk.rank(), n, 3));
                 ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
                 b
@@ -91,11 +113,11 @@ fn all_reduce_crosses_each_link_2_h_minus_1_over_h_times_the_buffer() {
 #[test]
 fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() {
     let red = REDS[2]; // AVG: divided once, by W
-    for (name, hosts) in LAYOUTS {
+    for (name, hosts, arenas) in layouts() {
         let w = hosts.len();
         let (count, per, uniform) = shape(hosts);
         let contribution = |r: usize, c: usize, i: usize| value(r, i + 1000 * c, 5);
-        let (out, crossed) = on_layout(hosts, RING, |rk| {
+        let (out, crossed) = on_layout(hosts, arenas, RING, |rk| {
             let r = rk.rank();
             let mut inputs: Vec<Buf> = (0..w)
                 .map(|c| Buf::of(red.dtype, &(0..BLOCK).map(|i| contribution(r, c, i)).collect::<Vec<_>>()))
@@ -120,7 +142,7 @@ fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() 
             assert_eq!(payload, want, "{name}: reduce_scatter: host {h} sent {payload} bytes across, not {want}");
         }
 
-        let (out, crossed) = on_layout(hosts, RING, |rk| {
+        let (out, crossed) = on_layout(hosts, arenas, RING, |rk| {
             let r = rk.rank();
             let mut input = Buf::bytes_of(&pattern(r, 1, BLOCK * ES as usize));
             let mut outputs: Vec<Buf> = (0..w).map(|_| Buf::filled(BLOCK * ES as usize, 0xEE)).collect();
@@ -144,14 +166,14 @@ fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() 
 #[test]
 fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
     let red = REDS[0];
-    for (name, hosts) in LAYOUTS {
+    for (name, hosts, arenas) in layouts() {
         let w = hosts.len();
         let count = shape(hosts).0;
         let len = BLOCK * ES as usize;
         for root in 0..w {
             // The chain, and for small messages the tree: H-1 links carry the buffer once.
             for (path, small) in PATHS {
-                let (out, crossed) = on_layout(hosts, small, |rk| {
+                let (out, crossed) = on_layout(hosts, arenas, small, |rk| {
                     let mut b =
                         if rk.rank() == root { Buf::bytes_of(&pattern(root, 2, len)) } else { Buf::filled(len, 0) };
                     let before = rk.t.sent();
@@ -171,7 +193,7 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
 
             // The chain, and for small messages the tree: H-1 links carry a partial sum once.
             for (path, small) in PATHS {
-                let (out, crossed) = on_layout(hosts, small, |rk| {
+                let (out, crossed) = on_layout(hosts, arenas, small, |rk| {
                     let mut b = Buf::of(red.dtype, &values(rk.rank(), BLOCK, 1));
                     let before = rk.t.sent();
                     ok(rk.run(Collective::Reduce { buf: b.raw(), root, red: red.reduction() }), "reduce");
@@ -196,7 +218,7 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
 #[test]
 fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
     const N: usize = 64; // elements: the direct exchange's sizes
-    for (name, hosts) in LAYOUTS {
+    for (name, hosts, arenas) in layouts() {
         let w = hosts.len();
         let (count, per, uniform) = shape(hosts);
         // Bytes host h sends across for a small all-reduce of `bytes`: on hosts of as many
@@ -215,7 +237,7 @@ fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
             mine * (count as u64 - 1) * (bytes + 32) + neighbours * 32
         };
         for red in [REDS[0], REDS[2]] {
-            let (out, crossed) = on_layout(hosts, DIRECT, |rk| {
+            let (out, crossed) = on_layout(hosts, arenas, DIRECT, |rk| {
                 let mut b = Buf::of(red.dtype, &values(rk.rank(), N, 4));
                 ok(rk.run(Collective::AllReduce { buf: b.raw(), red: red.reduction() }), "all_reduce");
                 b
@@ -230,7 +252,7 @@ fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
                 assert_eq!(got, want, "{name}, {red:?}: host {h} sent {got} bytes across, not {want}");
             }
         }
-        let (_, crossed) = on_layout(hosts, DIRECT, |rk| ok(rk.run(Collective::Barrier), "barrier"));
+        let (_, crossed) = on_layout(hosts, arenas, DIRECT, |rk| ok(rk.run(Collective::Barrier), "barrier"));
         for (h, &got) in crossed.iter().enumerate() {
             assert_eq!(got, across(h, 1), "{name}: barrier: host {h} sent {got} bytes across");
         }
@@ -243,11 +265,11 @@ fn small_all_reduce_and_barrier_send_one_message_to_each_other_host_per_rank() {
 #[test]
 fn small_all_reduce_mismatch_on_any_rank_fails_every_rank_and_touches_no_buffer() {
     const SMALL: usize = 96; // bytes: 8 and 9 i64 take the direct path, 16 the ring
-    for (name, hosts) in LAYOUTS {
+    for (name, hosts, arenas) in layouts() {
         for odd in 0..hosts.len() {
             for case in ["byte count", "larger than small", "op"] {
                 let t0 = Instant::now();
-                let (out, _) = on_layout(hosts, SMALL, |rk| mismatched_call(rk, odd, case));
+                let (out, _) = on_layout(hosts, arenas, SMALL, |rk| mismatched_call(rk, odd, case));
                 assert_mismatch_everywhere(out, t0, &format!("{name}: rank {odd} differs in {case}"));
             }
         }
@@ -261,9 +283,9 @@ fn small_all_reduce_mismatch_on_any_rank_fails_every_rank_and_touches_no_buffer(
 #[test]
 fn a_lost_host_is_named_by_every_rank_that_times_out() {
     let hosts = [0, 0, 1, 1, 2, 2];
-    for (what, n) in [("small", 2), ("large", 4096)] {
+    for (what, n, arenas) in [("small", 2, false), ("large", 4096, false), ("small", 2, true), ("large", 4096, true)] {
         for small in [RING, DIRECT] {
-            let (out, _) = on_layout(&hosts, small, |rk| {
+            let (out, _) = on_layout(&hosts, arenas, small, |rk| {
                 rk.timeout = Duration::from_millis(500);
                 if hosts[rk.rank()] == 2 {
                     std::thread::sleep(Duration::from_millis(1500));
@@ -273,7 +295,7 @@ fn a_lost_host_is_named_by_every_rank_that_times_out() {
                 Some(rk.run(Collective::AllReduce { buf: b.raw(), red: Reduction::new(DType::F32, ReduceOp::Sum) }))
             });
             for (rank, r) in out.into_iter().enumerate().filter(|(r, _)| hosts[*r] != 2) {
-                let at = format!("{what} all_reduce, small_allreduce_bytes {small}, rank {rank}");
+                let at = format!("{what} all_reduce, small_allreduce_bytes {small}, arenas {arenas}, rank {rank}");
                 let e = r.unwrap().expect_err(&at);
                 assert!(
                     e.message.contains("rank 4 (fake)") || e.message.contains("rank 5 (fake)"),
@@ -282,5 +304,89 @@ fn a_lost_host_is_named_by_every_rank_that_times_out() {
                 );
             }
         }
+    }
+}
+
+/// On hosts whose ranks share an arena, ops small enough to go in one piece
+/// (here, under 2 KiB: the tests' segments are 64 bytes) run their phases on
+/// the host there: each rank sends its host's ranks at most a fingerprint
+/// (to its right neighbour, for the call check) per op, where the rings on
+/// the host would send them a block at every step. The values are right and
+/// what crosses between hosts is as without the arenas.
+#[test]
+fn ops_in_one_piece_move_nothing_between_a_hosts_ranks_through_the_links() {
+    for (name, hosts) in LAYOUTS.into_iter().filter(|(_, h)| shape(h).2) {
+        let w = hosts.len();
+        let red = REDS[2]; // AVG: divided once, by W
+        let mut crossed_by = Vec::new();
+        for arenas in [false, true] {
+            let at = |op: &str| format!("{name}, arenas {arenas}: {op}");
+            let net = match arenas {
+                true => FakeNet::on_hosts_with_arenas(hosts.to_vec(), SLOT),
+                false => FakeNet::on_hosts(hosts.to_vec()),
+            };
+            let mut crossed: Vec<u64> = vec![0; w];
+            for (op, small) in [
+                ("all_reduce", RING),
+                ("small all_reduce", DIRECT),
+                ("reduce_scatter", RING),
+                ("all_gather", RING),
+                ("barrier", DIRECT),
+            ] {
+                let before: Vec<(u64, u64)> = net.iter().map(|t| (t.on_host(), t.crossed())).collect();
+                let n = 24 * w; // elements: 192 W bytes of f64, one piece
+                let out = on_net(&net, small, |rk| {
+                    let r = rk.rank();
+                    let mut b = Buf::of(red.dtype, &values(r, n, 6));
+                    let mut blocks: Vec<Buf> = (0..w).map(|c| Buf::of(red.dtype, &values(r, 24, c))).collect();
+                    let mut gathered: Vec<Buf> = (0..w).map(|_| Buf::filled(96, 0xEE)).collect();
+                    let mut input = Buf::bytes_of(&pattern(r, 3, 96));
+                    let mut output = Buf::of(red.dtype, &[-7.0; 24]);
+                    let part = match op {
+                        "all_reduce" | "small all_reduce" => {
+                            Collective::AllReduce { buf: b.raw(), red: red.reduction() }
+                        }
+                        "reduce_scatter" => Collective::ReduceScatter {
+                            inputs: raws(&mut blocks),
+                            output: output.raw(),
+                            red: red.reduction(),
+                        },
+                        "all_gather" => Collective::AllGather { input: input.raw(), outputs: raws(&mut gathered) },
+                        _ => Collective::Barrier,
+                    };
+                    ok(rk.run(part), at(op));
+                    (b, output, gathered)
+                });
+                for (r, (b, output, gathered)) in out.iter().enumerate() {
+                    match op {
+                        "all_reduce" | "small all_reduce" => {
+                            let want: Vec<f64> = (0..n).map(|i| red.combine((0..w).map(|q| value(q, i, 6)))).collect();
+                            assert_eq!(*b, Buf::of(red.dtype, &want), "{}, rank {r}", at(op));
+                        }
+                        "reduce_scatter" => {
+                            let want: Vec<f64> = (0..24).map(|i| red.combine((0..w).map(|q| value(q, i, r)))).collect();
+                            assert_eq!(*output, Buf::of(red.dtype, &want), "{}, rank {r}", at(op));
+                        }
+                        "all_gather" => {
+                            for (p, g) in gathered.iter().enumerate() {
+                                assert_eq!(g.bytes(), pattern(p, 3, 96), "{}, rank {r}, block {p}", at(op));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                for (r, t) in net.iter().enumerate() {
+                    let (on_host, across) = (t.on_host() - before[r].0, t.crossed() - before[r].1);
+                    crossed[r] += across;
+                    if arenas {
+                        assert!(on_host <= 32, "{}: rank {r} sent {on_host} bytes to its host's ranks", at(op));
+                    } else if op != "barrier" {
+                        assert!(on_host > 32, "{}: rank {r} sent only {on_host} bytes on its host", at(op));
+                    }
+                }
+            }
+            crossed_by.push(crossed);
+        }
+        assert_eq!(crossed_by[0], crossed_by[1], "{name}: the arenas changed what crosses between hosts");
     }
 }

@@ -5,9 +5,11 @@
 //! all-gather, reduce-scatter and all-reduce of blocks that large go in one
 //! or two steps instead of around the ring. Groups on several hosts take the
 //! hierarchical all-reduce, reduce-scatter and all-gather, and rings in host
-//! order for broadcast and reduce, so that fewer bytes cross between hosts.
-//! Groups on one host with a shared arena run their collectives there
-//! (`in_arena`), but for those that take the single-copy algorithms.
+//! order for broadcast and reduce, so that fewer bytes cross between hosts;
+//! where each host's ranks share an arena, the phases on the host of those
+//! that go in one piece run there (`Hosts::arena`). Groups on one host with
+//! a shared arena run their collectives there (`in_arena`), but for those
+//! that take the single-copy algorithms.
 
 use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
@@ -123,14 +125,16 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
     }
     let hosts = Hosts::apart(ctx.transport);
     let apart = hosts.as_ref();
+    // What the rounds in a host's arena compare (`Hosts::arena`).
+    let fp = &check.copied().unwrap_or_else(|| Fingerprint::of(part));
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
             let direct = direct(ctx, buf.len, ctx.transport.size());
             match (check.filter(|_| !direct && single_copy(ctx, part)), apart.filter(|_| !direct)) {
                 (Some(check), _) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
-                (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts),
-                _ => all_reduce(ctx, *buf, red.dtype, op, check, apart),
+                (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts, fp),
+                _ => all_reduce(ctx, *buf, red.dtype, op, (check, fp), apart),
             }
         }
         Collective::Reduce { buf, root, red } => {
@@ -155,7 +159,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         },
         Collective::AllGather { input, outputs } => match (check.filter(|_| single_copy(ctx, part)), apart) {
             (Some(check), _) => single_copy_allgather(ctx, *input, outputs, check),
-            (None, Some(hosts)) => hierarchical_allgather(ctx, *input, outputs, hosts),
+            (None, Some(hosts)) => hierarchical_allgather(ctx, *input, outputs, hosts, fp),
             _ => ring_allgather(ctx, *input, outputs),
         },
         Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
@@ -165,7 +169,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
             match (check.filter(|_| single_copy(ctx, part)), apart) {
                 (Some(check), _) => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check),
-                (None, Some(hosts)) => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts),
+                (None, Some(hosts)) => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts, fp),
                 _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
             }
         }
@@ -174,7 +178,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::Barrier => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, check, apart)
+            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, (check, fp), apart)
         }
         Collective::MonitoredBarrier { wait_all, timeout } => {
             monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
@@ -231,18 +235,18 @@ fn chained(
 
 /// Small messages: one direct exchange (on several hosts of as many ranks
 /// each, one on each host, then one across); large ones: the
-/// bandwidth-optimal ring.
+/// bandwidth-optimal ring. `check`: the call, if checked here; `fp`: the call.
 fn all_reduce(
     ctx: &OpCtx,
     buf: RawBuf,
     dtype: DType,
     op: ReduceOp,
-    check: Option<&Fingerprint>,
+    (check, fp): (Option<&Fingerprint>, &Fingerprint),
     apart: Option<&Hosts>,
 ) -> Result<()> {
     if direct(ctx, buf.len, ctx.transport.size()) {
         match apart.filter(|hosts| hosts.per_host().is_some()) {
-            Some(hosts) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check),
+            Some(hosts) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check, fp),
             None => direct_allreduce(ctx, buf, dtype, op, check),
         }
     } else {

@@ -11,36 +11,56 @@
 //!
 //! A large buffer goes in pieces through the three phases (`pipelined`):
 //! while one piece crosses the link, the next is reduced on the host and the
-//! one before gathered.
+//! one before gathered. A buffer that goes in one piece, on hosts whose
+//! ranks share an arena (`Hosts::arena`), has its two phases on the host
+//! there, a stage each instead of L - 1 steps.
 //!
 //! Bytes copied (`Cost`), per rank, for n bytes, chunks of c = n/L and their
 //! pieces of c/H: the reduce-scatter 3(L-1)c, the all-reduce 5(H-1)c/H and
 //! the all-gather 2(L-1)c (see the ring algorithms; 0 sent through rings
-//! where single copy applies).
+//! where single copy applies). In the arena, the reduce-scatter 2n and the
+//! all-gather c + n (see the arena's algorithms).
 
+use super::arena_allgather::arena_allgather;
+use super::arena_allreduce::Reducing;
+use super::arena_reduce_scatter::arena_reduce_scatter;
+use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::pipeline::{piece, piece_count, pipelined};
 use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
+use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
+use std::sync::Arc;
 
-pub fn hierarchical_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, hosts: &Hosts) -> Result<()> {
+/// `fp`: the call, for the arena's rounds to compare.
+pub fn hierarchical_allreduce(
+    ctx: &OpCtx,
+    buf: RawBuf,
+    dtype: DType,
+    op: ReduceOp,
+    hosts: &Hosts,
+    fp: &Fingerprint,
+) -> Result<()> {
     let Some(local) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
         return ring_allreduce(&ctx.phase(&ring, ctx.phase), buf, dtype, op);
     };
     let (host, i) = hosts.locate(ctx.transport.rank());
+    let count = piece_count(ctx, buf.len, 3);
+    let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     let plan = Plan {
-        on_host: Subgroup::new(ctx.transport, hosts.members[host].clone()),
+        arena: Hosts::arena(&on_host).filter(|_| count == 1),
+        on_host,
         across: Subgroup::new(ctx.transport, hosts.counterparts(i)),
         i,
         local,
         dtype,
         op,
+        fp,
     };
-    let count = piece_count(ctx, buf.len, 3);
     let pieces: Vec<RawBuf> = (0..count).map(|k| piece(buf, dtype.size(), count, k)).collect();
     if count == 1 {
         return (0..3).try_for_each(|stage| plan.stage(ctx, stage, 0, pieces[0]));
@@ -51,12 +71,15 @@ pub fn hierarchical_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: Reduce
 /// The three phases of one rank's share of the work.
 struct Plan<'a> {
     on_host: Subgroup<'a>,
+    /// The arena of the host's ranks, for an op in one piece.
+    arena: Option<Arc<Arena>>,
     across: Subgroup<'a>,
     /// This rank's place on its host: the chunk it reduces across hosts.
     i: usize,
     local: usize,
     dtype: DType,
     op: ReduceOp,
+    fp: &'a Fingerprint,
 }
 
 impl Plan<'_> {
@@ -69,16 +92,22 @@ impl Plan<'_> {
         // An average divides once, by W, after the sums across hosts.
         let sum = if self.op == ReduceOp::Avg { ReduceOp::Sum } else { self.op };
         let phase = 1 + 3 * k as u64 + stage as u64;
-        match stage {
-            0 => ring_reduce_scatter(&ctx.phase(&self.on_host, phase), &chunks, mine, self.dtype, sum),
-            1 => {
+        let on_host = &ctx.phase(&self.on_host, phase);
+        match (stage, &self.arena) {
+            (0, Some(arena)) => {
+                let how = Reducing { dtype: self.dtype, op: sum, premul: None, root: None };
+                arena_reduce_scatter(on_host, arena, &chunks, mine, &how, self.fp)
+            }
+            (0, None) => ring_reduce_scatter(on_host, &chunks, mine, self.dtype, sum),
+            (1, _) => {
                 ring_allreduce(&ctx.phase(&self.across, phase), mine, self.dtype, sum)?;
                 if self.op == ReduceOp::Avg {
                     divide_by(self.dtype, unsafe { mine.slice_mut(0, mine.len) }, ctx.transport.size());
                 }
                 Ok(())
             }
-            _ => ring_allgather(&ctx.phase(&self.on_host, phase), mine, &chunks),
+            (_, Some(arena)) => arena_allgather(on_host, arena, mine, &chunks, self.fp),
+            (_, None) => ring_allgather(on_host, mine, &chunks),
         }
     }
 }

@@ -6,19 +6,28 @@
 //! own. Each host's link carries (H-1)/H of a rank's input each way, where
 //! one ring over all W ranks carries (W-1)/W. Groups whose hosts hold
 //! different numbers of ranks, or one each, take one ring in host order.
+//! Inputs that would go in one piece (`piece_count`), on hosts whose ranks
+//! share an arena (`Hosts::arena`), are reduced on the host there, a stage
+//! for each host's blocks instead of L - 1 steps.
 //!
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: H times a
-//! reduce-scatter of L blocks, (1 + 3(L-1))b each, then one of H blocks,
-//! (1 + 3(H-1))b (see the ring algorithm; less what single copy saves).
+//! reduce-scatter of L blocks, (1 + 3(L-1))b each (in the arena 2Lb), then
+//! one of H blocks, (1 + 3(H-1))b (see the ring and arena algorithms; less
+//! what single copy saves).
 
+use super::arena_allreduce::Reducing;
+use super::arena_reduce_scatter::arena_reduce_scatter;
+use super::call_check::Fingerprint;
 use super::hosts::Hosts;
+use super::pipeline::piece_count;
 use super::{ring_reduce_scatter, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
 use crate::transport::subgroup::Subgroup;
 
-/// `inputs[r]` is this rank's contribution to rank r's block; `output` gets this rank's.
+/// `inputs[r]` is this rank's contribution to rank r's block; `output` gets
+/// this rank's; `fp`: the call, for the arena's rounds to compare.
 pub fn hierarchical_reduce_scatter(
     ctx: &OpCtx,
     inputs: &[RawBuf],
@@ -26,6 +35,7 @@ pub fn hierarchical_reduce_scatter(
     dtype: DType,
     op: ReduceOp,
     hosts: &Hosts,
+    fp: &Fingerprint,
 ) -> Result<()> {
     let Some(_) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
@@ -41,9 +51,18 @@ pub fn hierarchical_reduce_scatter(
     let base = scratch.raw().ptr;
     let partials: Vec<RawBuf> = (0..count).map(|g| RawBuf::new(unsafe { base.add(g * b) }, b)).collect();
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
+    let one_piece = piece_count(ctx, inputs.iter().map(|b| b.len).sum(), 1) == 1;
+    let arena = Hosts::arena(&on_host).filter(|_| one_piece);
     for (g, members) in hosts.members.iter().enumerate() {
         let blocks: Vec<RawBuf> = members.iter().map(|&r| inputs[r]).collect();
-        ring_reduce_scatter(&ctx.phase(&on_host, 1 + g as u64), &blocks, partials[g], dtype, sum)?;
+        let on_host = &ctx.phase(&on_host, 1 + g as u64);
+        match &arena {
+            Some(arena) => {
+                let how = Reducing { dtype, op: sum, premul: None, root: None };
+                arena_reduce_scatter(on_host, arena, &blocks, partials[g], &how, fp)?
+            }
+            None => ring_reduce_scatter(on_host, &blocks, partials[g], dtype, sum)?,
+        }
     }
     let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
     ring_reduce_scatter(&ctx.phase(&across, 1 + count as u64), &partials, output, dtype, sum)?;

@@ -3,8 +3,10 @@
 //! memory, so what counts across hosts is how many bytes cross them.
 
 use super::{RawBuf, MAX_PHASES};
+use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
 use crate::transport::Transport;
+use std::sync::Arc;
 
 /// The hosts of a group and the ranks on each.
 pub struct Hosts {
@@ -73,6 +75,17 @@ impl Hosts {
     /// `per_rank` (one buffer per group rank) in host order, as the ring view's ranks hold them.
     pub fn in_ring_order(&self, per_rank: &[RawBuf]) -> Vec<RawBuf> {
         self.members.iter().flatten().map(|&r| per_rank[r]).collect()
+    }
+
+    /// The shared arena of one host's ranks (`on_host`, the view of them),
+    /// where they map one with room in a slot for a part of each of their
+    /// blocks (as the arena's reduce-scatter needs): the hierarchical
+    /// algorithms run their phases on the host there, in one stage instead
+    /// of L - 1 steps around a ring, for ops that go in one piece. (Pieces
+    /// of a larger op overlap their phases on threads of their own, and the
+    /// arena takes one round at a time.)
+    pub fn arena(on_host: &Subgroup) -> Option<Arc<Arena>> {
+        on_host.arena().filter(|a| a.slot_bytes() / on_host.size() >= 16)
     }
 
     /// The group seen in host order (`ring`): view rank k is group rank `ring()[k]`.

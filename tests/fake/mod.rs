@@ -100,6 +100,9 @@ pub enum Net {
     /// this large or more may go as its address (the arena's algorithms, but
     /// for buffers that take the single-copy ones).
     Arena(usize, Option<usize>),
+    /// As `Hosts`, with an arena of slots this large for each host's ranks
+    /// (the hierarchical algorithms' phases on the host go there).
+    HostArenas(usize, fn(usize, usize) -> usize),
 }
 
 impl Net {
@@ -109,6 +112,9 @@ impl Net {
             Net::SingleCopy(from) => FakeNet::with_single_copy(world, Some(from)),
             Net::Hosts(host) => FakeNet::on_hosts((0..world).map(|r| host(r, world)).collect()),
             Net::Arena(slot, single_copy) => FakeNet::with_arena(world, slot, single_copy),
+            Net::HostArenas(slot, host) => {
+                FakeNet::on_hosts_with_arenas((0..world).map(|r| host(r, world)).collect(), slot)
+            }
         }
     }
 
@@ -122,17 +128,17 @@ impl Net {
 
     /// Whether the ranks run on several hosts (for more than one rank).
     pub fn hosts(self) -> bool {
-        matches!(self, Net::Hosts(_))
+        matches!(self, Net::Hosts(_) | Net::HostArenas(..))
     }
 
-    /// Whether the group has a shared arena.
+    /// Whether the group has a shared arena of all its ranks.
     pub fn arena(self) -> bool {
         matches!(self, Net::Arena(..))
     }
 }
 
 /// The networks every data-moving algorithm is checked on.
-pub const NETS: [(&str, Net); 6] = [
+pub const NETS: [(&str, Net); 8] = [
     ("ring", Net::Plain),
     ("single copy from 64 bytes", Net::SingleCopy(64)),
     // Small slots: the tests' buffers take many rounds.
@@ -140,6 +146,8 @@ pub const NETS: [(&str, Net); 6] = [
     ("arena, single copy from 256 bytes", Net::Arena(4096, Some(256))),
     ("hosts of two ranks", Net::Hosts(|r, _| r / 2)),
     ("two hosts, ranks alternating", Net::Hosts(|r, _| r % 2)),
+    ("hosts of two ranks, an arena of 256-byte slots each", Net::HostArenas(256, |r, _| r / 2)),
+    ("two hosts, ranks alternating, an arena each", Net::HostArenas(4096, |r, _| r % 2)),
 ];
 
 /// `on_ranks` on one of `NETS`.
