@@ -99,9 +99,10 @@ ROOTS = sorted({next(r for r, h in enumerate(hosts_of) if h != hosts_of[0]), WOR
 ODD = (1, 7, 100_003)  # element counts divisible by no world size and no ranks per host here
 checks = 0
 
-# all_reduce, SUM and AVG, float32 and bfloat16: 1 and 300_003 elements, and 4 MiB
+# all_reduce, SUM and AVG, float32 and bfloat16: 1, 30_001 and 300_003 elements, and 4 MiB
+# (up to 30_001, one piece: on hosts of two or more ranks, the phases on a host run in its arena)
 for dtype in (torch.float32, torch.bfloat16):
-    for n in (1, 300_003, 4 * MIB // dtype.itemsize):
+    for n in (1, 30_001, 300_003, 4 * MIB // dtype.itemsize):
         total = sum(pattern(n, torch.float32, r + 1) for r in range(WORLD))
         for op, want in ((dist.ReduceOp.SUM, total), (dist.ReduceOp.AVG, total / WORLD)):
             t = pattern(n, dtype, RANK + 1)

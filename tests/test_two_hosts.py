@@ -22,7 +22,7 @@ TWO_HOSTS_JOB = str(harness.REPO / "tests" / "two_hosts_job.py")
 HOSTS_JOB = str(harness.REPO / "tests" / "hosts_job.py")
 PORT = 29400  # free: every test bed is a fresh set of namespaces
 LINK_GBIT = 2  # the cap on each link of the capped jobs, each way
-CHECKS = 51  # what hosts_job.py counts when every check ran
+CHECKS = 55  # what hosts_job.py counts when every check ran
 
 
 @pytest.fixture
@@ -124,6 +124,21 @@ def test_partition_fails_every_rank_within_the_timeout(make_hosts, tmp_path, nho
         lost = (f"rank {2 * cut} ", f"rank {2 * cut + 1} ")
         for rank, (_, why) in raised.items():
             assert rank // 2 == cut or any(n in why for n in lost), (rank, why)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_fails_every_rank_of_both_hosts_at_once(make_hosts, tmp_path):
+    """2 hosts x 2 ranks, ranks alternating (plain processes), small all_reduces in a loop: on
+    each host the two ranks meet in their host's arena. Rank 1, which made host 1's arena, is
+    SIGKILLed: every other rank raises within seconds (the group's timeout is 30 s), naming it,
+    whether it waited in its host's arena or for data from another host."""
+    hosts = make_hosts(2)
+    procs = harness.run_processes(plain_ranks(hosts, 4, TWO_HOSTS_JOB, "kill"), timeout=90, log_dir=tmp_path)
+    out = "".join(p.stdout for p in procs)
+    raised = {int(r): (float(s), why) for r, s, why in re.findall(r"rank (\d+) raised after ([\d.]+) s: (.*)", out)}
+    assert sorted(raised) == [0, 2, 3], out
+    for rank, (took, why) in raised.items():
+        assert took < 5 and "rank 1 " in why, (rank, took, why)
 
 
 @pytest.mark.timeout(180)
