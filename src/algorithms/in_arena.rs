@@ -12,6 +12,7 @@ use super::{OpCtx, RawBuf};
 use crate::error::{Error, Result};
 use crate::transport::arena::{Arena, Round, Stuck, TAG_BYTES};
 use crate::transport::waits::in_turn;
+use crate::transport::{Wait, WaitOn};
 use std::time::Instant;
 
 /// One round of an op in the arena.
@@ -67,9 +68,20 @@ impl InArena<'_> {
     }
 
     /// Arrive, wait for every rank; after the first stage, check every tag.
+    /// While it waits, a peer that asks what this rank waits for hears of a
+    /// rank that had not arrived when it began (`Transport::ask`).
     pub fn stage(&mut self) -> Result<()> {
         let ctx = self.ctx;
-        self.round.stage(self.deadline, ctx.spin, ctx.cost).map_err(|stuck| failed(ctx, stuck))?;
+        let t = ctx.transport;
+        let noted = self
+            .round
+            .late()
+            .map(|peer| t.begin_wait(Wait { what: ctx.what.clone(), peer, on: WaitOn::Arena, since: Instant::now() }));
+        let passed = self.round.stage(self.deadline, ctx.spin, ctx.cost).map_err(|stuck| failed(ctx, stuck));
+        if let Some(id) = noted {
+            t.end_wait(id, passed.as_ref().err().map(|e| e.message.clone()));
+        }
+        passed?;
         if !self.checked {
             self.checked = true;
             for peer in ctx.peers() {

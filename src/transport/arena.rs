@@ -266,6 +266,15 @@ impl Round<'_> {
         unsafe { (*self.arena.line_ptr(rank)).tags[self.parity] }
     }
 
+    /// A rank, other than this one, that has not yet arrived at the stage
+    /// this one arrives at next (the lowest), if any: whom it would wait for.
+    pub fn late(&self) -> Option<usize> {
+        let (a, next) = (self.arena, self.local.stages.wrapping_add(1));
+        (0..a.world)
+            .filter(|&r| r != a.rank)
+            .find(|&r| (a.arrived(r).load(Ordering::Acquire).wrapping_sub(next) as i32) < 0)
+    }
+
     /// Arrive, then wait until every rank has arrived at this stage: poll
     /// for `spin`, then sleep (each sleep charged to `cost`), until `deadline`.
     pub fn stage(&mut self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {

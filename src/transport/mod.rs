@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::status::{Cost, Polling, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-pub use waits::Wait;
+pub use waits::{Wait, WaitOn};
 
 /// Makes a send's bytes ready to read (see `Transport::send`).
 pub type Ready = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -306,8 +306,8 @@ impl<'t> Transfers<'t> {
     pub fn wait(&self, id: TransferId) -> Result<()> {
         let p = &self.pending[id.0];
         let noted = (!p.status.is_done()).then(|| {
-            let wait =
-                Wait { what: self.what.clone(), peer: p.peer, recv: p.recv_key.is_some(), since: Instant::now() };
+            let on = if p.recv_key.is_some() { WaitOn::Data } else { WaitOn::Send };
+            let wait = Wait { what: self.what.clone(), peer: p.peer, on, since: Instant::now() };
             self.transport.begin_wait(wait)
         });
         let waited = p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer)));

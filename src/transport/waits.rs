@@ -22,13 +22,23 @@ pub fn grace_at(depth: u64) -> Duration {
 }
 
 /// One blocking wait of an op: `what` ("allreduce #4 on rank 1") was
-/// waiting for data from (or a send to) `peer`, a rank of the whole group.
+/// waiting for data from (or a send to, or an arrival in the shared arena
+/// of) `peer`, a rank of the whole group.
 #[derive(Debug, Clone)]
 pub struct Wait {
     pub what: String,
     pub peer: usize,
-    pub recv: bool,
+    pub on: WaitOn,
     pub since: Instant,
+}
+
+/// What a wait waits for from its peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitOn {
+    Data,
+    Send,
+    /// Its arrival at a stage of the shared arena (arena.rs).
+    Arena,
 }
 
 #[derive(Default)]
@@ -68,9 +78,13 @@ impl Waits {
             .now
             .iter()
             .map(|(_, w)| {
-                let from = if w.recv { "data from" } else { "a send to" };
                 let secs = w.since.elapsed().as_secs_f64();
-                format!("{} was waiting for {from} {} for {secs:.1} s", w.what, describe(w.peer))
+                let peer = describe(w.peer);
+                match w.on {
+                    WaitOn::Data => format!("{} was waiting for data from {peer} for {secs:.1} s", w.what),
+                    WaitOn::Send => format!("{} was waiting for a send to {peer} for {secs:.1} s", w.what),
+                    WaitOn::Arena => format!("{} was waiting in the shared arena for {peer} for {secs:.1} s", w.what),
+                }
             })
             .collect();
         match (now.is_empty(), &self.gave_up) {
@@ -119,9 +133,9 @@ mod tests {
     fn answers_what_waits_now_else_what_it_said_when_it_gave_up() {
         let mut w = Waits::default();
         assert_eq!(w.answer(|p| format!("rank {p}")), "");
-        let wait = |peer| Wait { what: "allreduce #4 on rank 1".into(), peer, recv: true, since: Instant::now() };
+        let wait = |peer| Wait { what: "allreduce #4 on rank 1".into(), peer, on: WaitOn::Data, since: Instant::now() };
         let a = w.begin(wait(5));
-        let b = w.begin(Wait { recv: false, ..wait(2) });
+        let b = w.begin(Wait { on: WaitOn::Send, ..wait(2) });
         assert_eq!(w.waiting_for(), Some(5));
         let told = w.answer(|p| format!("rank {p}"));
         assert!(told.starts_with("allreduce #4 on rank 1 was waiting for data from rank 5 for 0.0 s; "), "{told}");
