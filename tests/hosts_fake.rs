@@ -185,9 +185,11 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                 let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
                 assert_eq!(payload, (count as u64 - 1) * len as u64, "{at}: crossed {payload}");
                 if small == DIRECT {
-                    // A fingerprint, and the message to the root's host mates and the other hosts' first ranks.
+                    // A fingerprint, and the message to the root's host mates (but
+                    // through an arena) and the other hosts' first ranks.
                     let (root_host, per) = (hosts[root], shape(hosts).1);
-                    assert_eq!(out[root].1, 1 + per[root_host] as u64 - 1 + count as u64 - 1, "{at}: not the tree");
+                    let mates = if arenas { 0 } else { per[root_host] as u64 - 1 };
+                    assert_eq!(out[root].1, 1 + mates + count as u64 - 1, "{at}: not the tree");
                 }
             }
 
@@ -205,9 +207,15 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                 let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
                 assert_eq!(payload, (count as u64 - 1) * BLOCK as u64 * 8, "{at}: crossed {payload}");
                 if small == DIRECT {
-                    // A fingerprint, and (but the root) one message up the tree.
+                    // A fingerprint, and (but the root) one message up the tree; in a
+                    // host's arena, only the rank that sums the host's part sends one.
+                    let per = shape(hosts).1;
+                    let head =
+                        |h: usize| if hosts[root] == h { root } else { (0..w).find(|&r| hosts[r] == h).unwrap() };
                     for (rank, (_, sent)) in out.iter().enumerate() {
-                        assert_eq!(*sent, 1 + (rank != root) as u64, "{at}: rank {rank} sent {sent}: not the tree");
+                        let h = hosts[rank];
+                        let up = rank != root && (!arenas || per[h] == 1 || rank == head(h));
+                        assert_eq!(*sent, 1 + up as u64, "{at}: rank {rank} sent {sent}: not the tree");
                     }
                 }
             }
@@ -309,7 +317,8 @@ fn a_lost_host_is_named_by_every_rank_that_times_out() {
 
 /// On hosts whose ranks share an arena, ops small enough to go in one piece
 /// (here, under 2 KiB: the tests' segments are 64 bytes) run their phases on
-/// the host there: each rank sends its host's ranks at most a fingerprint
+/// the host there, and so do the small broadcast's and reduce's trees their
+/// hop on the host: each rank sends its host's ranks at most a fingerprint
 /// (to its right neighbour, for the call check) per op, where the rings on
 /// the host would send them a block at every step. The values are right and
 /// what crosses between hosts is as without the arenas.
@@ -332,7 +341,10 @@ fn ops_in_one_piece_move_nothing_between_a_hosts_ranks_through_the_links() {
                 ("reduce_scatter", RING),
                 ("all_gather", RING),
                 ("barrier", DIRECT),
+                ("small broadcast", DIRECT),
+                ("small reduce", DIRECT),
             ] {
+                let root = w - 1; // on another host than rank 0
                 let before: Vec<(u64, u64)> = net.iter().map(|t| (t.on_host(), t.crossed())).collect();
                 let n = 24 * w; // elements: 192 W bytes of f64, one piece
                 let out = on_net(&net, small, |rk| {
@@ -352,6 +364,8 @@ fn ops_in_one_piece_move_nothing_between_a_hosts_ranks_through_the_links() {
                             red: red.reduction(),
                         },
                         "all_gather" => Collective::AllGather { input: input.raw(), outputs: raws(&mut gathered) },
+                        "small broadcast" => Collective::Broadcast { buf: b.raw(), root },
+                        "small reduce" => Collective::Reduce { buf: b.raw(), root, red: red.reduction() },
                         _ => Collective::Barrier,
                     };
                     ok(rk.run(part), at(op));
@@ -361,6 +375,16 @@ fn ops_in_one_piece_move_nothing_between_a_hosts_ranks_through_the_links() {
                     match op {
                         "all_reduce" | "small all_reduce" => {
                             let want: Vec<f64> = (0..n).map(|i| red.combine((0..w).map(|q| value(q, i, 6)))).collect();
+                            assert_eq!(*b, Buf::of(red.dtype, &want), "{}, rank {r}", at(op));
+                        }
+                        "small broadcast" => {
+                            assert_eq!(*b, Buf::of(red.dtype, &values(root, n, 6)), "{}, rank {r}", at(op))
+                        }
+                        "small reduce" => {
+                            let want: Vec<f64> = match r == root {
+                                true => (0..n).map(|i| red.combine((0..w).map(|q| value(q, i, 6)))).collect(),
+                                false => values(r, n, 6),
+                            };
                             assert_eq!(*b, Buf::of(red.dtype, &want), "{}, rank {r}", at(op));
                         }
                         "reduce_scatter" => {
@@ -380,7 +404,8 @@ fn ops_in_one_piece_move_nothing_between_a_hosts_ranks_through_the_links() {
                     crossed[r] += across;
                     if arenas {
                         assert!(on_host <= 32, "{}: rank {r} sent {on_host} bytes to its host's ranks", at(op));
-                    } else if op != "barrier" {
+                    } else if !matches!(op, "barrier" | "small broadcast" | "small reduce") {
+                        // (In the trees only some ranks send on their host.)
                         assert!(on_host > 32, "{}: rank {r} sent only {on_host} bytes on its host", at(op));
                     }
                 }
@@ -389,4 +414,27 @@ fn ops_in_one_piece_move_nothing_between_a_hosts_ranks_through_the_links() {
         }
         assert_eq!(crossed_by[0], crossed_by[1], "{name}: the arenas changed what crosses between hosts");
     }
+}
+
+/// A rank that waits in its host's arena says so when asked: on 2 hosts of
+/// 2 ranks with arenas, a small all_reduce (the exchange on the host in the
+/// arena, the fingerprints checked after it), rank 0 never comes; rank 1
+/// waits for it in host 0's arena, longer than rank 3 waits for rank 1's sum
+/// across (rank 3 alone has a short timeout). Rank 3 times out naming rank 1
+/// and, in turn, what rank 1 waited for: rank 0, in the arena.
+#[test]
+fn a_rank_waiting_in_its_hosts_arena_tells_a_peer_that_asks() {
+    let (out, _) = on_layout(&[0, 0, 1, 1], true, DIRECT, |rk| {
+        rk.timeout = Duration::from_millis(if rk.rank() == 3 { 500 } else { 3000 });
+        if rk.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(1000));
+            return None;
+        }
+        let mut b = Buf::of(DType::F32, &values(rk.rank(), 8, 0));
+        Some(rk.run(Collective::AllReduce { buf: b.raw(), red: Reduction::new(DType::F32, ReduceOp::Sum) }))
+    });
+    let e = out[3].clone().unwrap().expect_err("rank 3 times out");
+    assert!(e.message.contains("was waiting for data from rank 1 (fake)"), "{}", e.message);
+    let in_turn = "in turn, allreduce #0 on rank 1 was waiting in the shared arena for rank 0 (fake)";
+    assert!(e.message.contains(in_turn), "{}", e.message);
 }

@@ -7,7 +7,8 @@
 //! hierarchical all-reduce, reduce-scatter and all-gather, and rings in host
 //! order for broadcast and reduce, so that fewer bytes cross between hosts;
 //! where each host's ranks share an arena, the phases on the host of those
-//! that go in one piece run there (`Hosts::arena`). Groups on one host with
+//! that go in one piece, and the trees' hops on the host, run there
+//! (`Hosts::arena`). Groups on one host with
 //! a shared arena run their collectives there (`in_arena`), but for those
 //! that take the single-copy algorithms.
 
@@ -147,14 +148,14 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
                 (premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red)[0], red.op)
             };
             if small_tree(ctx, buf.len, apart) {
-                tree_reduce(ctx, input, *root, red.dtype, op, apart)
+                tree_reduce(ctx, input, *root, red.dtype, op, apart, fp)
             } else {
                 chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input, root, red.dtype, op))
             }
         }
         Collective::Broadcast { buf, root } => match check.filter(|_| single_copy(ctx, part)) {
             Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
-            _ if small_tree(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart),
+            _ if small_tree(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart, fp),
             _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
         },
         Collective::AllGather { input, outputs } => match (check.filter(|_| single_copy(ctx, part)), apart) {

@@ -51,6 +51,17 @@ impl Hosts {
             .expect("every rank is on a host")
     }
 
+    /// The rank of host `host` that hears first from `root` in a tree, or
+    /// that a tree towards `root` sums the host's part at: the root on its
+    /// own host, the lowest rank elsewhere.
+    pub fn head(&self, host: usize, root: usize) -> usize {
+        if self.locate(root).0 == host {
+            root
+        } else {
+            self.members[host][0]
+        }
+    }
+
     /// The `i`-th rank of every host, host by host (with `per_host`).
     pub fn counterparts(&self, i: usize) -> Vec<usize> {
         self.members.iter().map(|m| m[i]).collect()
