@@ -30,11 +30,23 @@ const LAYOUTS: [(&str, &[usize]); 8] = [
 const BLOCK: usize = 720;
 const ES: u64 = 4; // f32
 
-/// What the call check (32 bytes to the next rank, before the ring
-/// algorithms) sends across hosts, per host.
+/// What the call check (a fingerprint of 32 bytes from every rank to every
+/// rank at W >= 4, before the ring algorithms and the trees; a host's ranks
+/// that share an arena compare there) sends across hosts, per host.
 fn check_bytes(hosts: &[usize], host: usize) -> u64 {
-    let w = hosts.len();
-    (0..w).filter(|&r| hosts[r] == host && hosts[(r + 1) % w] != host).count() as u64 * 32
+    let mine = hosts.iter().filter(|&&h| h == host).count() as u64;
+    mine * (hosts.len() as u64 - mine) * 32
+}
+
+/// How many fingerprints the call check sends from `rank`: to every other
+/// rank, but those of its host where they share an arena.
+fn check_messages(hosts: &[usize], arenas: bool, rank: usize) -> u64 {
+    let mates = hosts.iter().filter(|&&h| h == hosts[rank]).count() as u64;
+    if arenas && mates > 1 {
+        hosts.len() as u64 - mates
+    } else {
+        hosts.len() as u64 - 1
+    }
 }
 
 /// Hosts, and ranks on each, of a layout; `uniform`: every host holds as many, at least two.
@@ -185,11 +197,12 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                 let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
                 assert_eq!(payload, (count as u64 - 1) * len as u64, "{at}: crossed {payload}");
                 if small == DIRECT {
-                    // A fingerprint, and the message to the root's host mates (but
+                    // The fingerprints, and the message to the root's host mates (but
                     // through an arena) and the other hosts' first ranks.
                     let (root_host, per) = (hosts[root], shape(hosts).1);
                     let mates = if arenas { 0 } else { per[root_host] as u64 - 1 };
-                    assert_eq!(out[root].1, 1 + mates + count as u64 - 1, "{at}: not the tree");
+                    let want = check_messages(hosts, arenas, root) + mates + count as u64 - 1;
+                    assert_eq!(out[root].1, want, "{at}: not the tree");
                 }
             }
 
@@ -207,7 +220,7 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                 let payload: u64 = crossed.iter().enumerate().map(|(h, &got)| got - check_bytes(hosts, h)).sum();
                 assert_eq!(payload, (count as u64 - 1) * BLOCK as u64 * 8, "{at}: crossed {payload}");
                 if small == DIRECT {
-                    // A fingerprint, and (but the root) one message up the tree; in a
+                    // The fingerprints, and (but the root) one message up the tree; in a
                     // host's arena, only the rank that sums the host's part sends one.
                     let per = shape(hosts).1;
                     let head =
@@ -215,7 +228,8 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                     for (rank, (_, sent)) in out.iter().enumerate() {
                         let h = hosts[rank];
                         let up = rank != root && (!arenas || per[h] == 1 || rank == head(h));
-                        assert_eq!(*sent, 1 + up as u64, "{at}: rank {rank} sent {sent}: not the tree");
+                        let want = check_messages(hosts, arenas, rank) + up as u64;
+                        assert_eq!(*sent, want, "{at}: rank {rank} sent {sent}: not the tree");
                     }
                 }
             }
@@ -280,6 +294,31 @@ fn small_all_reduce_mismatch_on_any_rank_fails_every_rank_and_touches_no_buffer(
                 let (out, _) = on_layout(hosts, arenas, SMALL, |rk| mismatched_call(rk, odd, case));
                 assert_mismatch_everywhere(out, t0, &format!("{name}: rank {odd} differs in {case}"));
             }
+        }
+    }
+}
+
+/// A late rank, the last, calls an all-reduce of another byte count: every
+/// rank fails naming the mismatch and no buffer changes, also on the ranks
+/// whose neighbours called as they did, for an op in one piece (its phases
+/// on the host in the arena, where there is one) and one in pieces (rings).
+#[test]
+fn a_late_mismatch_fails_every_rank_and_touches_no_buffer() {
+    for (name, hosts, arenas) in layouts() {
+        let odd = hosts.len() - 1;
+        for n in [8, 1 << 10] {
+            let t0 = Instant::now();
+            let (out, _) = on_layout(hosts, arenas, RING, |rk| {
+                let r = rk.rank();
+                if r == odd {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                let mut b = Buf::of(DType::I64, &values(r, n + usize::from(r == odd), 0));
+                let kept = b.clone();
+                let red = Reduction::new(DType::I64, ReduceOp::Sum);
+                (rk.run(Collective::AllReduce { buf: b.raw(), red }), b == kept)
+            });
+            assert_mismatch_everywhere(out, t0, &format!("{name}: {n} elements, rank {odd} late and different"));
         }
     }
 }

@@ -1,17 +1,24 @@
 //! Mismatched calls are caught before any data is used: every collective
-//! first sends its right neighbour a fingerprint of how it was called (op,
-//! dtype, reduce op, root, size) and compares the one from its left
-//! neighbour. Around the ring, all ranks that pass agree with their left
-//! neighbour; a rank that fails breaks the group, so nobody completes a
-//! collective from a mismatched call set. The smallest all-reduces check all
-//! peers' fingerprints alongside their data exchange instead (`Agreement`);
-//! on several hosts, those of their host's ranks, their counterparts on the
-//! other hosts and their left neighbour. In a group with a shared arena
-//! every rank compares every other's there instead (`in_arena`).
+//! first sends a fingerprint of how it was called (op, dtype, reduce op,
+//! root, size) and compares those it receives. A rank that starts has seen
+//! every rank's call match its own, so a mismatch anywhere fails every rank
+//! before any buffer changes: up to 3 ranks, a rank's left neighbour's is
+//! enough (every rank that passes has a neighbour that fails, and it hears
+//! from nobody else); from 4, every rank's (around a ring, ranks 1 and 2
+//! could agree with their neighbours and fold each other's data before the
+//! abort from rank 3's mismatch reached them). The ranks of a host that
+//! share an arena compare there, in one round, and by message only with
+//! the other hosts' ranks. The smallest all-reduces check all peers'
+//! fingerprints alongside their data exchange instead (`Agreement`); on
+//! several hosts, those of their host's ranks, their counterparts on the
+//! other hosts and their left neighbour, their sums made in scratch. In a
+//! group with a shared arena every rank compares every other's there
+//! instead (`in_arena`).
 
 use super::{in_arena, OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ops::{Collective, OpKind, Reduction};
+use crate::transport::subgroup::Subgroup;
 use crate::transport::{Key, TransferId, Transfers};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,15 +108,30 @@ impl Fingerprint {
     }
 }
 
-/// Exchange fingerprints with the ring neighbours; fail if the left one
-/// differs. In a group with a shared arena, compare with every rank there.
+/// Check the call against every rank's before the op starts (see the top
+/// of this file): in the group's shared arena, where it has one; else with
+/// the left neighbour, up to 3 ranks; else with every rank, those of this
+/// rank's host arena there and the rest by message. Fail if one differs.
 pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
     if let Some(arena) = ctx.transport.arena() {
         return in_arena::agree(ctx, &arena, mine);
     }
-    let mut agreement = Agreement::new(mine, false);
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    let shared = ctx.transport.shared_arena().map(|(arena, mates)| (arena, mates.to_vec()));
+    let mut agreement = match &shared {
+        _ if world <= 3 => Agreement::new(mine, false),
+        Some((_, mates)) => {
+            let others: Vec<usize> = (0..world).filter(|p| *p != rank && !mates.contains(p)).collect();
+            Agreement::with(mine, Peers::Listed { from: others.clone(), to: others })
+        }
+        None => Agreement::new(mine, true),
+    };
     let tr = &mut ctx.transfers();
     agreement.post(ctx, tr)?;
+    if let Some((arena, mates)) = shared.filter(|_| world > 3) {
+        let on_host = Subgroup::new(ctx.transport, mates);
+        in_arena::agree(&ctx.phase(&on_host, 1), &arena, mine)?;
+    }
     agreement.check(ctx, tr)?;
     tr.wait_all()
 }

@@ -34,8 +34,8 @@ use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
 use std::sync::Mutex;
 
-/// Whether `part` checks the call itself, with every rank, rather than with
-/// its ring neighbour before it starts: the smallest all-reduces and
+/// Whether `part` checks the call itself, with every rank, rather than
+/// before it starts (`call_check::agree`): the smallest all-reduces and
 /// barriers (alongside their one exchange), and the single-copy algorithms
 /// (before any data moves), and whatever runs in the arena (in its first
 /// round). PREMUL_SUM all-reduce outside the arena scales the caller's
