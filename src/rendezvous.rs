@@ -205,8 +205,9 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         .collect();
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
     let hosts = number_hosts(&records);
+    let arena_on_every_host = (0..size).all(|r| gets_arena(cfg, &records, &hosts, r));
     let arena = arena_role(cfg, &records, &hosts, rank, arena)?;
-    let layout = Layout { hosts, single_copy, arena };
+    let layout = Layout { hosts, single_copy, arena, arena_on_every_host };
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
@@ -247,14 +248,10 @@ fn arena_role(
     rank: usize,
     made: Option<Arena>,
 ) -> Result<ArenaRole> {
-    let members: Vec<usize> = (0..records.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
-    let shared = members.len() > 1
-        && records[rank].host != "unknown"
-        && members.iter().all(|&r| records[r].shm.is_some())
-        && cfg.arena_slot_bytes > 0;
-    if !shared {
+    if !gets_arena(cfg, records, hosts, rank) {
         return Ok(ArenaRole::None);
     }
+    let members: Vec<usize> = (0..records.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
     if members[0] != rank {
         return Ok(ArenaRole::Join { members });
     }
@@ -263,6 +260,16 @@ fn arena_role(
         _ => Arena::create(members.len(), cfg.arena_slot_bytes, 0)?,
     };
     Ok(ArenaRole::Lead { arena, members })
+}
+
+/// Whether `rank` shares an arena with its host's ranks (see `arena_role`):
+/// every rank computes it alike for every rank, from the records.
+fn gets_arena(cfg: &Config, records: &[Published], hosts: &[usize], rank: usize) -> bool {
+    let members: Vec<usize> = (0..records.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
+    members.len() > 1
+        && records[rank].host != "unknown"
+        && members.iter().all(|&r| records[r].shm.is_some())
+        && cfg.arena_slot_bytes > 0
 }
 
 /// Whether every rank of the group can read every other's memory directly,

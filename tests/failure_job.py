@@ -136,6 +136,20 @@ def mismatch(store, rank, world):
     report(first=res, untouched=bool(torch.equal(t, before)))
 
 
+def late_mismatch(store, rank, world):
+    """The last rank, late, all_reduces one element more than the others, on the ring (too
+    large for the direct exchange): the ranks whose neighbours called as they did must not start
+    either, or they would fold each other's data into their tensors before the group breaks."""
+    init(store, rank, world)
+    dist.barrier()
+    t = torch.arange(100_000 + (rank == world - 1), dtype=torch.float32) + rank
+    before = t.clone()
+    if rank == world - 1:
+        time.sleep(0.5)
+    res = timed_failure(lambda: dist.all_reduce(t))
+    report(first=res, untouched=bool(torch.equal(t, before)))
+
+
 def destroy_cleans_up(store, rank, world):
     """destroy_process_group() leaves no engine thread or socket behind, and a waiter on a
     receive that will never come is released by it."""
@@ -231,7 +245,7 @@ def options_apply(store, rank, world):
     report(world_links=rustc10d.links(), group_links=rustc10d.links(group), sum=t.tolist(), wrong=wrong)
 
 
-SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch,
+SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch, late_mismatch,
                                       destroy_cleans_up, settings_differ, settings_differ_store_in_rank_0, bad_setting, no_threads, error_kinds,
                                       options_apply)}
 

@@ -121,6 +121,18 @@ def test_mismatched_calls_are_reported_not_reduced(tmp_path):
 
 
 @pytest.mark.parametrize("transport", harness.TRANSPORTS)
+def test_a_late_mismatch_far_from_a_rank_leaves_every_tensor_alone(tmp_path, transport):
+    # W=5 over TCP: ranks 1-3 called as their neighbours did (the ring's check alone let them
+    # start); over shared memory the arena checks every call.
+    results, procs = run("late_mismatch", 5, tmp_path, {"RUSTC10D_TRANSPORT": transport})
+    for rank in range(5):
+        r = results[rank]
+        assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
+        assert "does not match" in r["first"]["error"], (rank, r["first"]["error"])
+        assert r["untouched"], f"rank {rank}'s tensor was changed"
+
+
+@pytest.mark.parametrize("transport", harness.TRANSPORTS)
 def test_destroy_leaves_nothing_behind_and_releases_waiters(tmp_path, transport):
     results, procs = run("destroy_cleans_up", 2, tmp_path, {"RUSTC10D_TRANSPORT": transport})
     for rank in range(2):

@@ -8,13 +8,18 @@
 //! could agree with their neighbours and fold each other's data before the
 //! abort from rank 3's mismatch reached them). The ranks of a host that
 //! share an arena compare there, in one round, and by message only with
-//! the other hosts' ranks. The smallest all-reduces check all peers'
+//! the other hosts' ranks; where every host holds as many ranks, each with
+//! an arena, only with their counterparts there, before that round (H - 1
+//! messages a rank instead of W - L). A rank with more than 16 ranks to
+//! hear from by message hears from them in ⌈log2 n⌉ rounds of one message
+//! instead of all at once. The smallest all-reduces check all peers'
 //! fingerprints alongside their data exchange instead (`Agreement`); on
 //! several hosts, those of their host's ranks, their counterparts on the
 //! other hosts and their left neighbour, their sums made in scratch. In a
 //! group with a shared arena every rank compares every other's there
 //! instead (`in_arena`).
 
+use super::hosts::Hosts;
 use super::{in_arena, OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ops::{Collective, OpKind, Reduction};
@@ -108,30 +113,102 @@ impl Fingerprint {
     }
 }
 
+/// Up to this many peers to hear from, a rank tells each its call at once
+/// and hears from each (one hop, as the direct all-reduce does); beyond, it
+/// takes rounds of one message each (`agree_in_rounds`), so that a large
+/// group does not pay a message per rank on every op.
+const AT_ONCE_MAX: usize = 16;
+
 /// Check the call against every rank's before the op starts (see the top
 /// of this file): in the group's shared arena, where it has one; else with
-/// the left neighbour, up to 3 ranks; else with every rank, those of this
-/// rank's host arena there and the rest by message. Fail if one differs.
+/// the left neighbour, up to 3 ranks; else with every rank. Fail if one differs.
 pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
     if let Some(arena) = ctx.transport.arena() {
         return in_arena::agree(ctx, &arena, mine);
     }
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let shared = ctx.transport.shared_arena().map(|(arena, mates)| (arena, mates.to_vec()));
-    let mut agreement = match &shared {
-        _ if world <= 3 => Agreement::new(mine, false),
-        Some((_, mates)) => {
-            let others: Vec<usize> = (0..world).filter(|p| *p != rank && !mates.contains(p)).collect();
-            Agreement::with(mine, Peers::Listed { from: others.clone(), to: others })
-        }
-        None => Agreement::new(mine, true),
+    if world <= 3 {
+        return agree_with(ctx, Agreement::new(mine, false), || Ok(()));
+    }
+    let everyone: Vec<usize> = (0..world).collect();
+    let Some((arena, mates)) = ctx.transport.shared_arena().map(|(a, m)| (a, m.to_vec())) else {
+        return agree_among(ctx, mine, &everyone);
     };
+    let on_host = Subgroup::new(ctx.transport, mates.clone());
+    let in_host_arena = || in_arena::agree(&ctx.phase(&on_host, 1), &arena, mine);
+    let hosts = Hosts::of(ctx.transport);
+    match hosts.per_host().filter(|_| ctx.transport.arena_on_every_host()) {
+        // Hosts of L ranks, each with its arena: a rank checks its
+        // counterparts' calls, then arrives in its host's arena, whose
+        // round compares its host's calls. A rank that passes that round
+        // has seen every rank of its host arrive, each having checked its
+        // counterparts: every call matches its own, with H - 1 messages.
+        Some(_) => {
+            agree_among(ctx, mine, &hosts.counterparts(hosts.locate(rank).1))?;
+            in_host_arena()
+        }
+        // Otherwise by message with every rank off this rank's host, and
+        // in the arena with those on it (in a large group, with everyone
+        // in rounds). Each rank tells exactly those that hear from it: the
+        // ranks off its host, where the host has an arena, or every rank.
+        None if world - 1 <= AT_ONCE_MAX => {
+            let others: Vec<usize> = (0..world).filter(|p| *p != rank && !mates.contains(p)).collect();
+            let agreement = Agreement::with(mine, Peers::Listed { from: others.clone(), to: others });
+            agree_with(ctx, agreement, in_host_arena)
+        }
+        None => agree_among(ctx, mine, &everyone),
+    }
+}
+
+/// Check the call with every rank of `members` (this rank among them, the
+/// same list on each of them): at once, or in rounds where they are many.
+fn agree_among(ctx: &OpCtx, mine: &Fingerprint, members: &[usize]) -> Result<()> {
+    let n = members.len();
+    let me = members.iter().position(|&r| r == ctx.transport.rank()).expect("a member");
+    if n - 1 > AT_ONCE_MAX {
+        return agree_in_rounds(ctx, mine, members, me);
+    }
+    // Counting down from the left neighbour, as the ring's check hears from it first.
+    let from = (1..n).map(|k| members[(me + n - k) % n]).collect();
+    let to = (1..n).map(|k| members[(me + k) % n]).collect();
+    agree_with(ctx, Agreement::with(mine, Peers::Listed { from, to }), || Ok(()))
+}
+
+/// The check among many `members` (this rank is `members[me]`), as a
+/// dissemination barrier goes: in round k, member m tells member m + 2^k
+/// and hears from member m - 2^k, and goes on only if that call matches
+/// its own. A member tells only once everything it heard matched, so after
+/// round k it has heard, directly or through others, from the 2^(k+1) - 1
+/// members before it: after ⌈log2 n⌉ rounds, from all. A member that finds
+/// a difference fails and tells nobody more, so the members waiting for
+/// it fail when the group breaks.
+fn agree_in_rounds(ctx: &OpCtx, mine: &Fingerprint, members: &[usize], me: usize) -> Result<()> {
+    let n = members.len();
+    let out = mine.encode();
+    let (mut step, mut round) = (1, 0);
+    while step < n {
+        let (to, from) = (members[(me + step) % n], members[(me + n - step) % n]);
+        // Keys apart from the one-message check's (u64::MAX) and the algorithms'.
+        let key = Key::collective(ctx.seq, u64::MAX - 1 - round);
+        let tr = &mut ctx.transfers();
+        let id = tr.recv_owned(from, key, Fingerprint::LEN)?;
+        tr.send_copy(to, key, &out)?;
+        tr.wait(id)?;
+        let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))?;
+        if theirs != *mine {
+            return Err(mismatch(ctx, from, mine.describe(), theirs.describe()));
+        }
+        tr.wait_all()?;
+        (step, round) = (step * 2, round + 1);
+    }
+    Ok(())
+}
+
+/// Post `agreement`, do `meanwhile`, then check it.
+fn agree_with(ctx: &OpCtx, mut agreement: Agreement, meanwhile: impl FnOnce() -> Result<()>) -> Result<()> {
     let tr = &mut ctx.transfers();
     agreement.post(ctx, tr)?;
-    if let Some((arena, mates)) = shared.filter(|_| world > 3) {
-        let on_host = Subgroup::new(ctx.transport, mates);
-        in_arena::agree(&ctx.phase(&on_host, 1), &arena, mine)?;
-    }
+    meanwhile()?;
     agreement.check(ctx, tr)?;
     tr.wait_all()
 }

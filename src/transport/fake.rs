@@ -371,6 +371,10 @@ impl Transport for FakeTransport {
         Some((arena.clone(), members))
     }
 
+    fn arena_on_every_host(&self) -> bool {
+        self.net.arenas.iter().all(Option::is_some)
+    }
+
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
         self.check_peer(peer).is_ok().then_some("fake")
     }

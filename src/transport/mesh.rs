@@ -47,6 +47,8 @@ pub struct Layout {
     /// Every rank reads every other's large messages from the sender's memory.
     pub single_copy: bool,
     pub arena: ArenaRole,
+    /// The ranks of every host share an arena of their own (`arena` on each).
+    pub arena_on_every_host: bool,
 }
 
 /// This rank's part in a shared arena (arena.rs): the group's, or its host's.
@@ -141,6 +143,7 @@ impl Mesh {
             waits: Mutex::default(),
             arena: Mutex::new(arena.map(Arc::new)),
             arena_members,
+            arena_on_every_host: layout.arena_on_every_host,
         });
         let mesh = Mesh { core: core.clone() };
         let mut listeners = vec![Listener::Tcp(listener)];
@@ -308,6 +311,10 @@ impl Transport for Mesh {
     fn shared_arena(&self) -> Option<(Arc<Arena>, &[usize])> {
         let arena = self.core.arena.lock().unwrap().clone()?;
         Some((arena, &self.core.arena_members))
+    }
+
+    fn arena_on_every_host(&self) -> bool {
+        self.core.arena_on_every_host
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

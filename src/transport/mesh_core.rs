@@ -66,6 +66,8 @@ pub struct Core {
     /// The ranks that map it, in its order (empty: no arena); the first
     /// makes it and hands it out.
     pub(super) arena_members: Vec<usize>,
+    /// Every host's ranks share an arena (`Transport::arena_on_every_host`).
+    pub(super) arena_on_every_host: bool,
 }
 
 pub struct PeerSlot {

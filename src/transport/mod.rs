@@ -128,6 +128,12 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// Whether the ranks of every host of the group share an arena of
+    /// their own (`shared_arena` on each of them). The same on every rank.
+    fn arena_on_every_host(&self) -> bool {
+        false
+    }
+
     /// The arena of exactly this group's ranks, rank i in slot i: the
     /// algorithms that run there need every rank of the group in it.
     fn arena(&self) -> Option<Arc<arena::Arena>> {
