@@ -310,20 +310,31 @@ fn small_all_reduce_mismatch_on_any_rank_fails_every_rank_and_touches_no_buffer(
 /// rank fails naming the mismatch and no buffer changes, also on the ranks
 /// whose neighbours called as they did, for an op in one piece (its phases
 /// on the host in the arena, where there is one) and one in pieces (rings).
+/// Also on 18 hosts of 2, where a rank hears from its 17 counterparts (or,
+/// without the arenas, its 35 peers) in rounds; a matching call first.
 #[test]
 fn a_late_mismatch_fails_every_rank_and_touches_no_buffer() {
-    for (name, hosts, arenas) in layouts() {
+    let many: Vec<usize> = (0..36).map(|r| r / 2).collect();
+    let layouts = layouts().into_iter().map(|(name, hosts, arenas)| (name, hosts.to_vec(), arenas, false));
+    let many = [false, true].map(|arenas| (format!("18 hosts x 2, arenas {arenas}"), many.clone(), arenas, true));
+    for (name, hosts, arenas, matching_first) in layouts.chain(many) {
         let odd = hosts.len() - 1;
         for n in [8, 1 << 10] {
             let t0 = Instant::now();
-            let (out, _) = on_layout(hosts, arenas, RING, |rk| {
+            let (out, _) = on_layout(&hosts, arenas, RING, |rk| {
                 let r = rk.rank();
+                let red = Reduction::new(DType::I64, ReduceOp::Sum);
+                if matching_first {
+                    let mut b = Buf::of(DType::I64, &values(r, n, 0));
+                    ok(rk.run(Collective::AllReduce { buf: b.raw(), red }), "a matching call");
+                    let want: Vec<f64> = (0..n).map(|i| (0..hosts.len()).map(|q| value(q, i, 0)).sum()).collect();
+                    assert_eq!(b, Buf::of(DType::I64, &want), "{name}: rank {r}");
+                }
                 if r == odd {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 let mut b = Buf::of(DType::I64, &values(r, n + usize::from(r == odd), 0));
                 let kept = b.clone();
-                let red = Reduction::new(DType::I64, ReduceOp::Sum);
                 (rk.run(Collective::AllReduce { buf: b.raw(), red }), b == kept)
             });
             assert_mismatch_everywhere(out, t0, &format!("{name}: {n} elements, rank {odd} late and different"));
