@@ -205,9 +205,9 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         .collect();
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
     let hosts = number_hosts(&records);
-    let arena_on_every_host = (0..size).all(|r| gets_arena(cfg, &records, &hosts, r));
-    let arena = arena_role(cfg, &records, &hosts, rank, arena)?;
-    let layout = Layout { hosts, single_copy, arena, arena_on_every_host };
+    let with_arenas = hosts_with_arenas(cfg, &records, &hosts);
+    let arena = arena_role(cfg, &hosts, with_arenas[hosts[rank]], rank, arena)?;
+    let layout = Layout { hosts, single_copy, arena, arena_on_every_host: with_arenas.iter().all(|&a| a) };
 
     let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
@@ -234,42 +234,38 @@ fn number_hosts(records: &[Published]) -> Vec<usize> {
         .collect()
 }
 
-/// This rank's part in the shared arena of its host's ranks (`hosts`, as
-/// `number_hosts` gives them), where they get one: two or more of them, every
-/// one offering shared memory, `arena_slot_bytes` above 0 (the same on every
-/// rank). In a group on one host that is the group's arena, which rank 0
-/// made before it published (`made`); otherwise each host's lowest rank
-/// makes its host's now. The ranks of hosts that get none talk through
-/// their rings and sockets alone.
-fn arena_role(
-    cfg: &Config,
-    records: &[Published],
-    hosts: &[usize],
-    rank: usize,
-    made: Option<Arena>,
-) -> Result<ArenaRole> {
-    if !gets_arena(cfg, records, hosts, rank) {
+/// Whether each host's ranks (`hosts`, as `number_hosts` gives them) share
+/// an arena: two or more of them, every one offering shared memory,
+/// `arena_slot_bytes` above 0 (the same on every rank). Every rank computes
+/// it alike, from the records. The ranks of hosts that get none talk
+/// through their rings and sockets alone.
+fn hosts_with_arenas(cfg: &Config, records: &[Published], hosts: &[usize]) -> Vec<bool> {
+    let count = hosts.iter().max().map_or(0, |&h| h + 1);
+    let (mut ranks, mut shm) = (vec![0usize; count], vec![cfg.arena_slot_bytes > 0; count]);
+    for (record, &h) in records.iter().zip(hosts) {
+        ranks[h] += 1;
+        shm[h] &= record.shm.is_some() && record.host != "unknown";
+    }
+    ranks.iter().zip(shm).map(|(&n, shm)| n > 1 && shm).collect()
+}
+
+/// This rank's part in the shared arena of its host's ranks, if they get
+/// one (`shared`, see `hosts_with_arenas`). In a group on one host that is
+/// the group's arena, which rank 0 made before it published (`made`);
+/// otherwise each host's lowest rank makes its host's now.
+fn arena_role(cfg: &Config, hosts: &[usize], shared: bool, rank: usize, made: Option<Arena>) -> Result<ArenaRole> {
+    if !shared {
         return Ok(ArenaRole::None);
     }
-    let members: Vec<usize> = (0..records.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
+    let members: Vec<usize> = (0..hosts.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
     if members[0] != rank {
         return Ok(ArenaRole::Join { members });
     }
     let arena = match made {
-        Some(arena) if members.len() == records.len() => arena,
+        Some(arena) if members.len() == hosts.len() => arena,
         _ => Arena::create(members.len(), cfg.arena_slot_bytes, 0)?,
     };
     Ok(ArenaRole::Lead { arena, members })
-}
-
-/// Whether `rank` shares an arena with its host's ranks (see `arena_role`):
-/// every rank computes it alike for every rank, from the records.
-fn gets_arena(cfg: &Config, records: &[Published], hosts: &[usize], rank: usize) -> bool {
-    let members: Vec<usize> = (0..records.len()).filter(|&r| hosts[r] == hosts[rank]).collect();
-    members.len() > 1
-        && records[rank].host != "unknown"
-        && members.iter().all(|&r| records[r].shm.is_some())
-        && cfg.arena_slot_bytes > 0
 }
 
 /// Whether every rank of the group can read every other's memory directly,

@@ -130,9 +130,9 @@ pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
     if world <= 3 {
         return agree_with(ctx, Agreement::new(mine, false), || Ok(()));
     }
-    let everyone: Vec<usize> = (0..world).collect();
+    let everyone = || (0..world).collect::<Vec<_>>();
     let Some((arena, mates)) = ctx.transport.shared_arena().map(|(a, m)| (a, m.to_vec())) else {
-        return agree_among(ctx, mine, &everyone);
+        return agree_among(ctx, mine, &everyone());
     };
     let on_host = Subgroup::new(ctx.transport, mates.clone());
     let in_host_arena = || in_arena::agree(&ctx.phase(&on_host, 1), &arena, mine);
@@ -156,7 +156,7 @@ pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
             let agreement = Agreement::with(mine, Peers::Listed { from: others.clone(), to: others });
             agree_with(ctx, agreement, in_host_arena)
         }
-        None => agree_among(ctx, mine, &everyone),
+        None => agree_among(ctx, mine, &everyone()),
     }
 }
 
