@@ -5,7 +5,7 @@ layout of ranks over hosts. RUSTC10D_TEST_HOST is the index of this rank's host.
     hosts_job.py           every collective against arithmetic, at sizes that divide by neither
                            the world nor the ranks per host; every rank ends with the same bits
     hosts_job.py init      init_process_group and a barrier only; prints how it went
-    hosts_job.py striping  all_reduce of 16 MiB, 32 times, against arithmetic; prints the
+    hosts_job.py striping  all_reduce of 16 MiB, 64 times, against arithmetic; prints the
                            connections this rank ends up sending on to each peer
                            (rustc10d.connections()) and the first and last calls' times
 
@@ -70,7 +70,7 @@ def striping() -> int:
     n = 16 * MIB // 4
     want = sum(pattern(n, torch.float32, r + 1) for r in range(world))
     times = []
-    for _ in range(32):
+    for _ in range(64):
         t = pattern(n, torch.float32, rank + 1)
         dist.barrier()
         t0 = time.perf_counter()

@@ -9,6 +9,11 @@
 //! sample is often slowed by something else (another process, the peer
 //! still widening its own sends), rarely sped up, so one slow sample must
 //! neither end the doubling nor set too low a bar for the next count.
+//! A doubling that seems to gain is confirmed before it is kept: the count
+//! before it is measured once more, and the doubled count must clear that
+//! raised bar too. Without it, a spell of load across all of the first
+//! count's samples that lifted by the doubled count's first sample passes
+//! for a gain (seen: 4 connections on a link that one fills).
 //!
 //! The throughput is bytes delivered per second while sends of at least
 //! `MEASURED_SEND` bytes were queued to the peer: from when one is queued
@@ -59,6 +64,12 @@ enum Tuning {
         samples: usize,
         fastest: f64,
     },
+    /// Measuring `lanes` once more: `doubled` connections came out at the
+    /// rate given, which cleared the bar of `lanes`' rate `before`.
+    Confirming {
+        doubled: (usize, f64),
+        before: f64,
+    },
     Settled,
 }
 
@@ -90,7 +101,7 @@ impl Striping {
 
     /// Whether the count is chosen and will not change.
     pub fn settled(&self) -> bool {
-        !matches!(self.tuning, Tuning::Trying { .. })
+        matches!(self.tuning, Tuning::Fixed | Tuning::Settled)
     }
 
     /// A send of `len` bytes was queued. `unsent`: the bytes the peer's
@@ -134,25 +145,51 @@ impl Striping {
     /// meter is idle: its spell has just ended).
     fn measured(&mut self, rate: f64) {
         self.meter = Meter::default();
-        let Tuning::Trying { best, samples, fastest } = &mut self.tuning else { return };
-        *samples += 1;
-        *fastest = fastest.max(rate);
-        let (best, fastest) = (*best, *fastest);
-        let gained = best.is_none_or(|(_, best_rate)| fastest >= best_rate * GAIN);
-        // The first count has no bar to clear: its rate is the bar for the
-        // next, so it gets all its samples; a later one gets them until it clears.
-        if *samples < SAMPLES_PER_COUNT && (best.is_none() || !gained) {
-            return;
+        tracing::debug!("rustc10d: {} connection(s) to a peer: {:.0} MB/s ({:?})", self.lanes, rate / 1e6, self.tuning);
+        match self.tuning {
+            Tuning::Trying { best, samples, fastest } => {
+                let (samples, fastest) = (samples + 1, fastest.max(rate));
+                let gained = best.is_none_or(|(_, best_rate)| fastest >= best_rate * GAIN);
+                // The first count has no bar to clear: its rate is the bar for the
+                // next, so it gets all its samples; a later one gets them until it clears.
+                if samples < SAMPLES_PER_COUNT && (best.is_none() || !gained) {
+                    self.tuning = Tuning::Trying { best, samples, fastest };
+                    return;
+                }
+                match best {
+                    None => self.double((self.lanes, fastest)),
+                    Some((lanes, before)) if gained => {
+                        self.tuning = Tuning::Confirming { doubled: (self.lanes, fastest), before };
+                        self.lanes = lanes;
+                    }
+                    Some((lanes, _)) => self.settle(lanes),
+                }
+            }
+            Tuning::Confirming { doubled, before } => {
+                if doubled.1 >= before.max(rate) * GAIN {
+                    self.double(doubled);
+                } else {
+                    self.settle(self.lanes);
+                }
+            }
+            Tuning::Fixed | Tuning::Settled => {}
         }
-        if !gained {
-            self.lanes = best.map_or(self.lanes, |(lanes, _)| lanes);
-            self.tuning = Tuning::Settled;
-        } else if self.lanes >= AUTO_MAX_LANES {
-            self.tuning = Tuning::Settled;
+    }
+
+    /// `kept` (a count and its rate) is the best so far: try twice as many,
+    /// unless that would be too many.
+    fn double(&mut self, kept: (usize, f64)) {
+        if kept.0 >= AUTO_MAX_LANES {
+            self.settle(kept.0);
         } else {
-            self.tuning = Tuning::Trying { best: Some((self.lanes, fastest)), samples: 0, fastest: 0.0 };
-            self.lanes *= 2;
+            self.tuning = Tuning::Trying { best: Some(kept), samples: 0, fastest: 0.0 };
+            self.lanes = kept.0 * 2;
         }
+    }
+
+    fn settle(&mut self, lanes: usize) {
+        self.lanes = lanes;
+        self.tuning = Tuning::Settled;
     }
 }
 
@@ -234,6 +271,36 @@ mod tests {
             t = spell(&mut s, t, 8, 4 * MB, move |_| if first { 100e6 } else { 250e6 }, 0);
         }
         assert_eq!((s.settled(), s.lanes()), (true, 1));
+    }
+
+    /// Tunes on a link of `rate(lanes)`, the `i`th sample (from 0) slowed
+    /// to a third where `slow(i)`; returns the count it settles at.
+    fn tune_under_load(rate: fn(usize) -> f64, slow: fn(usize) -> bool) -> usize {
+        let mut s = Striping::new(LaneCount::Auto);
+        let mut t = Instant::now();
+        // Each spell here is exactly one sample (8 sends of 4 MB = SAMPLE_BYTES).
+        for i in 0..80 {
+            let load = if slow(i) { 3.0 } else { 1.0 };
+            t = spell(&mut s, t, 8, 4 * MB, move |lanes| rate(lanes) / load, 0);
+        }
+        assert!(s.settled());
+        s.lanes()
+    }
+
+    #[test]
+    fn a_gain_that_was_only_load_lifting_is_not_kept() {
+        // One connection fills the link, but both of its samples fall in a
+        // spell of load that lifts just before 2 connections are measured:
+        // 2 seem 3x faster. Measured again, 1 is as fast: stays at one.
+        assert_eq!(tune_under_load(|_| 250e6, |i| i < 2), 1);
+        // The same with the doubled count's first sample slowed as well: it
+        // clears the bar with its second.
+        assert_eq!(tune_under_load(|_| 250e6, |i| i < 3), 1);
+        // A real gain stays one when the confirming sample of the count
+        // before it is slowed: that sample cannot lower the bar. Per-stream
+        // limit of 60 MB/s under 250 MB/s, every confirmation slowed
+        // (samples 3 and 5: 1, 1, 2, [1], 4, [2], 8, 8).
+        assert_eq!(tune_under_load(|l| (l as f64 * 60e6).min(250e6), |i| i == 3 || i == 5), 4);
     }
 
     #[test]
