@@ -100,7 +100,8 @@ ODD = (1, 7, 100_003)  # element counts divisible by no world size and no ranks 
 checks = 0
 
 # all_reduce, SUM and AVG, float32 and bfloat16: 1, 30_001 and 300_003 elements, and 4 MiB
-# (up to 30_001, one piece: on hosts of two or more ranks, the phases on a host run in its arena)
+# (up to 30_001, one piece: on hosts of two or more ranks, the phases on a host run in its arena;
+# larger ones go in pieces, in the arena on hosts of three or more)
 for dtype in (torch.float32, torch.bfloat16):
     for n in (1, 30_001, 300_003, 4 * MIB // dtype.itemsize):
         total = sum(pattern(n, torch.float32, r + 1) for r in range(WORLD))

@@ -6,9 +6,8 @@
 //! or two steps instead of around the ring. Groups on several hosts take the
 //! hierarchical all-reduce, reduce-scatter and all-gather, and rings in host
 //! order for broadcast and reduce, so that fewer bytes cross between hosts;
-//! where each host's ranks share an arena, the phases on the host of those
-//! that go in one piece, and the trees' hops on the host, run there
-//! (`Hosts::arena`). Groups on one host with
+//! where each host's ranks share an arena, their phases on the host, and
+//! the trees' hops on the host, run there (`Hosts::arena`). Groups on one host with
 //! a shared arena run their collectives there (`in_arena`), but for those
 //! that take the single-copy algorithms.
 

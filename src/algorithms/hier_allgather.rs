@@ -6,9 +6,11 @@
 //! block lands straight in its place. Groups whose hosts hold different
 //! numbers of ranks, or one each, take one ring in host order. A large
 //! output goes in pieces (`pipelined`): while one piece crosses the link,
-//! the one before is gathered on the host. An output that goes in one
-//! piece, on hosts whose ranks share an arena (`Hosts::arena`), is gathered
-//! on the host there, a stage for each host's blocks instead of L - 1 steps.
+//! the one before is gathered on the host. On hosts whose ranks share an
+//! arena (`Hosts::arena`), each piece is gathered on the host there (in
+//! pieces, from L = 3: `Hosts::arena_for`), a stage for each host's blocks
+//! instead of L - 1 steps (only the phase on the host takes the arena, so
+//! its rounds come one at a time).
 //!
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: b (its own) +
 //! 2(H-1)b across hosts + H times 2(L-1)b on the host (see the ring algorithm;
@@ -40,7 +42,7 @@ pub fn hierarchical_allgather(
     // Each piece takes a phase across hosts and one on the host per host.
     let keys = 1 + hosts.members.len();
     let count = piece_count(ctx, outputs.iter().map(|o| o.len).sum(), keys);
-    let arena = Hosts::arena(&on_host).filter(|_| count == 1);
+    let arena = Hosts::arena_for(&on_host, count == 1);
     let stage = |stage: usize, k: usize| -> Result<()> {
         let cut = |b: RawBuf| piece(b, 1, count, k);
         let phase = 1 + (k * keys) as u64;

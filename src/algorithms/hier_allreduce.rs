@@ -11,9 +11,11 @@
 //!
 //! A large buffer goes in pieces through the three phases (`pipelined`):
 //! while one piece crosses the link, the next is reduced on the host and the
-//! one before gathered. A buffer that goes in one piece, on hosts whose
-//! ranks share an arena (`Hosts::arena`), has its two phases on the host
-//! there, a stage each instead of L - 1 steps.
+//! one before gathered. On hosts whose ranks share an arena (`Hosts::arena`),
+//! the two phases on the host run there, a stage each per slot's worth
+//! instead of L - 1 steps (in pieces, from L = 3: `Hosts::arena_for`), and
+//! then both on one thread, as the arena takes one round at a time
+//! (`pipelined_through`).
 //!
 //! Bytes copied (`Cost`), per rank, for n bytes, chunks of c = n/L and their
 //! pieces of c/H: the reduce-scatter 3(L-1)c, the all-reduce 5(H-1)c/H and
@@ -26,7 +28,7 @@ use super::arena_allreduce::Reducing;
 use super::arena_reduce_scatter::arena_reduce_scatter;
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
-use super::pipeline::{piece, piece_count, pipelined};
+use super::pipeline::{piece, piece_count, pipelined, pipelined_through};
 use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -52,7 +54,7 @@ pub fn hierarchical_allreduce(
     let count = piece_count(ctx, buf.len, 3);
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     let plan = Plan {
-        arena: Hosts::arena(&on_host).filter(|_| count == 1),
+        arena: Hosts::arena_for(&on_host, count == 1),
         on_host,
         across: Subgroup::new(ctx.transport, hosts.counterparts(i)),
         i,
@@ -65,13 +67,17 @@ pub fn hierarchical_allreduce(
     if count == 1 {
         return (0..3).try_for_each(|stage| plan.stage(ctx, stage, 0, pieces[0]));
     }
-    pipelined(ctx, 3, count, |stage, k| plan.stage(ctx, stage, k, pieces[k]))
+    let stage = |stage, k| plan.stage(ctx, stage, k, pieces[k]);
+    match plan.arena {
+        Some(_) => pipelined_through(ctx, count, stage),
+        None => pipelined(ctx, 3, count, stage),
+    }
 }
 
 /// The three phases of one rank's share of the work.
 struct Plan<'a> {
     on_host: Subgroup<'a>,
-    /// The arena of the host's ranks, for an op in one piece.
+    /// The arena of the host's ranks, if they share one.
     arena: Option<Arc<Arena>>,
     across: Subgroup<'a>,
     /// This rank's place on its host: the chunk it reduces across hosts.

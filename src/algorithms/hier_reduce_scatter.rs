@@ -6,9 +6,10 @@
 //! own. Each host's link carries (H-1)/H of a rank's input each way, where
 //! one ring over all W ranks carries (W-1)/W. Groups whose hosts hold
 //! different numbers of ranks, or one each, take one ring in host order.
-//! Inputs that would go in one piece (`piece_count`), on hosts whose ranks
-//! share an arena (`Hosts::arena`), are reduced on the host there, a stage
-//! for each host's blocks instead of L - 1 steps.
+//! On hosts whose ranks share an arena (`Hosts::arena`), the blocks are
+//! reduced on the host there, a stage for each host's blocks (per slot's
+//! worth) instead of L - 1 steps; inputs that would go in pieces
+//! (`piece_count`), from L = 3 (`Hosts::arena_for`).
 //!
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: H times a
 //! reduce-scatter of L blocks, (1 + 3(L-1))b each (in the arena 2Lb), then
@@ -52,7 +53,7 @@ pub fn hierarchical_reduce_scatter(
     let partials: Vec<RawBuf> = (0..count).map(|g| RawBuf::new(unsafe { base.add(g * b) }, b)).collect();
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     let one_piece = piece_count(ctx, inputs.iter().map(|b| b.len).sum(), 1) == 1;
-    let arena = Hosts::arena(&on_host).filter(|_| one_piece);
+    let arena = Hosts::arena_for(&on_host, one_piece);
     for (g, members) in hosts.members.iter().enumerate() {
         let blocks: Vec<RawBuf> = members.iter().map(|&r| inputs[r]).collect();
         let on_host = &ctx.phase(&on_host, 1 + g as u64);

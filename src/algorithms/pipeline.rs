@@ -1,7 +1,9 @@
 //! Phases of an op that overlap: the op's buffer goes in pieces, each piece
 //! through every phase in order, each phase on a thread of its own taking the
 //! pieces in order. While one piece crosses a slow link, the next is worked
-//! on in memory, so the link does not wait for the host.
+//! on in memory, so the link does not wait for the host. Where the first and
+//! last of three phases both take a host's arena, which serves one round at
+//! a time, they share a thread instead (`pipelined_through`).
 
 use super::{OpCtx, RawBuf, MAX_PHASES};
 use crate::error::{Error, Result};
@@ -77,4 +79,130 @@ pub fn pipelined(
         run(s, from, to);
     });
     first.into_inner().unwrap().map_or(Ok(()), Err)
+}
+
+/// As `pipelined` for three phases, but phases 0 and 2 (on the host, in its
+/// arena) run on one thread, in an order every rank keeps: phase 0 of piece
+/// k, then phase 2 of piece k - 1 (once its phase 1 is done), and so on;
+/// phase 1 (across hosts) has a thread of its own. So while piece k crosses
+/// the link, piece k + 1 is reduced on the host and piece k - 1 gathered,
+/// and the host's ranks take the arena's rounds in the same order.
+pub fn pipelined_through(ctx: &OpCtx, count: usize, phase: impl Fn(usize, usize) -> Result<()> + Sync) -> Result<()> {
+    let first: Mutex<Option<Error>> = Mutex::new(None);
+    let fail = |e: Error| {
+        let mut first = first.lock().unwrap();
+        if first.is_none() {
+            ctx.transport.abort_all(&e);
+            *first = Some(e);
+        }
+    };
+    let (to_link, link_in) = mpsc::channel::<usize>();
+    let (link_out, from_link) = mpsc::channel::<usize>();
+    let phase = &phase;
+    std::thread::scope(|scope| {
+        let fail = &fail;
+        scope.spawn(move || {
+            for k in link_in.iter() {
+                if let Err(e) = phase(1, k) {
+                    return fail(e);
+                }
+                let _ = link_out.send(k);
+            }
+        });
+        // Phase 2 of piece k, once the link has handed it back (or has
+        // stopped: then it failed, and said so).
+        let gather = |k: usize| match from_link.recv() {
+            Ok(done) => {
+                debug_assert_eq!(done, k, "the link takes the pieces in order");
+                phase(2, k).map_err(fail).is_ok()
+            }
+            Err(_) => false,
+        };
+        for k in 0..count {
+            if let Err(e) = phase(0, k) {
+                return fail(e);
+            }
+            let _ = to_link.send(k);
+            if k > 0 && !gather(k - 1) {
+                return;
+            }
+        }
+        drop(to_link);
+        gather(count - 1);
+    });
+    first.into_inner().unwrap().map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithms::ScratchPool;
+    use crate::error::ErrorKind;
+    use crate::transport::fake::FakeNet;
+    use std::time::Duration;
+
+    /// Runs `pipelined_through` over `count` pieces on one rank of a fake
+    /// net, phase (s, k) failing where `fails(s, k)`; what it returned, and
+    /// the phases run on the host's thread (0 and 2), in order.
+    fn through(count: usize, fails: impl Fn(usize, usize) -> bool + Sync) -> (Result<()>, Vec<(usize, usize)>) {
+        let net = FakeNet::new(2);
+        let (pool, cost) = (ScratchPool::default(), Default::default());
+        let ctx = OpCtx {
+            transport: &*net[0],
+            seq: 0,
+            timeout: Duration::from_secs(5),
+            what: "test".into(),
+            segment_bytes: 64,
+            small_allreduce_bytes: 0,
+            pool: &pool,
+            spin: Duration::ZERO,
+            piece: 0,
+            phase: 0,
+            cost: &cost,
+        };
+        let on_host = Mutex::new(Vec::new());
+        let r = pipelined_through(&ctx, count, |s, k| {
+            if s != 1 {
+                on_host.lock().unwrap().push((s, k));
+            } else {
+                // The link is slower than the host: the order must not depend on it.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            match fails(s, k) {
+                true => Err(Error::io(format!("phase {s} of piece {k} failed"))),
+                false => Ok(()),
+            }
+        });
+        (r, on_host.into_inner().unwrap())
+    }
+
+    #[test]
+    fn the_hosts_phases_take_one_thread_in_an_order_every_rank_keeps() {
+        for count in 1..=5 {
+            let (r, order) = through(count, |_, _| false);
+            r.unwrap();
+            // 0 of piece 0; then 0 of k and 2 of k - 1; last, 2 of the last piece.
+            let mut want = vec![(0, 0)];
+            for k in 1..count {
+                want.extend([(0, k), (2, k - 1)]);
+            }
+            want.push((2, count - 1));
+            assert_eq!(order, want, "{count} pieces");
+        }
+    }
+
+    #[test]
+    fn a_failing_phase_ends_the_op_with_its_error_and_nothing_after_it() {
+        for (s, k) in [(0, 0), (0, 2), (1, 0), (1, 3), (2, 0), (2, 3)] {
+            let (r, order) = through(4, |fs, fk| (fs, fk) == (s, k));
+            let e = r.expect_err("a phase failed");
+            assert_eq!(e.kind, ErrorKind::Io, "phase {s} of piece {k}: {}", e.message);
+            assert!(e.message.contains(&format!("phase {s} of piece {k} failed")), "{}", e.message);
+            // Piece k's gathering runs only as the failing phase, and last;
+            // no piece after the next is started.
+            let gathered = order.iter().position(|&p| p == (2, k));
+            assert_eq!(gathered, (s == 2).then(|| order.len() - 1), "phase {s} of piece {k}: {order:?}");
+            assert!(order.iter().all(|&(_, j)| j <= k + 1), "phase {s} of piece {k}: {order:?}");
+        }
+    }
 }
