@@ -10,10 +10,15 @@
 //! still widening its own sends), rarely sped up, so one slow sample must
 //! neither end the doubling nor set too low a bar for the next count.
 //! A doubling that seems to gain is confirmed before it is kept: the count
-//! before it is measured once more, and the doubled count must clear that
-//! raised bar too. Without it, a spell of load across all of the first
-//! count's samples that lifted by the doubled count's first sample passes
-//! for a gain (seen: 4 connections on a link that one fills).
+//! before it is measured once more, and the doubled count must beat that
+//! sample too, by `CONFIRM_GAIN`. Without it, a spell of load across all of
+//! the first count's samples that lifted by the doubled count's first
+//! sample passes for a gain (seen: 4 connections on a link that one fills).
+//! The confirmation guards against a bar that load set too low, not against
+//! a modest gain, so its margin is only above the noise: raising the bar
+//! to `GAIN` times the best of three samples would turn down real gains
+//! near `GAIN` (seen: 4 connections at 1.25x 2, on a test bed where two of
+//! the 4 shared a capped bucket, kept at 2).
 //!
 //! The throughput is bytes delivered per second while sends of at least
 //! `MEASURED_SEND` bytes were queued to the peer: from when one is queued
@@ -36,6 +41,9 @@ pub const SAMPLE_BYTES: u64 = 32 << 20;
 pub const SAMPLES_PER_COUNT: usize = 2;
 /// How much faster a doubled count must be to be kept.
 pub const GAIN: f64 = 1.2;
+/// How much faster a doubled count that cleared the bar must be than the
+/// count before it, measured once more (see above).
+pub const CONFIRM_GAIN: f64 = 1.1;
 /// The most connections `auto` opens to one peer.
 pub const AUTO_MAX_LANES: usize = 8;
 
@@ -65,10 +73,9 @@ enum Tuning {
         fastest: f64,
     },
     /// Measuring `lanes` once more: `doubled` connections came out at the
-    /// rate given, which cleared the bar of `lanes`' rate `before`.
+    /// rate given, which cleared the bar of `lanes`' rate before.
     Confirming {
         doubled: (usize, f64),
-        before: f64,
     },
     Settled,
 }
@@ -158,15 +165,15 @@ impl Striping {
                 }
                 match best {
                     None => self.double((self.lanes, fastest)),
-                    Some((lanes, before)) if gained => {
-                        self.tuning = Tuning::Confirming { doubled: (self.lanes, fastest), before };
+                    Some((lanes, _)) if gained => {
+                        self.tuning = Tuning::Confirming { doubled: (self.lanes, fastest) };
                         self.lanes = lanes;
                     }
                     Some((lanes, _)) => self.settle(lanes),
                 }
             }
-            Tuning::Confirming { doubled, before } => {
-                if doubled.1 >= before.max(rate) * GAIN {
+            Tuning::Confirming { doubled } => {
+                if doubled.1 >= rate * CONFIRM_GAIN {
                     self.double(doubled);
                 } else {
                     self.settle(self.lanes);
@@ -273,18 +280,24 @@ mod tests {
         assert_eq!((s.settled(), s.lanes()), (true, 1));
     }
 
-    /// Tunes on a link of `rate(lanes)`, the `i`th sample (from 0) slowed
-    /// to a third where `slow(i)`; returns the count it settles at.
-    fn tune_under_load(rate: fn(usize) -> f64, slow: fn(usize) -> bool) -> usize {
+    /// Tunes on a link whose `i`th sample (from 0) at `lanes` comes out at
+    /// `rate(i, lanes)`; returns the count it settles at.
+    fn tune_by_sample(rate: impl Fn(usize, usize) -> f64) -> usize {
         let mut s = Striping::new(LaneCount::Auto);
         let mut t = Instant::now();
         // Each spell here is exactly one sample (8 sends of 4 MB = SAMPLE_BYTES).
         for i in 0..80 {
-            let load = if slow(i) { 3.0 } else { 1.0 };
-            t = spell(&mut s, t, 8, 4 * MB, move |lanes| rate(lanes) / load, 0);
+            let r = rate(i, s.lanes());
+            t = spell(&mut s, t, 8, 4 * MB, move |_| r, 0);
         }
         assert!(s.settled());
         s.lanes()
+    }
+
+    /// As `tune_by_sample` on a link of `rate(lanes)`, the samples where
+    /// `slow(i)` slowed to a third.
+    fn tune_under_load(rate: fn(usize) -> f64, slow: fn(usize) -> bool) -> usize {
+        tune_by_sample(|i, lanes| rate(lanes) / if slow(i) { 3.0 } else { 1.0 })
     }
 
     #[test]
@@ -301,6 +314,20 @@ mod tests {
         // limit of 60 MB/s under 250 MB/s, every confirmation slowed
         // (samples 3 and 5: 1, 1, 2, [1], 4, [2], 8, 8).
         assert_eq!(tune_under_load(|l| (l as f64 * 60e6).min(250e6), |i| i == 3 || i == 5), 4);
+    }
+
+    #[test]
+    fn a_modest_gain_is_kept_when_its_confirmation_comes_out_a_little_faster() {
+        // 4 connections give 1.25x what 2 do (two of them share a capped
+        // bucket); the confirming sample of 2 comes out 5% faster than its
+        // first (samples: 1, 1, 2, [1], 4, [2], 8, 8).
+        let rate = |i: usize, lanes: usize| match (i, lanes) {
+            (5, 2) => 126e6,
+            (_, 1) => 62e6,
+            (_, 2) => 120e6,
+            _ => 150e6,
+        };
+        assert_eq!(tune_by_sample(rate), 4);
     }
 
     #[test]
