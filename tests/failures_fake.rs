@@ -69,7 +69,7 @@ fn a_cut_link_during_an_op_fails_every_rank_promptly_naming_the_lost_peer() {
     let on_hosts = |w: usize, host: fn(usize) -> usize| FakeNet::on_hosts((0..w).map(host).collect());
     let nets = (2..=5).map(FakeNet::new).chain([on_hosts(4, |r| r / 2), on_hosts(6, |r| r % 2)]);
     // And an arena, whose all-reduce of 16 KiB takes many rounds of 256 bytes,
-    // and hosts of 3 with one each, whose phases on the host take it (one thread).
+    // and hosts of 3 with one each, which the cut aborts (their ranks wait there).
     let nets = nets.chain((2..=5).map(|w| FakeNet::with_arena(w, 256, None)));
     let nets = nets.chain([FakeNet::on_hosts_with_arenas((0..6).map(|r| r / 3).collect(), 1024)]);
     for net in nets {

@@ -31,24 +31,43 @@ pub fn piece(buf: RawBuf, unit: usize, count: usize, k: usize) -> RawBuf {
     RawBuf::new(unsafe { buf.ptr.add(lo * unit) }, (hi - lo) * unit)
 }
 
+/// The first failure among an op's phases: it aborts the group's transfers,
+/// so that the other phases fail at once rather than wait for peers that
+/// will not come, and is what the op reports.
+struct FirstFailure<'a> {
+    transport: &'a dyn crate::transport::Transport,
+    first: Mutex<Option<Error>>,
+}
+
+impl<'a> FirstFailure<'a> {
+    fn new(ctx: &OpCtx<'a>) -> Self {
+        FirstFailure { transport: ctx.transport, first: Mutex::new(None) }
+    }
+
+    fn fail(&self, e: Error) {
+        let mut first = self.first.lock().unwrap();
+        if first.is_none() {
+            self.transport.abort_all(&e);
+            *first = Some(e);
+        }
+    }
+
+    fn result(self) -> Result<()> {
+        self.first.into_inner().unwrap().map_or(Ok(()), Err)
+    }
+}
+
 /// Run `phase(s, k)` for phases 0..phases and pieces 0..count: piece k's
-/// phase s once its phase s - 1 is done. The first failure aborts the
-/// group's transfers, so that the other phases fail at once rather than wait
-/// for peers that will not come, and is what the op reports.
+/// phase s once its phase s - 1 is done. The first failure ends the op
+/// (`FirstFailure`).
 pub fn pipelined(
     ctx: &OpCtx,
     phases: usize,
     count: usize,
     phase: impl Fn(usize, usize) -> Result<()> + Sync,
 ) -> Result<()> {
-    let first: Mutex<Option<Error>> = Mutex::new(None);
-    let fail = |e: Error| {
-        let mut first = first.lock().unwrap();
-        if first.is_none() {
-            ctx.transport.abort_all(&e);
-            *first = Some(e);
-        }
-    };
+    let failed = FirstFailure::new(ctx);
+    let fail = |e: Error| failed.fail(e);
     // Each phase hands the pieces it finished to the next; a phase that
     // fails drops its sender, which ends the phases after it.
     let run = |s: usize, from: Option<mpsc::Receiver<usize>>, to: Option<mpsc::Sender<usize>>| {
@@ -78,7 +97,7 @@ pub fn pipelined(
         }
         run(s, from, to);
     });
-    first.into_inner().unwrap().map_or(Ok(()), Err)
+    failed.result()
 }
 
 /// As `pipelined` for three phases, but phases 0 and 2 (on the host, in its
@@ -88,14 +107,8 @@ pub fn pipelined(
 /// the link, piece k + 1 is reduced on the host and piece k - 1 gathered,
 /// and the host's ranks take the arena's rounds in the same order.
 pub fn pipelined_through(ctx: &OpCtx, count: usize, phase: impl Fn(usize, usize) -> Result<()> + Sync) -> Result<()> {
-    let first: Mutex<Option<Error>> = Mutex::new(None);
-    let fail = |e: Error| {
-        let mut first = first.lock().unwrap();
-        if first.is_none() {
-            ctx.transport.abort_all(&e);
-            *first = Some(e);
-        }
-    };
+    let failed = FirstFailure::new(ctx);
+    let fail = |e: Error| failed.fail(e);
     let (to_link, link_in) = mpsc::channel::<usize>();
     let (link_out, from_link) = mpsc::channel::<usize>();
     let phase = &phase;
@@ -130,7 +143,7 @@ pub fn pipelined_through(ctx: &OpCtx, count: usize, phase: impl Fn(usize, usize)
         drop(to_link);
         gather(count - 1);
     });
-    first.into_inner().unwrap().map_or(Ok(()), Err)
+    failed.result()
 }
 
 #[cfg(test)]

@@ -17,8 +17,8 @@
 //! The confirmation guards against a bar that load set too low, not against
 //! a modest gain, so its margin is only above the noise: raising the bar
 //! to `GAIN` times the best of three samples would turn down real gains
-//! near `GAIN` (seen: 4 connections at 1.25x 2, on a test bed where two of
-//! the 4 shared a capped bucket, kept at 2).
+//! near `GAIN` (seen on the test bed: 4 connections measured at 1.25-1.5x
+//! 2, where the op went nearly 2x faster, kept at 2).
 //!
 //! The throughput is bytes delivered per second while sends of at least
 //! `MEASURED_SEND` bytes were queued to the peer: from when one is queued
