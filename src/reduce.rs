@@ -1,18 +1,30 @@
 //! Element-wise reduction kernels: `dst[i] = op(dst[i], src[i])` on raw bytes
 //! of a known dtype. bool follows NCCL (SUM/MAX = OR, PRODUCT/MIN = AND) so the
 //! stored bytes stay 0 or 1.
+//!
+//! Buffers need not be aligned for their dtype: torch lets a user make a
+//! float32 view at any byte offset (`torch.frombuffer(..., offset=2)`).
+//! Aligned ones are used in place; others go through aligned copies a block
+//! at a time (`through_aligned`).
+
+// Every public kernel here is a safe function whose unsafe code relies on
+// invariants documented where it is.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::dtype::{DType, ReduceOp};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
-/// Reinterpret a byte slice as `T`. Buffers are tensor storage or scratch
-/// allocated with 8-byte alignment, and lengths are whole elements.
+/// Reinterpret a byte slice as `T`. Callers pass buffers aligned for `T`
+/// (`through_aligned` sees to it), of whole elements.
 fn typed<T>(bytes: &[u8]) -> &[T] {
     if bytes.is_empty() {
         return &[]; // an empty buffer's pointer may be anything
     }
     assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
     assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
+    // SAFETY: the pointer is non-null and aligned for T (asserted), the
+    // length is whole elements inside the slice, and the kernels' T are
+    // plain numbers for which every bit pattern is a value.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / std::mem::size_of::<T>()) }
 }
 
@@ -22,7 +34,38 @@ fn typed_mut<T>(bytes: &mut [u8]) -> &mut [T] {
     }
     assert!((bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()), "misaligned buffer");
     assert!(bytes.len().is_multiple_of(std::mem::size_of::<T>()), "partial element");
+    // SAFETY: as in `typed`; the slice is borrowed mutably, so the view is
+    // the only access to these bytes while it lives.
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut T, bytes.len() / std::mem::size_of::<T>()) }
+}
+
+/// Bytes a misaligned buffer is copied through at a time (a multiple of every element size).
+const BOUNCE_BYTES: usize = 4096;
+
+/// Run `kernel(dst, src)` (`src` may be empty: a kernel of `dst` alone) on
+/// buffers aligned for `dtype`: these themselves where they are, else
+/// aligned copies of a block of each at a time, `dst`'s copied back.
+fn through_aligned(dtype: DType, dst: &mut [u8], src: &[u8], kernel: impl Fn(&mut [u8], &[u8])) {
+    let aligned = |p: *const u8| (p as usize).is_multiple_of(dtype.size());
+    if aligned(dst.as_ptr()) && (src.is_empty() || aligned(src.as_ptr())) {
+        return kernel(dst, src);
+    }
+    let (mut a, mut b) = ([0u64; BOUNCE_BYTES / 8], [0u64; BOUNCE_BYTES / 8]);
+    let (a, b) = (bytes_of_words(&mut a), bytes_of_words(&mut b));
+    for (i, d) in dst.chunks_mut(BOUNCE_BYTES).enumerate() {
+        let n = d.len();
+        a[..n].copy_from_slice(d);
+        let s = if src.is_empty() { &[][..] } else { &src[i * BOUNCE_BYTES..i * BOUNCE_BYTES + n] };
+        b[..s.len()].copy_from_slice(s);
+        kernel(&mut a[..n], &b[..s.len()]);
+        d.copy_from_slice(&a[..n]);
+    }
+}
+
+fn bytes_of_words(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: u8 has no alignment, the byte length is that of the words,
+    // and the words are borrowed mutably for as long as the bytes.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), std::mem::size_of_val(words)) }
 }
 
 #[inline(always)]
@@ -156,6 +199,10 @@ macro_rules! int_kernel {
 /// IEEE operations, no fused multiply-add), so ranks on different CPUs agree.
 pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "reduce_into: length mismatch");
+    through_aligned(dtype, dst, src, |dst, src| reduce_aligned(dtype, op, dst, src))
+}
+
+fn reduce_aligned(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: the CPU has the features the function is compiled for.
@@ -199,6 +246,10 @@ fn reduce_into_any_cpu(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
 
 /// The last step of AVG: divide the fully reduced sum by the world size.
 pub fn divide_by(dtype: DType, buf: &mut [u8], world: usize) {
+    through_aligned(dtype, buf, &[], |buf, _| divide_aligned(dtype, buf, world))
+}
+
+fn divide_aligned(dtype: DType, buf: &mut [u8], world: usize) {
     let w = world as f64;
     match dtype {
         DType::F32 => typed_mut::<f32>(buf).iter_mut().for_each(|x| *x /= w as f32),
@@ -211,6 +262,10 @@ pub fn divide_by(dtype: DType, buf: &mut [u8], world: usize) {
 
 /// PREMUL_SUM's first step: multiply every element by `factor`.
 pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
+    through_aligned(dtype, buf, &[], |buf, _| scale_aligned(dtype, buf, factor))
+}
+
+fn scale_aligned(dtype: DType, buf: &mut [u8], factor: f64) {
     match dtype {
         DType::F32 => typed_mut::<f32>(buf).iter_mut().for_each(|x| *x *= factor as f32),
         DType::F64 => typed_mut::<f64>(buf).iter_mut().for_each(|x| *x *= factor),
@@ -228,10 +283,46 @@ mod tests {
     fn run<T: Copy + Default>(dtype: DType, op: ReduceOp, a: &[T], b: &[T]) -> Vec<T> {
         let mut da: Vec<T> = a.to_vec();
         let db: Vec<T> = b.to_vec();
+        // SAFETY: byte views of whole vectors of plain numbers, each borrowed for the views' lifetime.
         let dst = unsafe { std::slice::from_raw_parts_mut(da.as_mut_ptr() as *mut u8, std::mem::size_of_val(a)) };
+        // SAFETY: as above.
         let src = unsafe { std::slice::from_raw_parts(db.as_ptr() as *const u8, std::mem::size_of_val(b)) };
         reduce_into(dtype, op, dst, src);
         da
+    }
+
+    /// The same reduction on copies of `a` and `b` placed at every byte
+    /// offset 0..8 (misaligned for every dtype wider than a byte).
+    fn at_every_offset(dtype: DType, op: ReduceOp, a: &[u8], b: &[u8]) {
+        let mut want = a.to_vec();
+        through_aligned(dtype, &mut want, b, |d, s| reduce_aligned(dtype, op, d, s));
+        for (da, db) in (0..8).flat_map(|x| (0..8).map(move |y| (x, y))) {
+            let (mut ba, mut bb) = (vec![0u8; a.len() + 8], vec![0u8; b.len() + 8]);
+            ba[da..da + a.len()].copy_from_slice(a);
+            bb[db..db + b.len()].copy_from_slice(b);
+            reduce_into(dtype, op, &mut ba[da..da + a.len()], &bb[db..db + b.len()]);
+            assert_eq!(&ba[da..da + a.len()], &want[..], "{dtype:?} {op:?} at offsets {da}, {db}");
+        }
+    }
+
+    #[test]
+    fn misaligned_buffers_reduce_like_aligned_ones() {
+        // Longer than one bounce block, and not a whole number of them.
+        let n = BOUNCE_BYTES * 2 + 24;
+        let a: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
+        let b: Vec<u8> = (0..n).map(|i| (i * 13 % 241) as u8 & 0x3f).collect();
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I16, DType::I32, DType::I64] {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                at_every_offset(dtype, op, &a, &b);
+            }
+        }
+        let mut buf = [0u8; 4 * 5 + 2];
+        let floats: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        buf[2..].copy_from_slice(&floats);
+        scale(DType::F32, &mut buf[2..], 2.0);
+        divide_by(DType::F32, &mut buf[2..], 4);
+        let got: Vec<f32> = buf[2..].chunks(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, vec![0.5, 1.0, 1.5, 2.0, 2.5]);
     }
 
     #[test]
@@ -293,6 +384,7 @@ mod tests {
             let n = 16 << 20;
             let mut a = vec![0u64; n / 8];
             let b = vec![0u64; n / 8];
+            // SAFETY: byte views of the n bytes of two vectors of words, each borrowed for the views' lifetime.
             let (dst, src) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(a.as_mut_ptr() as *mut u8, n),
@@ -332,6 +424,7 @@ mod tests {
     #[test]
     fn avg_divides() {
         let mut v = vec![3.0f32, 9.0];
+        // SAFETY: the 8 bytes of two f32s, borrowed for the view's lifetime.
         let buf = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, 8) };
         divide_by(DType::F32, buf, 3);
         assert_eq!(v, vec![1.0, 3.0]);
