@@ -240,7 +240,12 @@ class OpBuilder {
  private:
   enum class Access { kRead, kReadWrite, kWrite };
 
-  TensorDesc stage(const at::Tensor& t, Access access) {
+  // The engine reads and writes a detached alias of the caller's tensor:
+  // the same memory, without autograd, so that a parameter that requires
+  // grad is written in place whatever the grad mode of the thread that
+  // copies (the engine's, or the caller's outside torch.no_grad()).
+  TensorDesc stage(const at::Tensor& user, Access access) {
+    const at::Tensor t = user.detach();
     TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", t.layout(),
                 " tensors; pass a dense (strided) tensor");
     TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "rustc10d: ", op_, " does not support tensors on ",
@@ -259,7 +264,7 @@ class OpBuilder {
   }
 
   // A pinned host copy the engine works on, moved by its staging.
-  TensorDesc stage_device(const at::Tensor& t, Access access) {
+  TensorDesc stage_device(const at::Tensor& t, Access access) {  // t: detached (see stage)
     auto& d = *done_->impl;
     if (t.device().is_cuda()) {
       TORCH_CHECK(cuda_allowed_, "rustc10d: ", op_, " got a tensor on ", t.device(),
@@ -355,13 +360,17 @@ class RustBackend final : public compat::Backend<RustBackend> {
     TORCH_CHECK(t.layout() == at::kSparse && t.device().is_cpu(),
                 "rustc10d: allreduce_sparse takes a sparse COO tensor on the CPU");
     TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, "rustc10d: allreduce on sparse tensors supports SUM only");
+    // Each rank sends its rows coalesced (DDP's sparse gradients are not), so
+    // that a peer's row count is bounded by the tensor's shape.
+    at::NoGradGuard no_grad;
     auto input = t.coalesce();
     auto indices = input.indices().t().contiguous();  // [nnz, sparse_dim]
     auto values = input.values().contiguous();         // [nnz, dense...]
     auto b = builder("allreduce_sparse", OpKind::AllReduceSparse, {t});
     b.impl().sparse = t;
     b.call.inputs = rvec({b.input(indices), b.input(values)});
-    b.call.index_row = static_cast<size_t>(input.sparse_dim()) * sizeof(int64_t);
+    for (auto size : t.sizes()) b.call.sparse_sizes.push_back(size);
+    b.call.sparse_dim = static_cast<size_t>(input.sparse_dim());
     int64_t per_row = 1;
     for (int64_t d = 1; d < values.dim(); ++d) per_row *= values.size(d);
     b.call.value_row = static_cast<size_t>(per_row * values.element_size());

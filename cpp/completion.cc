@@ -244,27 +244,33 @@ void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error)
   }
 }
 
-// Every rank's rows, added up by torch: rows with equal indices sum.
-void complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
-                     rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept {
+// Every rank's rows, added up by torch: rows with equal indices sum. The
+// engine checked the rows against the tensor's shape (counts, indices in
+// range), so the tensor built here is valid. The result is coalesced, as
+// Gloo's is. The tensor may be uncoalesced (DDP's sparse gradients are), so
+// only what an uncoalesced tensor answers is asked of it.
+rust::String complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
+                             rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept {
   auto& t = done->impl->sparse;
+  std::string failed;
   try {
+    at::NoGradGuard no_grad;  // the engine's thread, not the caller's grad mode
     int64_t total = 0;
     for (auto r : rows) total += static_cast<int64_t>(r);
     auto idx = at::empty({total, t.sparse_dim()}, at::kLong);
     auto val_shape = t.sizes().slice(t.sparse_dim()).vec();
     val_shape.insert(val_shape.begin(), total);
-    auto val = at::empty(val_shape, t.values().options());
+    auto val = at::empty(val_shape, at::TensorOptions().dtype(t.scalar_type()));
     TORCH_CHECK(idx.nbytes() == indices.size() && val.nbytes() == values.size(),
                 "rustc10d: a sparse all-reduce gathered rows of the wrong size");
     if (!indices.empty()) std::memcpy(idx.data_ptr(), indices.data(), indices.size());
     if (!values.empty()) std::memcpy(val.data_ptr(), values.data(), values.size());
     t.copy_(at::sparse_coo_tensor(idx.t(), val, t.sizes()).coalesce());
   } catch (const std::exception& e) {
-    complete(std::move(done), ErrorKind::Io, e.what());
-    return;
+    failed = std::string("rustc10d: allreduce_sparse could not build its result: ") + e.what();
   }
-  complete(std::move(done), ErrorKind::Io, "");
+  complete(std::move(done), ErrorKind::Io, failed);
+  return rust::String(failed);
 }
 
 }  // namespace rustc10d

@@ -32,8 +32,8 @@ rust::String store_host(const StoreRef& store);
 std::unique_ptr<StoreRef> store_from_python(size_t pyobject);
 
 void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error) noexcept;
-void complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
-                     rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept;
+rust::String complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
+                             rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept;
 
 // Device primitives (see src/engine/staging.rs).
 uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len);

@@ -107,13 +107,78 @@ impl Reduction {
     }
 }
 
-/// The result of a sparse all-reduce, filled by the op: every rank's rows.
+/// The result of a sparse all-reduce, filled by the op: every rank's rows,
+/// checked against the tensor's shape (`SparseShape::check_indices`).
 #[derive(Debug, Default)]
 pub struct SparseGathered {
     /// Rows each rank contributed, by rank.
     pub rows: Vec<u64>,
     pub indices: Vec<u8>,
     pub values: Vec<u8>,
+}
+
+/// The shape of a sparse COO tensor, which every rank's must share: the
+/// sizes of its sparse dimensions (a row of indices is one int64 for each)
+/// and of its dense ones, whose elements make a row of values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SparseShape {
+    pub sparse_sizes: Vec<u64>,
+    pub dense_sizes: Vec<u64>,
+    /// Bytes of one row of values.
+    pub value_row: usize,
+}
+
+impl SparseShape {
+    /// Bytes of one row of indices.
+    pub fn index_row(&self) -> usize {
+        self.sparse_sizes.len() * 8
+    }
+
+    /// The most rows a coalesced tensor of this shape holds: one per distinct
+    /// index (a rank's input is coalesced before it is sent).
+    pub fn max_rows(&self) -> u64 {
+        self.sparse_sizes.iter().fold(1u64, |n, &s| n.saturating_mul(s))
+    }
+
+    /// How many rows `indices` and `values` hold, if they agree.
+    pub fn rows(&self, indices: &RawBuf, values: &RawBuf) -> Option<usize> {
+        let of = |b: &RawBuf, row: usize| b.len.checked_div(row).filter(|_| b.len.is_multiple_of(row));
+        match (of(indices, self.index_row()), of(values, self.value_row)) {
+            (Some(i), Some(v)) => (i == v).then_some(i),
+            (Some(i), None) => (values.len == 0).then_some(i),
+            (None, Some(v)) => (indices.len == 0).then_some(v),
+            // Neither has bytes in a row: nothing to add up.
+            (None, None) => (indices.len == 0 && values.len == 0).then_some(0),
+        }
+    }
+
+    /// The first row of `indices` (native-endian int64s, `index_row()` bytes
+    /// a row) with an index outside the sizes, as (row, index).
+    pub fn index_out_of_range(&self, indices: &[u8]) -> Option<(usize, i64)> {
+        let dims = self.sparse_sizes.len();
+        if dims == 0 {
+            return None;
+        }
+        indices.chunks_exact(8).enumerate().find_map(|(i, b)| {
+            let index = i64::from_ne_bytes(b.try_into().expect("chunks of 8"));
+            let size = self.sparse_sizes[i % dims];
+            (index < 0 || index as u64 >= size).then_some((i / dims, index))
+        })
+    }
+
+    /// 64 bits that differ between shapes (FNV-1a), for the call check.
+    pub fn digest(&self) -> u64 {
+        let words = [self.sparse_sizes.len() as u64].into_iter().chain(self.sparse_sizes.iter().copied());
+        let words = words.chain([self.dense_sizes.len() as u64]).chain(self.dense_sizes.iter().copied());
+        words
+            .flat_map(u64::to_le_bytes)
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    }
+
+    /// "[4, 3] (sparse) x [2] (dense)".
+    pub fn describe(&self) -> String {
+        format!("{:?} (sparse) x {:?} (dense)", self.sparse_sizes, self.dense_sizes)
+    }
 }
 
 /// One collective call. Buffers are the caller's (see `Engine::submit`).
@@ -167,13 +232,12 @@ pub enum Collective {
         timeout: Option<Duration>,
     },
     /// SUM of sparse COO tensors, as Gloo does it: every rank's rows (indices
-    /// and values, `index_row` and `value_row` bytes each) gathered into
-    /// `out`; the caller adds up rows with equal indices.
+    /// and values, rows of `shape`) gathered into `out`; the caller adds up
+    /// rows with equal indices.
     AllReduceSparse {
         indices: RawBuf,
         values: RawBuf,
-        index_row: usize,
-        value_row: usize,
+        shape: SparseShape,
         dtype: DType,
         out: Arc<Mutex<SparseGathered>>,
     },
@@ -301,22 +365,17 @@ impl Collective {
                 Ok(())
             }
             Collective::Barrier | Collective::MonitoredBarrier { .. } => Ok(()),
-            Collective::AllReduceSparse { indices, values, index_row, value_row, .. } => {
-                let rows = |b: &RawBuf, row: usize| b.len.checked_div(row).filter(|_| b.len.is_multiple_of(row));
-                let agree = match (rows(indices, *index_row), rows(values, *value_row)) {
-                    (Some(i), Some(v)) => i == v,
-                    // Values with an empty dense part: any number of rows of 0 bytes.
-                    (Some(_), None) => *value_row == 0 && values.len == 0,
-                    _ => false,
-                };
-                if !agree {
-                    return bad(format!(
-                        "{} index bytes in rows of {index_row} and {} value bytes in rows of {value_row} do not agree",
-                        indices.len, values.len
-                    ));
-                }
-                Ok(())
-            }
+            Collective::AllReduceSparse { indices, values, shape, .. } => match shape.rows(indices, values) {
+                Some(rows) if rows as u64 <= shape.max_rows() => Ok(()),
+                Some(rows) => bad(format!("{rows} rows do not fit a coalesced tensor of sizes {}", shape.describe())),
+                None => bad(format!(
+                    "{} index bytes in rows of {} and {} value bytes in rows of {} do not agree",
+                    indices.len,
+                    shape.index_row(),
+                    values.len,
+                    shape.value_row
+                )),
+            },
         }
     }
 }

@@ -1,7 +1,8 @@
 //! A one-shot completion cell: the truth behind every Work and every posted
 //! transfer. Finishing runs the owner's callback first (the shim completes the
 //! torch future there), then publishes the result, so `wait()` never returns
-//! before the future is complete.
+//! before the future is complete. A callback that fails (the shim could not
+//! hand the result over) fails the op: Work and future tell the same story.
 
 use crate::error::Result;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -10,6 +11,11 @@ use std::time::{Duration, Instant};
 
 /// Runs once, on the thread that finishes the operation.
 pub type Callback = Box<dyn FnOnce(&Result<i64>) + Send>;
+
+/// The owner's callback: runs once, on the thread that finishes the
+/// operation, before the result is published; an error it returns becomes
+/// the result of an op that had succeeded.
+pub type Finisher = Box<dyn FnOnce(&Result<i64>) -> Result<()> + Send>;
 
 /// What a waiting thread does while it polls (`Transport::polling`): make
 /// progress without blocking. Dropped when it stops polling.
@@ -81,7 +87,7 @@ pub struct Status {
 struct State {
     claimed: bool,
     result: Option<Result<i64>>,
-    callback: Option<Callback>,
+    callback: Option<Finisher>,
     /// Run after the result is published (`then`).
     observers: Vec<Callback>,
 }
@@ -91,7 +97,7 @@ impl Status {
         Arc::new(Status::default())
     }
 
-    pub fn with_callback(callback: Callback) -> Arc<Status> {
+    pub fn with_callback(callback: Finisher) -> Arc<Status> {
         let s = Status::default();
         s.state.lock().unwrap().callback = Some(callback);
         Arc::new(s)
@@ -104,7 +110,7 @@ impl Status {
 
     /// A cell whose errors name the op (`context`), whoever finishes it,
     /// charged `cost`.
-    pub fn named(context: String, cost: Arc<Cost>, callback: Callback) -> Arc<Status> {
+    pub fn named(context: String, cost: Arc<Cost>, callback: Finisher) -> Arc<Status> {
         let s = Status { context: Some(context), cost: Some(cost), ..Status::default() };
         s.state.lock().unwrap().callback = Some(callback);
         Arc::new(s)
@@ -124,9 +130,10 @@ impl Status {
             st.claimed = true;
             st.callback.take()
         };
-        if let Some(cb) = callback {
-            cb(&result);
-        }
+        let result = match (callback.map(|cb| cb(&result)), result) {
+            (Some(Err(e)), Ok(_)) => Err(e),
+            (_, result) => result,
+        };
         let observers = {
             let mut st = self.state.lock().unwrap();
             st.result = Some(result.clone());
@@ -154,7 +161,7 @@ impl Status {
 
     /// A cell that finishes once every one of `all` has, with the first
     /// failure among them if any; `callback` runs then.
-    pub fn all(all: &[Arc<Status>], callback: Callback) -> Arc<Status> {
+    pub fn all(all: &[Arc<Status>], callback: Finisher) -> Arc<Status> {
         let combined = Status::with_callback(callback);
         if all.is_empty() {
             combined.finish(Ok(0));
@@ -263,6 +270,7 @@ mod tests {
         let status = Status::with_callback(Box::new(move |r| {
             assert!(r.is_ok());
             s2.store(true, Ordering::SeqCst);
+            Ok(())
         }));
         let st = status.clone();
         let t = std::thread::spawn(move || st.wait(None, Duration::ZERO).unwrap().unwrap());
@@ -280,24 +288,40 @@ mod tests {
         let parts = [Status::new(), Status::new(), Status::new()];
         let seen = Arc::new(Mutex::new(None));
         let s2 = seen.clone();
-        let all = Status::all(&parts, Box::new(move |r| *s2.lock().unwrap() = Some(r.is_ok())));
+        let all = Status::all(
+            &parts,
+            Box::new(move |r| {
+                *s2.lock().unwrap() = Some(r.is_ok());
+                Ok(())
+            }),
+        );
         parts[1].finish(Err(Error::io("first")));
         parts[0].finish(Ok(1));
         assert!(!all.is_done());
         parts[2].finish(Err(Error::io("second")));
         assert_eq!(all.result().unwrap().unwrap_err().message, "first");
         assert_eq!(*seen.lock().unwrap(), Some(false));
-        assert!(Status::all(&[], Box::new(|_| {})).result().unwrap().is_ok(), "nothing to wait for");
+        assert!(Status::all(&[], Box::new(|_| Ok(()))).result().unwrap().is_ok(), "nothing to wait for");
+    }
+
+    #[test]
+    fn a_failing_callback_fails_an_op_that_had_succeeded_but_not_one_that_had_failed() {
+        let handed_over = Status::with_callback(Box::new(|_| Err(Error::io("could not build the result"))));
+        handed_over.finish(Ok(0));
+        assert_eq!(handed_over.result().unwrap().unwrap_err().message, "could not build the result");
+        let failed = Status::with_callback(Box::new(|_| Err(Error::io("later"))));
+        failed.finish(Err(Error::peer_lost("first")));
+        assert_eq!(failed.result().unwrap().unwrap_err().message, "first");
     }
 
     #[test]
     fn named_errors_say_which_op_once() {
         let op = "recv #3 from rank 1";
-        let lost = Status::named(op.into(), Arc::default(), Box::new(|_| {}));
+        let lost = Status::named(op.into(), Arc::default(), Box::new(|_| Ok(())));
         lost.finish(Err(Error::peer_lost("rank 1 closed its connection")));
         let msg = lost.result().unwrap().unwrap_err().message;
         assert_eq!(msg, "rustc10d: recv #3 from rank 1: rank 1 closed its connection");
-        let late = Status::named(op.into(), Arc::default(), Box::new(|_| {}));
+        let late = Status::named(op.into(), Arc::default(), Box::new(|_| Ok(())));
         late.finish(Err(Error::timeout("rustc10d: Timed out after 5 ms: recv #3 from rank 1 was waiting for data")));
         assert!(late.result().unwrap().unwrap_err().message.starts_with("rustc10d: Timed out"), "named once");
     }

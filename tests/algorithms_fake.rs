@@ -389,3 +389,78 @@ fn sends_held_behind_a_busy_link_still_carry_what_was_sent() {
         }
     }
 }
+
+/// A sparse all-reduce on rank `rk` of `rows` (an index and an 8-byte value
+/// each) in a tensor of `size` rows; `honest` false skips the local check of
+/// the call, as a lying peer would. Returns the gathered rows.
+fn sparse_on(rk: &mut Rank, size: u64, rows: &[i64], honest: bool) -> Result<SparseGathered> {
+    let mut indices = Buf::of(DType::I64, &rows.iter().map(|&i| i as f64).collect::<Vec<_>>());
+    let mut values = Buf::of(DType::F64, &rows.iter().map(|&i| (i * 10 + rk.rank() as i64) as f64).collect::<Vec<_>>());
+    let shape = SparseShape { sparse_sizes: vec![size], dense_sizes: vec![], value_row: 8 };
+    let out = Arc::new(Mutex::new(SparseGathered::default()));
+    let part = Collective::AllReduceSparse {
+        indices: indices.raw(),
+        values: values.raw(),
+        shape,
+        dtype: DType::F64,
+        out: out.clone(),
+    };
+    if honest { rk.run(part) } else { rk.run_unchecked(part) }?;
+    let gathered = std::mem::take(&mut *out.lock().unwrap());
+    Ok(gathered)
+}
+
+#[test]
+fn sparse_all_reduce_gathers_every_ranks_rows_in_rank_order() {
+    for (net, kind) in NETS {
+        for world in 1..=4 {
+            // Rank r holds rows 0..=r, some of them the same on every rank.
+            let out = on_ranks_via(kind, world, RING, |rk| {
+                let rows: Vec<i64> = (0..=rk.rank() as i64).collect();
+                sparse_on(rk, 8, &rows, true).unwrap()
+            });
+            for (rank, got) in out.into_iter().enumerate() {
+                let at = format!("{net}, world {world}, rank {rank}");
+                assert_eq!(got.rows, (1..=world as u64).collect::<Vec<_>>(), "{at}");
+                let want: Vec<i64> = (0..world as i64).flat_map(|r| 0..=r).collect();
+                let idx: Vec<i64> = got.indices.chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+                assert_eq!(idx, want, "{at}");
+                let vals: Vec<f64> = got.values.chunks(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect();
+                let want: Vec<f64> =
+                    (0..world as i64).flat_map(|r| (0..=r).map(move |i| (i * 10 + r) as f64)).collect();
+                assert_eq!(vals, want, "{at}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_sends_too_many_sparse_rows_or_indices_out_of_range_is_named() {
+    // A tensor of 4 rows holds at most 4 distinct indices; the liar (rank 1)
+    // sends 5, or an index past the end, or a negative one.
+    let lies: [(&str, &[i64]); 3] =
+        [("a count of 5 rows", &[0, 1, 2, 3, 3]), ("index 9", &[0, 9]), ("index -1", &[-1])];
+    for (net, kind) in NETS {
+        for world in [2, 3] {
+            for (what, rows) in lies {
+                let t0 = Instant::now();
+                let out = on_ranks_via(kind, world, RING, |rk| {
+                    if rk.rank() == 1 {
+                        sparse_on(rk, 4, rows, false)
+                    } else {
+                        sparse_on(rk, 4, &[rk.rank() as i64 % 4], true)
+                    }
+                });
+                assert!(t0.elapsed() < PROMPT, "{net}, {what}: took {:?}", t0.elapsed());
+                for (rank, r) in out.into_iter().enumerate() {
+                    let e = r.expect_err(&format!("{net}, world {world}, {what}: rank {rank} accepted it"));
+                    assert!(
+                        e.message.contains("rank 1 ") && e.message.contains(what),
+                        "{net}, world {world}, {what}: rank {rank}: {}",
+                        e.message
+                    );
+                }
+            }
+        }
+    }
+}

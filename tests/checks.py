@@ -99,8 +99,14 @@ def check(suite, worlds=WORLD_SIZES, skip_on=None, job="main", last=False):
     return deco
 
 
+# A developer's shortcut: RUSTC10D_TEST_ONLY=name,name runs only those checks in each job (with
+# pytest -k selecting the same ones), instead of every check of the job.
+ONLY = {name for name in os.environ.get("RUSTC10D_TEST_ONLY", "").split(",") if name}
+
+
 def runnable(world: int, backend: str, job: str = "main") -> list[Check]:
-    found = [c for c in CHECKS.values() if c.job == job and world in c.worlds and not c.skip_reason(backend)]
+    found = [c for c in CHECKS.values() if c.job == job and world in c.worlds and not c.skip_reason(backend)
+             and (not ONLY or c.name in ONLY)]
     return sorted(found, key=lambda c: c.last)  # stable: insertion order otherwise
 
 
@@ -892,4 +898,5 @@ def usable_after_wait_timeout(ctx: Ctx):
 # The other checks live in their own modules, which register them on import (they import this
 # one, which is complete by now).
 import checks_ops  # noqa: E402,F401
+import checks_regressions  # noqa: E402,F401
 import checks_stacks  # noqa: E402,F401

@@ -151,6 +151,30 @@ for _name, (_options, _tolerance) in _DDP_VARIANTS.items():
     _register_stack("ddp", _name, functools.partial(_ddp_check, options=_options, tolerance=_tolerance))
 
 
+def _ddp_sparse_embedding_training(ctx: Ctx, group, steps=3) -> dict[str, torch.Tensor]:
+    """A recommendation model's core: nn.Embedding(sparse=True), whose gradients DDP all_reduces
+    as uncoalesced sparse tensors (the same rows looked up on several ranks, and twice on one)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 5, sparse=True), nn.Flatten(), nn.Linear(15, OUT))
+    ddp = DDP(model, process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        ids = torch.tensor([[ctx.rank % 3, 7, 7], [step, 19 - ctx.rank, 0]])
+        loss = F.mse_loss(ddp(ids), _batch(ctx.rank, step)[1][:2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return _trained(model, losses)
+
+
+_register_stack("ddp", "ddp_sparse_embedding",
+                lambda ctx: expect_same_as_gloo(ctx, functools.partial(_ddp_sparse_embedding_training, ctx)))
+
+
 # ============================================================================= FSDP2
 
 

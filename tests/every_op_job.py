@@ -55,9 +55,12 @@ def all_reduce(rank, world):
 
 @op
 def all_reduce_sparse(rank, world):
-    t = torch.sparse_coo_tensor([[rank]], [1.0], (world,))
+    # Index 0 on every rank, and twice on rank 0 (uncoalesced): rows with equal indices add up.
+    t = torch.sparse_coo_tensor([[0, rank]], [1.0, 1.0], (world,))
     dist.all_reduce(t)
-    expect(t.to_dense(), torch.ones(world), "sparse all_reduce")
+    expected = torch.ones(world)
+    expected[0] += world
+    expect(t.to_dense(), expected, "sparse all_reduce")
 
 
 @op

@@ -50,7 +50,7 @@ fn still_works(engines: &[Engine]) {
                 let buf = RawBuf::new(v.as_mut_ptr().cast(), 4000);
                 let red = Reduction::new(DType::F32, ReduceOp::Sum);
                 let part = Collective::AllReduce { buf, red };
-                let h = unsafe { e.submit(vec![part], None, None, Box::new(|_| {})).unwrap() };
+                let h = unsafe { e.submit(vec![part], None, None, Box::new(|_| Ok(()))).unwrap() };
                 assert_eq!(h.wait(None), Waited::Done);
                 let w = engines.len() as f32;
                 assert!(v.iter().all(|&x| x == w * (w + 1.0) / 2.0));

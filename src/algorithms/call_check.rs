@@ -39,6 +39,8 @@ pub struct Fingerprint {
     /// The piece size of an op staged in pieces (0: whole). Pieces have
     /// keys of their own, so every rank must cut the same way.
     pub piece: u64,
+    /// A sparse all-reduce's tensor shape (`SparseShape::digest`); 0 otherwise.
+    pub shape: u64,
 }
 
 impl Fingerprint {
@@ -50,6 +52,7 @@ impl Fingerprint {
         const NONE: u8 = Fingerprint::NONE;
         let reduce = |red: &Reduction| if red.premul.is_some() { 8 } else { red.op as u8 };
         let total = |bufs: &[RawBuf]| bufs.iter().map(|b| b.len as u64).sum::<u64>();
+        let mut shape = 0;
         let (dtype, op, root, bytes) = match call {
             Collective::AllReduce { buf, red } => (red.dtype as u8, reduce(red), None, buf.len as u64),
             Collective::Reduce { buf, root, red } => (red.dtype as u8, reduce(red), Some(*root), buf.len as u64),
@@ -61,11 +64,14 @@ impl Fingerprint {
             // Block sizes legitimately differ per rank.
             Collective::AllToAll { .. } => (NONE, NONE, None, 0),
             Collective::Barrier | Collective::MonitoredBarrier { .. } => (NONE, NONE, None, 0),
-            // Rows differ per rank; the size of a row of values may not.
-            Collective::AllReduceSparse { dtype, value_row, .. } => (*dtype as u8, 0, None, *value_row as u64),
+            // Rows differ per rank; the tensor's shape, and so the size of a row of values, may not.
+            Collective::AllReduceSparse { dtype, shape: s, .. } => {
+                shape = s.digest();
+                (*dtype as u8, 0, None, s.value_row as u64)
+            }
         };
         let root = root.map_or(u32::MAX, |r| r as u32);
-        Fingerprint { op: call.kind(), dtype, reduce: op, root, bytes, piece: 0 }
+        Fingerprint { op: call.kind(), dtype, reduce: op, root, bytes, piece: 0, shape }
     }
 
     pub(super) fn encode(&self) -> [u8; Self::LEN] {
@@ -76,6 +82,7 @@ impl Fingerprint {
         b[4..8].copy_from_slice(&self.root.to_le_bytes());
         b[8..16].copy_from_slice(&self.bytes.to_le_bytes());
         b[16..24].copy_from_slice(&self.piece.to_le_bytes());
+        b[24..32].copy_from_slice(&self.shape.to_le_bytes());
         b
     }
 
@@ -88,6 +95,7 @@ impl Fingerprint {
             root: u32::from_le_bytes(b[4..8].try_into().unwrap()),
             bytes: u64::from_le_bytes(b[8..16].try_into().unwrap()),
             piece: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            shape: u64::from_le_bytes(b[24..32].try_into().unwrap()),
         })
     }
 
@@ -108,6 +116,9 @@ impl Fingerprint {
         }
         if self.piece != 0 {
             parts.push(format!("staged in pieces of {} bytes", self.piece));
+        }
+        if self.shape != 0 {
+            parts.push(format!("sizes digest {:016x}", self.shape));
         }
         format!("{}({})", self.op.name(), parts.join(", "))
     }
@@ -327,7 +338,7 @@ mod tests {
 
     #[test]
     fn roundtrip_and_description() {
-        let f = Fingerprint { op: OpKind::Reduce, dtype: 0, reduce: 4, root: 2, bytes: 4096, piece: 1 << 20 };
+        let f = Fingerprint { op: OpKind::Reduce, dtype: 0, reduce: 4, root: 2, bytes: 4096, piece: 1 << 20, shape: 0 };
         assert_eq!(Fingerprint::decode(&f.encode()).unwrap(), f);
         assert_eq!(
             f.describe(),
@@ -340,6 +351,7 @@ mod tests {
             root: u32::MAX,
             bytes: 0,
             piece: 0,
+            shape: 0,
         };
         assert_eq!(b.describe(), "barrier(0 bytes)");
     }

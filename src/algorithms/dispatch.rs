@@ -1,6 +1,5 @@
 //! Which algorithm runs each collective, and the work around them that is
-//! not an algorithm of its own: barrier, PREMUL_SUM's scaling, the two rounds
-//! of a sparse all-reduce. Where every rank reads the others' memory
+//! not an algorithm of its own: barrier, PREMUL_SUM's scaling. Where every rank reads the others' memory
 //! (`Transport::single_copy_bytes`, the same on every rank), broadcast,
 //! all-gather, reduce-scatter and all-reduce of blocks that large go in one
 //! or two steps instead of around the ring. Groups on several hosts take the
@@ -22,16 +21,15 @@ use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
     hierarchical_direct_allreduce, hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
     ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
-    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, tree_broadcast, tree_reduce, OpCtx,
-    RawBuf, Scratch,
+    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, sparse_allreduce, tree_broadcast,
+    tree_reduce, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::ops::{Collective, Reduction, SparseGathered};
+use crate::ops::{Collective, Reduction};
 use crate::reduce::scale;
 use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
-use std::sync::Mutex;
 
 /// Whether `part` checks the call itself, with every rank, rather than
 /// before it starts (`call_check::agree`): the smallest all-reduces and
@@ -183,8 +181,10 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::MonitoredBarrier { wait_all, timeout } => {
             monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
         }
-        Collective::AllReduceSparse { indices, values, index_row, value_row, out, .. } => {
-            sparse_allreduce(ctx, (*indices, *index_row), (*values, *value_row), out)
+        Collective::AllReduceSparse { indices, values, shape, out, .. } => {
+            let rows = shape.rows(indices, values).expect("checked by Collective::check");
+            *out.lock().unwrap() = sparse_allreduce(ctx, *indices, *values, rows, shape)?;
+            Ok(())
         }
     }
 }
@@ -286,41 +286,4 @@ fn premultiplied_copies<'a>(
             dst
         })
         .collect()
-}
-
-/// SUM of sparse tensors, as Gloo does it: every rank learns every rank's
-/// row count, then gathers every rank's rows (indices, then values); the
-/// caller adds up rows with equal indices. The three rounds are pieces of
-/// one op, with keys of their own.
-fn sparse_allreduce(
-    ctx: &OpCtx,
-    (indices, index_row): (RawBuf, usize),
-    (values, value_row): (RawBuf, usize),
-    out: &Mutex<SparseGathered>,
-) -> Result<()> {
-    let world = ctx.transport.size();
-    let round = |piece: u64| OpCtx { piece, what: format!("{} (sparse round {piece})", ctx.what), ..*ctx };
-    let mut rows = vec![0u64; world];
-    let mine = [(indices.len / index_row) as u64];
-    let as_buf = |v: &mut [u64]| RawBuf::new(v.as_mut_ptr().cast(), v.len() * 8);
-    let counts: Vec<RawBuf> = rows.chunks_mut(1).map(as_buf).collect();
-    ring_allgather(&round(0), RawBuf::new(mine.as_ptr() as *mut u8, 8), &counts)?;
-    let gather = |piece: u64, input: RawBuf, row: usize| -> Result<Vec<u8>> {
-        let mut all = vec![0u8; rows.iter().sum::<u64>() as usize * row];
-        let mut at = 0;
-        let blocks: Vec<RawBuf> = rows
-            .iter()
-            .map(|&n| {
-                let b = RawBuf::new(unsafe { all.as_mut_ptr().add(at) }, n as usize * row);
-                at += n as usize * row;
-                b
-            })
-            .collect();
-        ring_allgather(&round(piece), input, &blocks)?;
-        Ok(all)
-    };
-    let gathered_indices = gather(1, indices, index_row)?;
-    let gathered_values = gather(2, values, value_row)?;
-    *out.lock().unwrap() = SparseGathered { rows, indices: gathered_indices, values: gathered_values };
-    Ok(())
 }

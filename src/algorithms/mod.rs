@@ -40,6 +40,7 @@ mod ring_reduce_scatter;
 mod single_copy_allgather;
 mod single_copy_broadcast;
 mod single_copy_reduce;
+mod sparse_allreduce;
 mod tree_broadcast;
 mod tree_reduce;
 
@@ -60,6 +61,7 @@ pub use ring_reduce_scatter::ring_reduce_scatter;
 pub use single_copy_allgather::single_copy_allgather;
 pub use single_copy_broadcast::single_copy_broadcast;
 pub use single_copy_reduce::{single_copy_allreduce, single_copy_reduce_scatter};
+pub use sparse_allreduce::sparse_allreduce;
 pub use tree_broadcast::tree_broadcast;
 pub use tree_reduce::tree_reduce;
 
@@ -172,14 +174,14 @@ impl RawBuf {
     /// # Safety
     /// The range must be valid and not written by anyone else while the slice lives.
     pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {
-        assert!(off + len <= self.len);
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
         std::slice::from_raw_parts(self.ptr.add(off), len)
     }
 
     /// # Safety
     /// The range must be valid and not accessed by anyone else while the slice lives.
     pub unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {
-        assert!(off + len <= self.len);
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
         std::slice::from_raw_parts_mut(self.ptr.add(off), len)
     }
 }

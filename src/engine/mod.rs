@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::fault::Faults;
 use crate::ops::{Collective, OpKind};
 use crate::stats::Stats;
-use crate::status::{Callback, Status};
+use crate::status::{Finisher, Status};
 use crate::transport::Transport;
 use job::Job;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -128,7 +128,7 @@ impl Engine {
         parts: Vec<Collective>,
         timeout: Option<Duration>,
         staging: Option<Staging>,
-        done: Callback,
+        done: Finisher,
     ) -> Result<OpHandle> {
         let (rank, world) = (self.rank(), self.size());
         let mut staging = staging;
@@ -171,7 +171,7 @@ impl Engine {
 
     /// One op that finishes once every op issued since `start_coalescing`
     /// has (with the first failure, if any); `done` runs then.
-    pub fn end_coalescing(&self, done: Callback) -> Result<OpHandle> {
+    pub fn end_coalescing(&self, done: Finisher) -> Result<OpHandle> {
         let ops = self.coalescing.lock().unwrap().take();
         let ops = ops.ok_or_else(|| Error::invalid("rustc10d: endCoalescing() without startCoalescing()"))?;
         let seq = self.shared.next_seq.load(Ordering::SeqCst);

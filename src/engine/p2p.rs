@@ -8,7 +8,7 @@ use crate::algorithms::RawBuf;
 use crate::error::{Error, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::OpKind;
-use crate::status::{Callback, Cost, Status};
+use crate::status::{Cost, Finisher, Status};
 use crate::transport::{Key, Ready};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ impl Engine {
         tag: i64,
         timeout: Option<Duration>,
         ready: Option<Ready>,
-        done: Callback,
+        done: Finisher,
     ) -> Result<OpHandle> {
         self.check_peer(OpKind::Send, dst)?;
         let seq = self.shared.sends.fetch_add(1, Ordering::SeqCst);
@@ -54,7 +54,7 @@ impl Engine {
         src: Option<usize>,
         tag: i64,
         timeout: Option<Duration>,
-        done: Callback,
+        done: Finisher,
     ) -> Result<OpHandle> {
         if let Some(src) = src {
             self.check_peer(OpKind::Recv, src)?;
@@ -85,15 +85,16 @@ impl Engine {
 
     /// The op's completion cell: its finish is counted, and an error from
     /// the transport names the op.
-    fn p2p_status(&self, kind: OpKind, op: &str, bytes: usize, done: Callback) -> std::sync::Arc<Status> {
+    fn p2p_status(&self, kind: OpKind, op: &str, bytes: usize, done: Finisher) -> std::sync::Arc<Status> {
         let (stats, start) = (self.shared.stats.clone(), Instant::now());
         let cost = std::sync::Arc::new(Cost::default());
         Status::named(
             op.to_string(),
             cost.clone(),
             Box::new(move |r: &Result<i64>| {
-                stats.record(kind, bytes as u64, start.elapsed(), r.is_ok(), &cost);
-                done(r)
+                let handed_over = done(r);
+                stats.record(kind, bytes as u64, start.elapsed(), r.is_ok() && handed_over.is_ok(), &cost);
+                handed_over
             }),
         )
     }

@@ -121,8 +121,10 @@ pub mod bridge {
         premul: f64,
         /// Monitored barrier: report every missing rank.
         wait_all: bool,
-        /// Sparse all-reduce: bytes per row of indices and of values.
-        index_row: usize,
+        /// Sparse all-reduce: the tensor's sizes, of which the first
+        /// `sparse_dim` are its sparse dimensions, and the bytes of a row of values.
+        sparse_sizes: Vec<i64>,
+        sparse_dim: usize,
         value_row: usize,
         /// Negative: the group's timeout. A monitored barrier's is rank 0's wait.
         timeout_ms: i64,
@@ -169,8 +171,10 @@ pub mod bridge {
 
         /// Finish the op: its future, its Work, its tensors (error empty: success).
         fn complete(done: UniquePtr<Completion>, kind: ErrorKind, error: &str);
-        /// Finish a sparse all-reduce: every rank's rows, to be added up.
-        fn complete_sparse(done: UniquePtr<Completion>, rows: &[u64], indices: &[u8], values: &[u8]);
+        /// Finish a sparse all-reduce: every rank's rows (checked against
+        /// the tensor's shape), to be added up. Returns the error the op
+        /// failed with where the result could not be made; empty: success.
+        fn complete_sparse(done: UniquePtr<Completion>, rows: &[u64], indices: &[u8], values: &[u8]) -> String;
 
         /// Device primitives on staged buffer `buffer` (by index into Call::staged).
         /// Queue bytes [start, start + len) to the host after the caller's

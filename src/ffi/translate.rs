@@ -8,7 +8,7 @@ use crate::dtype;
 use crate::engine::{Device, Event, HeldCopies, Staging};
 use crate::error::{Error, Result};
 use crate::ops::{self, Collective, Reduction, SparseGathered};
-use crate::status::Callback;
+use crate::status::Finisher;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -117,14 +117,23 @@ pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> R
             vec![Collective::AllReduceSparse {
                 indices: buf(indices),
                 values: buf(values),
-                index_row: call.index_row,
-                value_row: call.value_row,
+                shape: sparse_shape(call)?,
                 dtype: dtype_of(values.dtype).unwrap_or(dtype::DType::U8),
                 out: sparse.clone(),
             }]
         }
         ops::OpKind::Send | ops::OpKind::Recv => unreachable!("point-to-point calls are not collectives"),
     })
+}
+
+/// A sparse all-reduce's tensor shape.
+fn sparse_shape(call: &Call) -> Result<ops::SparseShape> {
+    let sizes = call.sparse_sizes.iter().map(|&s| u64::try_from(s)).collect::<std::result::Result<Vec<_>, _>>();
+    let sizes = sizes.ok().filter(|s| call.sparse_dim <= s.len());
+    let sizes =
+        sizes.ok_or_else(|| Error::invalid("rustc10d: a sparse all-reduce of a tensor without a valid shape"))?;
+    let (sparse, dense) = sizes.split_at(call.sparse_dim);
+    Ok(ops::SparseShape { sparse_sizes: sparse.to_vec(), dense_sizes: dense.to_vec(), value_row: call.value_row })
 }
 
 /// Finishing an op completes its torch future (and releases its tensors);
@@ -134,7 +143,7 @@ pub(super) fn finish_with(
     done: cxx::UniquePtr<bridge::Completion>,
     sparse: Option<Arc<Mutex<SparseGathered>>>,
     staged_out: Option<Staging>,
-) -> Callback {
+) -> Finisher {
     // Fields drop in this order: a staging dropped before it settled (the
     // op never ran) settles while the Completion still holds its tensors.
     struct Finish {
@@ -156,10 +165,21 @@ pub(super) fn finish_with(
         match (r, sparse) {
             (Ok(_), Some(out)) => {
                 let out = std::mem::take(&mut *out.lock().unwrap());
-                bridge::complete_sparse(done, &out.rows, &out.indices, &out.values)
+                let failed = bridge::complete_sparse(done, &out.rows, &out.indices, &out.values);
+                if failed.is_empty() {
+                    Ok(())
+                } else {
+                    Err(Error::io(failed))
+                }
             }
-            (Ok(_), None) => bridge::complete(done, bridge::ErrorKind::Io, ""),
-            (Err(e), _) => bridge::complete(done, e.kind.into(), &e.message),
+            (Ok(_), None) => {
+                bridge::complete(done, bridge::ErrorKind::Io, "");
+                Ok(())
+            }
+            (Err(e), _) => {
+                bridge::complete(done, e.kind.into(), &e.message);
+                Err(e)
+            }
         }
     })
 }

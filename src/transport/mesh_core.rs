@@ -122,7 +122,10 @@ impl Core {
             let bytes = encode_answer(&in_turn(text, deeper));
             let (data, len) = (bytes.as_ptr(), bytes.len());
             // The status keeps the bytes until they are written.
-            let status = Status::with_callback(Box::new(move |_| drop(bytes)));
+            let status = Status::with_callback(Box::new(move |_| {
+                drop(bytes);
+                Ok(())
+            }));
             if let Ok(link) = core.lane(peer, 0, false, Instant::now() + ASK_GRACE) {
                 link.send(SendReq::new(Key::answer(), data, len, status, None));
             }

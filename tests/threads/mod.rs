@@ -76,8 +76,8 @@ pub fn raw<T>(v: &mut [T]) -> RawBuf {
     RawBuf { ptr: v.as_mut_ptr().cast(), len: std::mem::size_of_val(v) }
 }
 
-pub fn noop() -> rustc10d::status::Callback {
-    Box::new(|_| {})
+pub fn noop() -> rustc10d::status::Finisher {
+    Box::new(|_| Ok(()))
 }
 
 pub fn wait_ok(h: OpHandle) {
