@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds rustc10d against each supported torch, one version at a time, imports it and runs one
 # real job of every op on it (tests/every_op_job.py, 2 ranks under torchrun, plain and once more
-# staged the way CUDA tensors are), then prints a table. CI runs it for the versions it does not
+# staged the way CUDA tensors are), tries init_process_group("rustc10d") without importing
+# rustc10d (tests/reinit_job.py --no-import: whether this torch finds backends by their entry
+# point), then prints a table. CI runs it for the versions it does not
 # run the whole suite on; run it by hand after touching the shim or the build.
 #
 #   bash scripts/torch_matrix.sh                            # every row of scripts/torch-versions.txt
@@ -24,7 +26,7 @@ for spec in "$@"; do
     dir=$(env_dir "$torch" "$py") log="$logs/torch-$torch-py$py.log"
     echo "=== torch $torch, Python $py (log: $log)"
     t0=$SECONDS
-    build=FAILED imported=- plain=- staged=- lacks=-
+    build=FAILED imported=- plain=- staged=- lacks=- entry=-
     if { ensure_env "$dir" "$torch" "$py" && build_rustc10d "$dir"; } >>"$log" 2>&1; then
         build=ok
         if lacks=$("$dir/bin/python" -c '
@@ -38,6 +40,9 @@ print(", ".join(f for f, has in n.TORCH_FEATURES.items() if not has) or "nothing
                     tests/every_op_job.py >>"$log" 2>&1 && result=ok
                 printf -v "$mode" %s "$result"
             done
+            entry="needs import"
+            OMP_NUM_THREADS=1 timeout 120 "$dir/bin/python" -m torch.distributed.run --standalone \
+                --nproc-per-node 2 tests/reinit_job.py rustc10d --no-import >>"$log" 2>&1 && entry=works
         else
             imported=FAILED lacks=-
         fi
@@ -49,11 +54,11 @@ print(", ".join(f for f, has in n.TORCH_FEATURES.items() if not has) or "nothing
         echo "only $free_gb GB free: removing $dir"
         rm -rf "$dir"
     fi
-    rows+=("| $torch | $py | $build | $imported | $plain | $staged | $lacks | $((SECONDS - t0)) s |")
+    rows+=("| $torch | $py | $build | $imported | $plain | $staged | $entry | $lacks | $((SECONDS - t0)) s |")
 done
 
 echo
-echo "| torch | Python | build | import | every op | staged | torch APIs it lacks | time |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| torch | Python | build | import | every op | staged | init without import | torch APIs it lacks | time |"
+echo "|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
 exit $status

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 import checks
 import harness
@@ -71,6 +72,28 @@ def test_group_recreated_in_the_same_process(tmp_path):
     [proc] = harness.run_processes({"torchrun": cmd}, timeout=100, log_dir=tmp_path)
     assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     assert proc.stdout.count("round 2 ok") == 2, proc.stdout
+
+
+# torch 2.15 looks backends up by the "torch.distributed.backends" entry point group
+# (Backend._ensure_backend_registered); 2.11 does not, and the README says so
+# (scripts/torch_matrix.sh reports the releases between).
+TORCH_FINDS_ENTRY_POINTS = hasattr(dist.Backend, "_ensure_backend_registered")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's own entry point")
+def test_init_without_import_finds_the_entry_point(tmp_path):
+    """init_process_group("rustc10d") without `import rustc10d`: the package's entry point
+    registers it where torch looks entry points up; where torch does not, init fails with
+    torch's own "Unknown backend" error, as the README says (this fails once torch changes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(harness.REPO / "tests" / "reinit_job.py"), "rustc10d", "--no-import"]
+    [proc] = harness.run_processes({"torchrun": cmd}, timeout=100, log_dir=tmp_path)
+    if TORCH_FINDS_ENTRY_POINTS:
+        assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+        assert proc.stdout.count("round 2 ok") == 2 and "rustc10d was imported" in proc.stdout, proc.stdout
+    else:
+        assert proc.returncode != 0 and "Unknown backend" in proc.stderr, proc.describe()
 
 
 @pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's own build check")

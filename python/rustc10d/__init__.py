@@ -4,7 +4,7 @@ Importing this package registers the backend ``"rustc10d"`` for CPU and CUDA
 tensors::
 
     import torch.distributed as dist
-    import rustc10d  # optional: the entry point registers it too
+    import rustc10d  # optional on torch releases that find backends by entry point (2.15; not 2.11)
     dist.init_process_group(backend="rustc10d")
 """
 
