@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod ops;
+pub mod panics;
 pub mod reduce;
 pub mod rendezvous;
 pub mod stats;

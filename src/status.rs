@@ -130,7 +130,10 @@ impl Status {
             st.claimed = true;
             st.callback.take()
         };
-        let result = match (callback.map(|cb| cb(&result)), result) {
+        // A callback that panics must not leave the cell claimed but never
+        // published (every waiter would wait forever): it fails the op.
+        let handed_over = callback.map(|cb| crate::panics::contain("finishing the op", || cb(&result)).and_then(|r| r));
+        let result = match (handed_over, result) {
             (Some(Err(e)), Ok(_)) => Err(e),
             (_, result) => result,
         };
@@ -142,7 +145,9 @@ impl Status {
         self.done.store(true, Ordering::Release);
         self.cv.notify_all();
         for f in observers {
-            f(&result);
+            if let Err(e) = crate::panics::contain("an observer of a finished op", || f(&result)) {
+                tracing::error!("{}", e.message);
+            }
         }
         true
     }
@@ -312,6 +317,14 @@ mod tests {
         let failed = Status::with_callback(Box::new(|_| Err(Error::io("later"))));
         failed.finish(Err(Error::peer_lost("first")));
         assert_eq!(failed.result().unwrap().unwrap_err().message, "first");
+    }
+
+    #[test]
+    fn a_callback_that_panics_fails_the_op_and_still_publishes_it() {
+        let status = Status::with_callback(Box::new(|_| panic!("the shim's hand-over broke")));
+        status.finish(Ok(0));
+        let e = status.wait(Some(Instant::now() + Duration::from_secs(5)), Duration::ZERO).unwrap().unwrap_err();
+        assert!(e.message.contains("the shim's hand-over broke"), "{}", e.message);
     }
 
     #[test]

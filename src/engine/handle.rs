@@ -64,6 +64,16 @@ impl OpHandle {
         }
     }
 
+    /// Fail the op with `why` (unless it has finished), after a panic in a
+    /// thread waiting for it: the peer it waited for is given up on, since
+    /// what that thread was reading from it cannot be trusted.
+    pub fn fail(&self, why: &Error) {
+        if let Some(peer) = self.expiry.as_ref().and_then(|e| e.peer.map(|p| (&e.transport, p))) {
+            peer.0.break_peer(peer.1, why);
+        }
+        self.status.finish(Err(why.clone()));
+    }
+
     /// The op's error, once it has failed.
     pub fn error(&self) -> Option<Error> {
         self.status.result().and_then(|r| r.err())

@@ -8,6 +8,7 @@ use crate::algorithms::{self, call_check::Fingerprint, OpCtx};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::Collective;
+use crate::panics;
 use crate::status::{Cost, Status};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -144,13 +145,7 @@ impl Shared {
                 }
                 // A bug must not leave the op's Work waiting forever: it fails
                 // the op (and breaks the group) like any other failure.
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))).unwrap_or_else(|panic| {
-                    let why = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned());
-                    Err(Error::io(format!("rustc10d: {} hit an internal error: {}", ctx.what, why.unwrap_or_default())))
-                })
+                panics::contain(&ctx.what, || body(&ctx)).and_then(|r| r)
             }
         };
         self.stats.record(kind, part.bytes(), start.elapsed(), r.is_ok(), &cost);

@@ -23,6 +23,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fault::Faults;
 use crate::ops::{Collective, OpKind};
+use crate::panics;
 use crate::stats::Stats;
 use crate::status::{Finisher, Status};
 use crate::transport::Transport;
@@ -83,7 +84,17 @@ impl Engine {
             .name("rustc10d-engine".into())
             .spawn(move || {
                 for job in rx {
-                    s.run(job);
+                    // Each collective's panics are contained where it runs
+                    // (`run_part`); one around the rest of the job (staging,
+                    // finishing) fails the job and breaks the group rather
+                    // than end the thread with every later op waiting on it.
+                    let (status, seq) = (job.status.clone(), job.first_seq);
+                    if let Err(e) =
+                        panics::contain(format_args!("op #{seq} on rank {}", s.transport.rank()), || s.run(job))
+                    {
+                        s.break_group(&e);
+                        status.finish(Err(e));
+                    }
                 }
             })
             .map_err(|e| Error::resource(format!("rustc10d: could not start the engine thread: {e}")))?;

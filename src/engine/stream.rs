@@ -130,12 +130,15 @@ impl Shared {
             }
             let copy = state.queue.pop_front().unwrap();
             drop(state);
-            let mut device = copy.op.device.lock().unwrap();
-            let copied = match copy.back {
-                Some(_) => device.to_device(copy.index, copy.start, copy.len),
-                None => device.to_host(copy.index, copy.start, copy.len).and_then(|e| device.wait(e)),
-            };
-            drop(device);
+            // A copy that panics fails its op, not the stream every later op waits on.
+            let copied = crate::panics::contain("a staging stream's copy", || {
+                let mut device = copy.op.device.lock().unwrap();
+                match copy.back {
+                    Some(_) => device.to_device(copy.index, copy.start, copy.len),
+                    None => device.to_host(copy.index, copy.start, copy.len).and_then(|e| device.wait(e)),
+                }
+            })
+            .and_then(|r| r);
             match (copied, copy.back) {
                 (Err(e), Some(_)) => drop(copy.op.failed_back.lock().unwrap().get_or_insert(e)),
                 (Err(e), None) => copy.op.failed_in.lock().unwrap().push((copy.event, e)),

@@ -9,6 +9,7 @@ use crate::cuda::{DeviceGate, Stream};
 use crate::engine::{Device, GatedOp, OpHandle, StagedBuffer, Staging, StreamGates, StreamThread, Waited};
 use crate::error::Result;
 use crate::ops::{self, SparseGathered};
+use crate::panics;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -109,19 +110,26 @@ impl Group {
         }
     }
 
+    // Every function the shim calls contains panics (`panics::contain`):
+    // cxx aborts the process on one that reaches its boundary.
+
     pub(crate) fn submit(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
-        Box::new(match self.issue(call, done) {
-            Ok(handle) => Op { handle, at_issue: false },
-            Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
-        })
+        let name = op_kind(call.kind).map_or("op", |k| k.name());
+        Box::new(
+            match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), || self.issue(call, done)) {
+                Ok(Ok(handle)) => Op { handle, at_issue: false },
+                Ok(Err(e)) | Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
+            },
+        )
     }
 
     pub(crate) fn start_coalescing(&self) -> Result<()> {
-        self.engine.start_coalescing()
+        panics::contain("startCoalescing", || self.engine.start_coalescing()).and_then(|r| r)
     }
 
     pub(crate) fn end_coalescing(&self, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
-        Box::new(match self.engine.end_coalescing(finish_with(done, None, None)) {
+        let ended = panics::contain("endCoalescing", || self.engine.end_coalescing(finish_with(done, None, None)));
+        Box::new(match ended.and_then(|r| r) {
             Ok(handle) => Op { handle, at_issue: false },
             Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
         })
@@ -136,6 +144,12 @@ impl Group {
     }
 
     pub(crate) fn shutdown(&self) {
+        if let Err(e) = panics::contain("destroying the process group", || self.shut_down()) {
+            tracing::error!("{}", e.message);
+        }
+    }
+
+    fn shut_down(&self) {
         self.engine.shutdown();
         if let Some(stream) = self.stream.lock().unwrap().take() {
             stream.stop();
@@ -163,10 +177,17 @@ impl Op {
     }
 
     pub(crate) fn wait(&self, timeout_ms: i64) -> WaitOutcome {
-        match self.handle.wait(timeout(timeout_ms)) {
-            Waited::Done => WaitOutcome::Done,
-            Waited::Failed(_) => WaitOutcome::Failed,
-            Waited::TimedOut => WaitOutcome::TimedOut,
+        // A waiting thread may read its message itself (`Transport::polling`):
+        // a panic there fails the op and gives up on the peer it waited for.
+        let what = format_args!("waiting for op #{}", self.handle.seq()).to_string();
+        match panics::contain(&what, || self.handle.wait(timeout(timeout_ms))) {
+            Ok(Waited::Done) => WaitOutcome::Done,
+            Ok(Waited::Failed(_)) => WaitOutcome::Failed,
+            Ok(Waited::TimedOut) => WaitOutcome::TimedOut,
+            Err(e) => {
+                self.handle.fail(&e);
+                WaitOutcome::Failed
+            }
         }
     }
 

@@ -88,6 +88,10 @@ impl Spinner for Spinning {
     fn spun(&self) {
         self.0.hand_over(self.0.readers.spun());
     }
+
+    fn contain(&self, why: &Error) {
+        self.0.broke(why);
+    }
 }
 
 /// Registered per descriptor: which one of the link's it is.
@@ -113,6 +117,10 @@ impl Source for Watcher {
             }
         }
     }
+
+    fn contain(&self, why: &Error) {
+        self.0.broke(why);
+    }
 }
 
 impl Link {
@@ -134,6 +142,14 @@ impl Link {
             core: Arc::downgrade(core),
             reactor: core.reactor.clone(),
         })
+    }
+
+    /// Code serving this link panicked: its state cannot be trusted, so the
+    /// group gives up on the peer (the ops waiting for it fail with `why`).
+    fn broke(&self, why: &Error) {
+        if let Some(core) = self.core.upgrade() {
+            core.give_up(self.peer, why);
+        }
     }
 
     /// Register with the reactor and read what is there.

@@ -10,6 +10,7 @@
 //! that cannot make progress must change its interest (or it is called again).
 
 use crate::error::{Error, Result};
+use crate::panics;
 use std::collections::{BinaryHeap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, Weak};
@@ -25,6 +26,13 @@ pub trait Source: Send + Sync {
     /// EPOLLHUP, EPOLLERR...). May still be called once or twice after
     /// `deregister`, with events fetched before it.
     fn ready(&self, events: u32);
+
+    /// `ready` panicked (`why` says where and what); the source is no longer
+    /// watched. Fail what depends on it (a link gives up on its peer, which
+    /// fails the ops waiting for it and breaks their groups).
+    fn contain(&self, why: &Error) {
+        let _ = why;
+    }
 }
 
 pub type Task = Box<dyn FnOnce() + Send>;
@@ -37,6 +45,11 @@ pub trait Spinner: Send + Sync {
     fn spin(&self) -> bool;
     /// The loop stops polling: wait on the descriptor again.
     fn spun(&self);
+
+    /// `spin` or `spun` panicked; the loop no longer polls it (see `Source::contain`).
+    fn contain(&self, why: &Error) {
+        let _ = why;
+    }
 }
 
 /// A registered source's handle.
@@ -61,7 +74,8 @@ struct Core {
 
 #[derive(Default)]
 struct State {
-    sources: HashMap<u64, Arc<dyn Source>>,
+    /// By token: the source and its descriptor (to stop watching it if it panics).
+    sources: HashMap<u64, (RawFd, Arc<dyn Source>)>,
     next: u64,
     tasks: Vec<Task>,
     timers: BinaryHeap<Timer>,
@@ -162,7 +176,7 @@ impl Reactor {
             let mut st = self.core.state.lock().unwrap();
             st.next += 1;
             let t = st.next;
-            st.sources.insert(t, source);
+            st.sources.insert(t, (fd, source));
             t
         };
         if let Err(e) = self.core.ctl(libc::EPOLL_CTL_ADD, fd, interest, token) {
@@ -212,7 +226,13 @@ impl Reactor {
             let (tx, rx) = std::sync::mpsc::channel::<Task>();
             let thread = std::thread::Builder::new()
                 .name("rustc10d-stage".into())
-                .spawn(move || rx.into_iter().for_each(|task| task()))
+                .spawn(move || {
+                    for task in rx {
+                        if let Err(e) = panics::contain("a blocking task of the I/O thread", task) {
+                            tracing::error!("{}", e.message);
+                        }
+                    }
+                })
                 .map_err(|e| Error::resource(format!("rustc10d: could not start the staging thread: {e}")))?;
             *blocking = Some((tx, thread));
         }
@@ -308,7 +328,10 @@ impl Core {
                 (due, spinners, wait)
             };
             for task in tasks {
-                task();
+                // A task has no owner to fail: its link's next event, contained below, does that.
+                if let Err(e) = panics::contain("a task of the I/O thread", task) {
+                    tracing::error!("{}", e.message);
+                }
             }
             if !spinners.is_empty() {
                 self.spin_once(&spinners);
@@ -324,8 +347,16 @@ impl Core {
                     continue;
                 }
                 let source = self.state.lock().unwrap().sources.get(&token).cloned();
-                if let Some(source) = source {
-                    source.ready(mask);
+                if let Some((fd, source)) = source {
+                    if let Err(e) = panics::contain("the I/O thread", || source.ready(mask)) {
+                        // Level-triggered: watched still, it would panic again at once.
+                        let _ = self.ctl(libc::EPOLL_CTL_DEL, fd, 0, token);
+                        self.state.lock().unwrap().sources.remove(&token);
+                        tracing::error!("{}", e.message);
+                        if let Err(again) = panics::contain("the I/O thread", || source.contain(&e)) {
+                            tracing::error!("{}", again.message);
+                        }
+                    }
                 }
             }
         }
@@ -334,7 +365,18 @@ impl Core {
     /// Poll every spinner once; extend those that made progress, let go of
     /// those whose time is up, and give the CPU away meanwhile.
     fn spin_once(&self, spinners: &[Arc<dyn Spinner>]) {
-        let progressed: Vec<bool> = spinners.iter().map(|s| s.spin()).collect();
+        let progressed: Vec<bool> = spinners
+            .iter()
+            .map(|s| match panics::contain("the I/O thread", || s.spin()) {
+                Ok(progress) => progress,
+                Err(e) => {
+                    self.state.lock().unwrap().spinners.retain(|(other, ..)| !Arc::ptr_eq(other, s));
+                    tracing::error!("{}", e.message);
+                    let _ = panics::contain("the I/O thread", || s.contain(&e));
+                    false
+                }
+            })
+            .collect();
         let now = Instant::now();
         let done = {
             let mut st = self.state.lock().unwrap();
@@ -350,7 +392,10 @@ impl Core {
             over
         };
         for (s, ..) in done {
-            s.spun();
+            if let Err(e) = panics::contain("the I/O thread", || s.spun()) {
+                tracing::error!("{}", e.message);
+                let _ = panics::contain("the I/O thread", || s.contain(&e));
+            }
         }
         std::thread::yield_now();
     }
@@ -373,6 +418,52 @@ mod tests {
             unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
             let _ = self.seen.send(events);
         }
+    }
+
+    /// Panics on its first readiness; says what `contain` was told.
+    struct Faulty {
+        fd: OwnedFd,
+        contained: mpsc::Sender<String>,
+    }
+
+    impl Source for Faulty {
+        fn ready(&self, _: u32) {
+            panic!("a bug in a source of fd {}", self.fd.as_raw_fd() >= 0);
+        }
+        fn contain(&self, why: &Error) {
+            let _ = self.contained.send(why.message.clone());
+        }
+    }
+
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        let mut fds = [0; 2];
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+    }
+
+    #[test]
+    fn a_panicking_source_or_task_is_contained_and_the_loop_goes_on() {
+        let (r, _member) = Reactor::join().unwrap();
+        let (faulty_rd, faulty_wr) = pipe();
+        let (contained_tx, contained_rx) = mpsc::channel();
+        let raw = faulty_rd.as_raw_fd();
+        r.register(raw, READABLE, Arc::new(Faulty { fd: faulty_rd, contained: contained_tx })).unwrap();
+        r.defer(Box::new(|| panic!("a bug in a task")));
+        unsafe { libc::write(faulty_wr.as_raw_fd(), b"x".as_ptr().cast(), 1) };
+        let why = contained_rx.recv_timeout(Duration::from_secs(5)).expect("contain was called");
+        assert!(why.contains("the I/O thread hit an internal error: a bug in a source"), "{why}");
+        // The loop still serves other sources, tasks and timers; the faulty
+        // source is no longer watched (level-triggered, it would spin).
+        let (rd, wr) = pipe();
+        let (tx, rx) = mpsc::channel();
+        let fd = rd.as_raw_fd();
+        r.register(fd, READABLE, Arc::new(Pipe { fd: rd, seen: tx })).unwrap();
+        unsafe { libc::write(wr.as_raw_fd(), b"y".as_ptr().cast(), 1) };
+        assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok(), "the loop stopped serving sources");
+        let (done_tx, done_rx) = mpsc::channel();
+        r.after(Duration::from_millis(1), Box::new(move || done_tx.send(()).unwrap()));
+        assert!(done_rx.recv_timeout(Duration::from_secs(5)).is_ok(), "the loop stopped running timers");
+        assert!(contained_rx.recv_timeout(Duration::from_millis(100)).is_err(), "contained once");
     }
 
     #[test]
