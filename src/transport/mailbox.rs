@@ -166,7 +166,7 @@ impl Mailbox {
     pub fn stash(&mut self, key: Key, data: Vec<u8>, any: &Mutex<AnyPosted>) {
         match self.on_header(key, data.len() as u64, any) {
             Delivery::Direct(p) => p.fill(&data, self.peer),
-            Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64),
+            Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, self.peer),
             Delivery::Stash => self.early.entry(key).or_default().push_back(data),
         }
     }
@@ -178,7 +178,7 @@ impl Mailbox {
             if data.len() == recv.buf.len {
                 recv.fill(&data, self.peer);
             } else {
-                fail_mismatch(recv, data.len() as u64);
+                fail_mismatch(recv, data.len() as u64, self.peer);
             }
             return;
         }
@@ -196,7 +196,7 @@ impl Mailbox {
         let Some(data) = pop_front(&mut self.early, key) else { return false };
         match any.lock().unwrap().remove(key, status) {
             Some(p) if p.buf.len == data.len() => p.fill(&data, self.peer),
-            Some(p) => fail_mismatch(p, data.len() as u64),
+            Some(p) => fail_mismatch(p, data.len() as u64, self.peer),
             None => {
                 self.early.entry(key).or_default().push_front(data);
             }
@@ -238,9 +238,9 @@ impl Mailbox {
     }
 }
 
-pub fn fail_mismatch(p: PostedRecv, got: u64) {
+pub fn fail_mismatch(p: PostedRecv, got: u64, peer: usize) {
     p.status.finish(Err(Error::invalid(format!(
-        "size mismatch: the receive expects {} bytes but the peer sent {got}",
+        "size mismatch: the receive expects {} bytes but rank {peer} sent {got}",
         p.buf.len
     ))));
 }
@@ -250,7 +250,7 @@ pub fn fail_mismatch(p: PostedRecv, got: u64) {
 pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8], any: &Mutex<AnyPosted>) {
     match mb.on_header(key, data.len() as u64, any) {
         Delivery::Direct(p) => p.fill(data, mb.peer),
-        Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64),
+        Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, mb.peer),
         Delivery::Stash => mb.stash(key, data.to_vec(), any),
     }
 }

@@ -225,7 +225,7 @@ impl Reader {
                         p.complete(len as usize, peer);
                     }
                     Into::Early(key, data) => mailbox.lock().unwrap().stash(key, data, any),
-                    Into::Drain(p) => fail_mismatch(p, len),
+                    Into::Drain(p) => fail_mismatch(p, len, peer),
                 }
             }
             State::Reason { buf, got } => {
@@ -259,7 +259,11 @@ fn fill(
     let left = (len - got) as usize;
     let read = |buf: &mut [u8]| match remote {
         None => read_some(conn, buf),
-        Some(r) => conn.read_peer(r.addr + got, buf).map(|()| buf.len()),
+        // The address is the peer's word: one that wraps around is refused, not read.
+        Some(r) => match r.addr.checked_add(got).filter(|a| a.checked_add(buf.len() as u64).is_some()) {
+            Some(addr) => conn.read_peer(addr, buf).map(|()| buf.len()),
+            None => Err(io::Error::new(io::ErrorKind::InvalidData, "a message's address runs past the end of memory")),
+        },
     };
     match into {
         Into::Posted(p) => {

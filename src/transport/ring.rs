@@ -211,7 +211,8 @@ impl Ring<'_> {
             std::ptr::copy_nonoverlapping(self.seg.data(self.side).add(at), buf.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(self.seg.data(self.side), buf.as_mut_ptr().add(first), n - first);
         }
-        c.tail.store(tail + n as u64, Ordering::SeqCst);
+        // Positions live in memory the peer can write: wrapping, never trusted to not overflow.
+        c.tail.store(tail.wrapping_add(n as u64), Ordering::SeqCst);
         Ok(n)
     }
 
@@ -251,12 +252,12 @@ impl Ring<'_> {
                 let n = src.len().min(left).min(cap - at);
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.seg.data(self.side).add(at), n) };
                 src = &src[n..];
-                pos += n as u64;
+                pos = pos.wrapping_add(n as u64);
                 left -= n;
             }
         }
         c.head.store(pos, Ordering::SeqCst);
-        Ok((pos - head) as usize)
+        Ok(pos.wrapping_sub(head) as usize)
     }
 
     /// The consumer is about to wait: true if it really must (nothing to read).
