@@ -1,8 +1,9 @@
 # Shell helpers of scripts/test.sh, scripts/torch_matrix.sh and .ci/run (source it): the Python
 # of a version, an environment with a given torch, and a build of rustc10d into it.
 
-# What building and testing rustc10d needs besides torch (numpy: torch warns without it).
-REQUIREMENTS=("setuptools>=70.1" "setuptools-rust>=1.12" wheel pytest pytest-timeout numpy)
+# What building and testing rustc10d needs besides torch (numpy: torch warns without it;
+# expecttest: torch's own test modules import it, tests/torch_suite/run.py runs them).
+REQUIREMENTS=("setuptools>=70.1" "setuptools-rust>=1.12" wheel pytest pytest-timeout numpy expecttest)
 
 # Where CI and torch_matrix.sh keep one environment per (torch, Python), reused between runs.
 ENVS=${RUSTC10D_ENVS:-$HOME/.cache/rustc10d/envs}
