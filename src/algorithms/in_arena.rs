@@ -64,6 +64,8 @@ pub fn agree(ctx: &OpCtx, arena: &Arena, mine: &Fingerprint) -> Result<()> {
 impl InArena<'_> {
     /// `len` bytes of this round's slot of `rank` (at most `Arena::slot_bytes`).
     pub fn slot(&self, rank: usize, len: usize) -> RawBuf {
+        // The RawBuf's users rely on its length to stay inside the slot.
+        assert!(len <= self.round.slot_bytes(), "{len} bytes of a slot of {}", self.round.slot_bytes());
         RawBuf::new(self.round.slot(rank), len)
     }
 

@@ -26,17 +26,31 @@
 //!
 //! It knows nothing of collectives: algorithms write tags (what each rank
 //! was called to do, compared once the first stage is passed) and bytes.
+//!
+//! Other processes write this memory while this one reads it, so every
+//! field of the header and the lines is an atomic: a peer that breaks the
+//! protocol (a bug, a crash half-way through a write) leaves wrong values,
+//! never a data race, and every value read here is checked before it is
+//! used as a length or an index. The slots are the data path and are
+//! plain bytes: see `Round::slot` for what makes touching them sound.
+
+// The header, the lines and the slots are memory other processes write:
+// every unsafe block says why its access is in bounds and race-free.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use super::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use crate::error::{Error, Result};
 use crate::status::Cost;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Bytes of the tag a rank writes for each round.
 pub const TAG_BYTES: usize = 64;
+/// The tag is kept as this many words (atomics: other ranks read it).
+const TAG_WORDS: usize = TAG_BYTES / 8;
+const _: () = assert!(TAG_BYTES.is_multiple_of(8));
 
 const MAGIC: u64 = 0x5243_3130_4152_4e41; // "RC10ARNA"
 const HEADER_BYTES: usize = 4096;
@@ -50,35 +64,65 @@ const OPEN: u32 = 0;
 const WRITING: u32 = 1;
 const ABORTED: u32 = 2;
 
+/// Bytes that keep fields on cache lines of their own. Never read or
+/// written here; atomics all the same, so that a `&Header` or `&Line` claims
+/// nothing about memory that other processes may write.
+type Pad<const N: usize> = [AtomicU8; N];
+
 #[repr(C)]
 struct Header {
     magic: AtomicU64,
     world: AtomicU64,
     slot_bytes: AtomicU64,
-    _p0: [u8; 64 - 24],
+    _p0: Pad<{ 64 - 24 }>,
     /// Arrivals of all ranks at all stages so far (wrapping).
     arrivals: AtomicU32,
-    _p1: [u8; 64 - 4],
+    _p1: Pad<{ 64 - 4 }>,
     /// Ranks asleep waiting for a stage.
     sleepers: AtomicU32,
     aborted: AtomicU32,
-    /// Who aborted, and the length of the reason that follows.
+    /// Who aborted, and the length of the reason that follows: written
+    /// before `aborted` becomes ABORTED, read after it is.
     aborted_by: AtomicU32,
     reason_len: AtomicU32,
-    _p2: [u8; 64 - 16],
-    reason: [u8; REASON_MAX],
+    _p2: Pad<{ 64 - 16 }>,
+    reason: [AtomicU8; REASON_MAX],
 }
 
 #[repr(C)]
 struct Line {
     /// The stages this rank has arrived at (wrapping).
     arrived: AtomicU32,
-    _p: [u8; 64 - 4],
-    tags: [[u8; TAG_BYTES]; 2],
+    _p: Pad<{ 64 - 4 }>,
+    /// The tag of this rank's rounds of each parity, in native byte order.
+    /// Written (Relaxed) before the round's first stage, read (Relaxed) after
+    /// it: the stage's Release arrival and Acquire wait order them.
+    tags: [[AtomicU64; TAG_WORDS]; 2],
+}
+
+impl Line {
+    fn set_tag(&self, parity: usize, tag: &[u8; TAG_BYTES]) {
+        for (word, bytes) in self.tags[parity].iter().zip(tag.chunks_exact(8)) {
+            word.store(u64::from_ne_bytes(bytes.try_into().unwrap()), Ordering::Relaxed);
+        }
+    }
+
+    fn tag(&self, parity: usize) -> [u8; TAG_BYTES] {
+        let mut tag = [0u8; TAG_BYTES];
+        for (bytes, word) in tag.chunks_exact_mut(8).zip(&self.tags[parity]) {
+            bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
+        }
+        tag
+    }
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 const _: () = assert!(std::mem::size_of::<Line>() <= LINE_BYTES);
+// The mapping starts on a page: a line at any multiple of LINE_BYTES after
+// the header is aligned for its atomics.
+const _: () = assert!(HEADER_BYTES.is_multiple_of(std::mem::align_of::<Line>()));
+const _: () = assert!(LINE_BYTES.is_multiple_of(std::mem::align_of::<Line>()));
+const _: () = assert!(std::mem::align_of::<Header>() <= 4096);
 
 /// Why a stage did not pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,7 +175,7 @@ impl Arena {
             return Err(malformed());
         }
         let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
-        let h = unsafe { &*(map.base as *const Header) };
+        let h = header_of(&map);
         let (magic, theirs, slot_bytes) = (
             h.magic.load(Ordering::Acquire),
             h.world.load(Ordering::Relaxed) as usize,
@@ -153,7 +197,7 @@ impl Arena {
     }
 
     fn init(map: &Mapping, world: usize, slot_bytes: usize) {
-        let h = unsafe { &*(map.base as *const Header) };
+        let h = header_of(map);
         h.world.store(world as u64, Ordering::Relaxed);
         h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
@@ -178,19 +222,34 @@ impl Arena {
     }
 
     fn header(&self) -> &Header {
-        unsafe { &*(self.map.base as *const Header) }
+        header_of(&self.map)
     }
 
-    fn line_ptr(&self, rank: usize) -> *mut Line {
-        unsafe { self.map.base.add(HEADER_BYTES + rank * LINE_BYTES) as *mut Line }
+    /// The control line of `rank` (< world).
+    fn line(&self, rank: usize) -> &Line {
+        assert!(rank < self.world, "rank {rank} of an arena of {}", self.world);
+        // SAFETY: the mapping is `bytes_for(world, slot_bytes)` long (made so,
+        // or checked in `open`), which holds the header and `world` lines of
+        // LINE_BYTES >= size_of::<Line>() after it, so line `rank` is in
+        // bounds; it is aligned (the const assertions above, and mmap's page
+        // alignment). Every field of a Line is an atomic, valid as zeroes (a
+        // memfd starts zeroed), so sharing it with other processes' writes
+        // is sound. `self.map` keeps the mapping alive as long as the borrow.
+        unsafe { &*(self.map.base.add(HEADER_BYTES + rank * LINE_BYTES) as *const Line) }
     }
 
     fn arrived(&self, rank: usize) -> &AtomicU32 {
-        unsafe { &(*self.line_ptr(rank)).arrived }
+        &self.line(rank).arrived
     }
 
+    /// The first byte of the slot of `rank` (< world) of `parity` (< 2).
     fn slot_ptr(&self, rank: usize, parity: usize) -> *mut u8 {
+        assert!(rank < self.world && parity < 2, "slot {parity} of rank {rank} of an arena of {}", self.world);
         let lines = (self.world * LINE_BYTES).div_ceil(4096) * 4096;
+        // SAFETY: the mapping is `bytes_for(world, slot_bytes)` long: the
+        // header, the lines rounded up to pages, then 2 * world slots, so
+        // this offset (slot 2 rank + parity) and the slot_bytes after it are
+        // inside the one mapping `self.map` keeps alive.
         unsafe { self.map.base.add(HEADER_BYTES + lines + (rank * 2 + parity) * self.slot_bytes) }
     }
 
@@ -204,7 +263,7 @@ impl Arena {
         let parity = (local.rounds % 2) as usize;
         local.rounds += 1;
         // Nobody reads this tag any more: everyone has finished the round before last.
-        unsafe { (*self.line_ptr(self.rank)).tags[parity] = *tag };
+        self.line(self.rank).set_tag(parity, tag);
         Ok(Round { arena: self, local, parity, stages: 0 })
     }
 
@@ -214,8 +273,10 @@ impl Arena {
         let h = self.header();
         if h.aborted.compare_exchange(OPEN, WRITING, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
             let bytes = &reason.as_bytes()[..reason.len().min(REASON_MAX)];
-            let reason_ptr = std::ptr::addr_of!(h.reason) as *mut u8;
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), reason_ptr, bytes.len()) };
+            for (cell, &b) in h.reason.iter().zip(bytes) {
+                cell.store(b, Ordering::Relaxed);
+            }
+            // Published by the SeqCst (so Release) store of ABORTED below.
             h.reason_len.store(bytes.len() as u32, Ordering::Relaxed);
             h.aborted_by.store(self.rank as u32, Ordering::Relaxed);
             h.aborted.store(ABORTED, Ordering::SeqCst);
@@ -236,13 +297,28 @@ impl Arena {
         match state {
             OPEN => None,
             ABORTED => {
+                // Written by whichever process aborted: the length is bounded
+                // here, the bytes may be anything (lossy), and `by` may name
+                // no rank at all (users check it before naming a peer).
                 let len = (h.reason_len.load(Ordering::Relaxed) as usize).min(REASON_MAX);
-                let reason = String::from_utf8_lossy(&h.reason[..len]).into_owned();
+                let bytes: Vec<u8> = h.reason[..len].iter().map(|b| b.load(Ordering::Relaxed)).collect();
+                let reason = String::from_utf8_lossy(&bytes).into_owned();
                 Some(Stuck::Aborted { by: h.aborted_by.load(Ordering::Relaxed) as usize, reason })
             }
             _ => Some(Stuck::Aborted { by: usize::MAX, reason: "(no reason given in time)".into() }),
         }
     }
+}
+
+/// The header at the start of an arena's mapping.
+fn header_of(map: &Mapping) -> &Header {
+    assert!(map.len >= HEADER_BYTES);
+    // SAFETY: the mapping starts on a page (aligned for Header) and holds at
+    // least HEADER_BYTES >= size_of::<Header>() bytes, which stay mapped as
+    // long as `map` is borrowed. Every field of Header is an atomic, valid
+    // as zeroes (a new memfd or anonymous mapping), so this reference may
+    // alias other processes' writes.
+    unsafe { &*(map.base as *const Header) }
 }
 
 /// One round of this rank in the arena; no other round starts until it ends.
@@ -254,16 +330,32 @@ pub struct Round<'a> {
 }
 
 impl Round<'_> {
-    /// This round's slot of `rank` (`Arena::slot_bytes` long). Each rank
-    /// writes its own before a stage (or one rank writes the others', as a
-    /// scatter's root does), others read it after.
+    /// This round's slot of `rank` (< world; `Arena::slot_bytes` long). Each
+    /// rank writes its own before a stage (or one rank writes the others', as
+    /// a scatter's root does), others read it after.
+    ///
+    /// Touching the bytes is the caller's unsafe code, sound under the
+    /// protocol: between two stages a slot is written by one rank and
+    /// touched by no other, or read by any and written by none; a stage's
+    /// Release arrival and Acquire wait order the writes before the reads,
+    /// and double buffering keeps the next round's writes off this round's
+    /// slots. The pointer is valid while the `Round`'s arena lives. The
+    /// bytes are plain data that other processes write: nothing read from
+    /// them is trusted as a length, an index or a pointer, so a peer that
+    /// breaks the protocol (writes out of turn) can make the results wrong,
+    /// but cannot make this process touch memory outside its mappings.
     pub fn slot(&self, rank: usize) -> *mut u8 {
         self.arena.slot_ptr(rank, self.parity)
     }
 
+    /// The bytes of each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.arena.slot_bytes
+    }
+
     /// The tag `rank` wrote for this round (after the first stage: its own for this round).
     pub fn tag(&self, rank: usize) -> [u8; TAG_BYTES] {
-        unsafe { (*self.arena.line_ptr(rank)).tags[self.parity] }
+        self.arena.line(rank).tag(self.parity)
     }
 
     /// A rank, other than this one, that has not yet arrived at the stage
@@ -348,12 +440,17 @@ fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) -> bool {
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
     // Not FUTEX_PRIVATE: the word is shared between processes. EAGAIN (it
     // changed), EINTR and ETIMEDOUT all return to the caller's checks.
+    // SAFETY: FUTEX_WAIT reads the aligned u32 at `word` atomically (the
+    // borrow keeps it mapped for the call) and the timespec, a local that
+    // outlives the call; it writes nothing of ours.
     let rc =
         unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec) };
     rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN)
 }
 
 fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the address as the key of its waiters;
+    // the borrow keeps it mapped for the call.
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
 }
 
@@ -382,10 +479,14 @@ mod tests {
                     s.spawn(move || {
                         for round in 0..500u32 {
                             let mut r = a.round(&tag(round as u8)).unwrap();
+                            // SAFETY: 8 bytes at the start of this rank's slot (4096
+                            // bytes, page-aligned), which only this rank writes until the stage.
                             unsafe { (r.slot(a.rank()) as *mut [u32; 2]).write([a.rank() as u32, round]) };
                             r.stage(far(), spin, cost).unwrap();
                             for peer in 0..world {
                                 assert_eq!(r.tag(peer), tag(round as u8));
+                                // SAFETY: after the stage every slot of this round is
+                                // read-only until every rank has arrived at the next round's.
                                 let got = unsafe { (r.slot(peer) as *const [u32; 2]).read() };
                                 assert_eq!(got, [peer as u32, round], "rank {} round {round}", a.rank());
                             }
@@ -462,6 +563,21 @@ mod tests {
         assert!(arenas[1].round(&tag(1)).is_err());
     }
 
+    /// What another process wrote in the header is bounded before use: a
+    /// reason longer than there is room for, by a rank that does not exist.
+    #[test]
+    fn an_abort_written_by_a_scribbler_is_read_within_bounds() {
+        let arenas = Arena::in_memory(2, 64).unwrap();
+        arenas[1].abort("short");
+        let h = arenas[0].header();
+        h.reason_len.store(u32::MAX, Ordering::Relaxed);
+        h.aborted_by.store(u32::MAX, Ordering::Relaxed);
+        let Some(Stuck::Aborted { by, reason }) = arenas[0].aborted() else { panic!("not aborted") };
+        assert_eq!(by, u32::MAX as usize, "passed on as it is; users check it before naming a rank");
+        assert_eq!(reason.len(), REASON_MAX);
+        assert!(reason.starts_with("short\0"));
+    }
+
     #[test]
     fn arrivals_wrap_around() {
         let arenas = Arena::in_memory(3, 64).unwrap();
@@ -493,9 +609,11 @@ mod tests {
         assert!(Arena::open(&ring_fd, 1, 2).is_err(), "not an arena");
         let r = made.round(&tag(7)).unwrap();
         let mut o = opened.round(&tag(7)).unwrap();
+        // SAFETY: the first byte of rank 0's slot (4096 bytes); no other thread touches the arena.
         unsafe { *r.slot(0) = 42 };
         drop(r);
         assert!(opened.aborted().is_some(), "an unused round aborts the arena");
+        // SAFETY: the same byte, through the other mapping of the same memfd, still alive.
         assert_eq!(unsafe { *o.slot(0) }, 42, "the same memory");
         assert!(o.stage(far(), Duration::ZERO, &Cost::default()).is_err());
     }
