@@ -11,12 +11,22 @@
 //! whether its reader may read the writer's memory directly (see `conn.rs`:
 //! large messages then cross in one copy instead of two), and which of the
 //! messages sent so it has read.
+//!
+//! The peer process writes this memory while this one reads it. The
+//! control blocks are atomics only, and what they hold (positions, the
+//! capacity) is checked before it bounds a copy. The ring bytes are the
+//! data path and are copied as plain bytes: `Ring::read` says why that is
+//! sound.
+
+// The segment is memory another process writes: every unsafe block says
+// why its access is in bounds and race-free.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use super::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// Control block of a ring: one page, producer and consumer fields on their
 /// own cache lines.
@@ -25,34 +35,42 @@ const MAGIC: u64 = 0x5243_3130_5348_4d33; // "RC10SHM3"
 /// A segment's first eight bytes, in every mapping of it.
 pub const FIRST_WORD: u64 = MAGIC;
 
+/// Bytes that keep fields on cache lines of their own. Never read or
+/// written here; atomics all the same, so that a `&Ctl` claims nothing about
+/// memory the peer may write.
+type Pad<const N: usize> = [AtomicU8; N];
+
 #[repr(C)]
 struct Ctl {
     magic: AtomicU64,
     capacity: AtomicU64,
     closed: AtomicU32,
-    _p0: [u8; 64 - 20],
+    _p0: Pad<{ 64 - 20 }>,
     /// Bytes written so far (the producer's).
     head: AtomicU64,
     /// The producer waits for space: wake it after a read.
     writer_sleeps: AtomicU32,
-    _p1: [u8; 64 - 12],
+    _p1: Pad<{ 64 - 12 }>,
     /// Bytes read so far (the consumer's).
     tail: AtomicU64,
     /// The consumer waits for data: wake it after a write.
     reader_sleeps: AtomicU32,
-    _p2: [u8; 64 - 12],
+    _p2: Pad<{ 64 - 12 }>,
     /// The writer's address of the segment's first byte, in its own process.
     writer_base: AtomicU64,
     /// The reader has read the writer's memory at `writer_base` directly:
     /// the writer may send large messages as their address.
     direct_reads: AtomicU32,
-    _p3: [u8; 64 - 12],
+    _p3: Pad<{ 64 - 12 }>,
     /// The reader has read every message sent as its address up to this
     /// number (they are read in order): the writer may let go of them.
     acked: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Ctl>() <= CTL_BYTES);
+// A control block starts the mapping (a page) or follows one and a ring of
+// a power of two bytes >= CTL_BYTES (`create` and `open` insist): aligned.
+const _: () = assert!(CTL_BYTES.is_multiple_of(std::mem::align_of::<Ctl>()));
 
 /// A shared mapping of two rings; unmapped when the last user drops it.
 pub struct Segment {
@@ -61,14 +79,16 @@ pub struct Segment {
 }
 
 impl Segment {
-    fn bytes_for(capacity: usize) -> usize {
-        2 * (CTL_BYTES + capacity)
+    /// None if it does not fit in an address: a peer's capacity is checked
+    /// with this, so it must not wrap around to a small size.
+    fn bytes_for(capacity: usize) -> Option<usize> {
+        CTL_BYTES.checked_add(capacity)?.checked_mul(2)
     }
 
     /// A new anonymous, sealed segment with two empty rings of `capacity` bytes.
     pub fn create(capacity: usize) -> Result<(Segment, OwnedFd)> {
-        assert!(capacity.is_power_of_two());
-        let len = Self::bytes_for(capacity);
+        assert!(capacity.is_power_of_two() && capacity >= CTL_BYTES);
+        let len = Self::bytes_for(capacity).ok_or_else(|| Error::invalid("rustc10d: shared-memory rings too large"))?;
         let fd = sealed_memfd(len)?;
         let seg = Segment { map: Mapping::of(fd.as_raw_fd(), len)?, capacity };
         for side in 0..2 {
@@ -93,7 +113,9 @@ impl Segment {
         let (magic, capacity) =
             (probe.ctl(0).magic.load(Ordering::Acquire), probe.ctl(0).capacity.load(Ordering::Relaxed) as usize);
         drop(probe);
-        if magic != MAGIC || !capacity.is_power_of_two() || Self::bytes_for(capacity) != len {
+        // A smaller ring (none is made) would leave the second control block misaligned.
+        let fits = capacity.is_power_of_two() && capacity >= CTL_BYTES && Self::bytes_for(capacity) == Some(len);
+        if magic != MAGIC || !fits {
             return Err(malformed());
         }
         Ok(Segment { map: Mapping::of(fd.as_raw_fd(), len)?, capacity })
@@ -105,24 +127,40 @@ impl Segment {
 
     /// Ring `side` (0: written by the dialling rank, 1: by the accepting one).
     pub fn ring(&self, side: usize) -> Ring<'_> {
+        assert!(side < 2, "a segment has two rings");
         Ring { seg: self, side }
     }
 
+    /// The control block of ring `side` (< 2), then its `capacity` bytes.
     fn ring_base(&self, side: usize) -> *mut u8 {
+        debug_assert!(side < 2);
+        // SAFETY: the mapping is `bytes_for(capacity)` = 2 (CTL_BYTES +
+        // capacity) bytes (made so, or checked in `open`; the probe there
+        // maps CTL_BYTES and uses side 0 only), so ring 0 or 1 starts inside
+        // it; `self.map` keeps it mapped while `self` is borrowed.
         unsafe { self.map.base.add(side * (CTL_BYTES + self.capacity)) }
     }
 
     fn ctl(&self, side: usize) -> &Ctl {
+        // SAFETY: a ring starts with CTL_BYTES >= size_of::<Ctl>() bytes of
+        // its control block, aligned (see the assertion on CTL_BYTES). Every
+        // field of Ctl is an atomic, valid as zeroes (a new memfd), so the
+        // reference may alias the peer's writes; it lives no longer than
+        // the borrow of `self`, which keeps the mapping.
         unsafe { &*(self.ring_base(side) as *const Ctl) }
     }
 
+    /// The first of ring `side`'s `capacity` bytes.
     fn data(&self, side: usize) -> *mut u8 {
+        // SAFETY: the ring's bytes follow its control block inside the
+        // mapping (see `ring_base`).
         unsafe { self.ring_base(side).add(CTL_BYTES) }
     }
 }
 
 /// One direction of a segment. At most one thread writes and one reads at a
-/// time (the connection serialises each side with a lock).
+/// time (the connection serialises each side with a lock: `Link`'s reader
+/// and outbox): `read` and `write` rely on it for their copies to not race.
 pub struct Ring<'a> {
     seg: &'a Segment,
     side: usize,
@@ -207,6 +245,22 @@ impl Ring<'_> {
         let n = filled.min(buf.len());
         let at = (tail as usize) & (cap - 1);
         let first = n.min(cap - at);
+        // SAFETY: in bounds: at < cap, first <= cap - at, and n - first <=
+        // at (n <= cap, checked by `filled`), so both source ranges lie in
+        // the ring's `cap` bytes of the mapping `self.seg` keeps alive, and
+        // n <= buf.len() bytes go into `buf`, which is ours and does not
+        // overlap the mapping.
+        // No race: the writer published [tail, tail + n) with its SeqCst
+        // (so Release) store of `head` after copying them in, which our
+        // Acquire load in `filled` read; it writes only past `head` and
+        // before `tail + cap` as it last read `tail`, so not these bytes
+        // until the store of the new tail below (SeqCst, so after the
+        // copy), which its Acquire load of `tail` then orders before its
+        // next writes. We are the only reader (see `Ring`). A peer that
+        // breaks that protocol (scribbles on the positions or the bytes)
+        // races with this copy on plain bytes: the copy's bounds do not
+        // depend on anything it wrote, and the bytes, which may then be
+        // wrong, are checked as frames by the reader like any peer's.
         unsafe {
             std::ptr::copy_nonoverlapping(self.seg.data(self.side).add(at), buf.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(self.seg.data(self.side), buf.as_mut_ptr().add(first), n - first);
@@ -250,6 +304,15 @@ impl Ring<'_> {
             while left > 0 && !src.is_empty() {
                 let at = (pos as usize) & (cap - 1);
                 let n = src.len().min(left).min(cap - at);
+                // SAFETY: at < cap and n <= cap - at: inside the ring's bytes
+                // in the mapping `self.seg` keeps alive; `src` is the
+                // caller's, not in the mapping. No race: these bytes are in
+                // [head, tail + cap) with the tail we last read (Acquire),
+                // which the reader is done with (it stored that tail after
+                // copying them out) and will not read before our SeqCst
+                // store of the new head below publishes them; we are the
+                // only writer (see `Ring`). A reader that breaks the
+                // protocol can only read bytes half written.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.seg.data(self.side).add(at), n) };
                 src = &src[n..];
                 pos = pos.wrapping_add(n as u64);
@@ -359,8 +422,24 @@ mod tests {
 
     #[test]
     fn segments_are_checked() {
+        // SAFETY: a valid C string for the name; no pointers kept.
         let raw = unsafe { libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a new descriptor that nothing else owns.
         let plain = unsafe { OwnedFd::from_raw_fd(raw) };
         assert!(Segment::open(&plain).is_err(), "an unsealed memfd is refused");
+    }
+
+    /// A capacity whose size wraps around to the memfd's, or that would
+    /// misalign the second control block, is refused.
+    #[test]
+    fn forged_capacities_are_refused() {
+        for (capacity, len) in [(1usize << 63, 2 * CTL_BYTES), (1, 2 * (CTL_BYTES + 1)), (8, 2 * (CTL_BYTES + 8))] {
+            let fd = sealed_memfd(len).unwrap();
+            let forged = Segment { map: Mapping::of(fd.as_raw_fd(), CTL_BYTES).unwrap(), capacity: 0 };
+            forged.ctl(0).capacity.store(capacity as u64, Ordering::Relaxed);
+            forged.ctl(0).magic.store(MAGIC, Ordering::Release);
+            assert!(Segment::open(&fd).is_err(), "capacity {capacity} in {len} bytes");
+        }
     }
 }
