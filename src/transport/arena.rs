@@ -46,6 +46,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// Every slot starts at a multiple of this many bytes (the header and the
+/// lines are whole pages, the slots a multiple of it long): algorithms may
+/// keep u64 there.
+pub const SLOT_ALIGN: usize = 8;
 /// Bytes of the tag a rank writes for each round.
 pub const TAG_BYTES: usize = 64;
 /// The tag is kept as this many words (atomics: other ranks read it).
@@ -160,6 +164,7 @@ impl Arena {
     /// A new arena for `world` ranks with slots of `slot_bytes`, as `rank`
     /// sees it; it keeps the descriptor to hand out (`fd`).
     pub fn create(world: usize, slot_bytes: usize, rank: usize) -> Result<Arena> {
+        assert!(slot_bytes.is_multiple_of(SLOT_ALIGN), "slots of {slot_bytes} bytes");
         let len = Self::bytes_for(world, slot_bytes).ok_or_else(|| Error::invalid("rustc10d: arena too large"))?;
         let fd = sealed_memfd(len)?;
         let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
@@ -181,7 +186,9 @@ impl Arena {
             h.world.load(Ordering::Relaxed) as usize,
             h.slot_bytes.load(Ordering::Relaxed) as usize,
         );
-        if magic != MAGIC || theirs != world || Self::bytes_for(world, slot_bytes) != Some(len) {
+        // Slots of another size than SLOT_ALIGN's multiples (none is made) would be misaligned.
+        let aligned = slot_bytes.is_multiple_of(SLOT_ALIGN);
+        if magic != MAGIC || theirs != world || !aligned || Self::bytes_for(world, slot_bytes) != Some(len) {
             return Err(malformed());
         }
         Ok(Arena::view(map, rank, world, slot_bytes))
@@ -190,6 +197,7 @@ impl Arena {
     /// The views of every rank of an arena in this process's memory (tests:
     /// threads as ranks).
     pub fn in_memory(world: usize, slot_bytes: usize) -> Result<Vec<Arena>> {
+        assert!(slot_bytes.is_multiple_of(SLOT_ALIGN), "slots of {slot_bytes} bytes");
         let len = Self::bytes_for(world, slot_bytes).ok_or_else(|| Error::invalid("rustc10d: arena too large"))?;
         let map = Arc::new(Mapping::anonymous(len)?);
         Self::init(&map, world, slot_bytes);
@@ -576,6 +584,15 @@ mod tests {
         assert_eq!(by, u32::MAX as usize, "passed on as it is; users check it before naming a rank");
         assert_eq!(reason.len(), REASON_MAX);
         assert!(reason.starts_with("short\0"));
+    }
+
+    /// A peer's arena whose slots would be misaligned is refused, though its size adds up.
+    #[test]
+    fn an_arena_with_misaligned_slots_is_refused() {
+        let len = Arena::bytes_for(2, 4097).unwrap();
+        let fd = sealed_memfd(len).unwrap();
+        Arena::init(&Mapping::of(fd.as_raw_fd(), len).unwrap(), 2, 4097);
+        assert!(Arena::open(&fd, 1, 2).is_err());
     }
 
     #[test]
