@@ -21,10 +21,17 @@ pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[Raw
     let longest = outputs.iter().map(|o| o.len).max().unwrap_or(0);
     in_rounds(ctx, arena, fp, longest, per_round, |r, k| {
         let mine = part(input, per_round, k);
+        // SAFETY: this round's slot of this rank, which no other rank touches
+        // before the stage (`Round::slot`); `mine` is within the op's input
+        // (`part`), only read. `slot` keeps the length within the slot.
         unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
         r.stage()?;
         for (p, out) in outputs.iter().enumerate() {
             let dst = part(*out, per_round, k);
+            // SAFETY: after the stage every slot of this round is only read, until
+            // every rank has arrived at the next round's first stage; `dst` lies in
+            // the op's buffer outputs[p] (`part`), which nothing else touches (with
+            // p == rank in place it is the input, copied into the slot already).
             unsafe { ctx.copy(dst, r.slot(p, dst.len)) };
         }
         Ok(())

@@ -54,6 +54,9 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
         let len = chunk.len;
         let mut r = round(ctx, arena, fp, k as u64, deadline)?;
         let mine = r.slot(rank, len);
+        // SAFETY: before the round's first stage this rank's slot is written by
+        // it alone and read by none (`Round::slot`); `chunk` lies in the op's
+        // buffer (`part`), only read here; `mine` is `len` <= slot bytes long.
         unsafe {
             ctx.copy(mine, chunk);
             if let Some(f) = how.premul {
@@ -72,11 +75,19 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
         let m = len / es;
         let slice = |p: usize, of: RawBuf| {
             let (lo, hi) = (p * m / world * es, (p + 1) * m / world * es);
+            // SAFETY: lo <= hi <= m * es <= len, the length of every buffer `slice`
+            // cuts (a slot's `len` bytes, or the chunk): inside it.
             RawBuf::new(unsafe { of.ptr.add(lo) }, hi - lo)
         };
         let acc = slice(rank, mine);
+        // SAFETY: after the first stage, rank p writes only slice p of its own
+        // slot and reads slice p of the others': slice `rank` of this rank's
+        // slot is touched by this rank alone until the second stage.
         let dst = unsafe { acc.slice_mut(0, acc.len) };
         for p in ctx.peers() {
+            // SAFETY: slice `rank` of rank p's slot: rank p wrote it before the first
+            // stage and writes only its own slice p now; other ranks only read it.
+            // It does not overlap `dst`, which lies in this rank's slot.
             ctx.reduce_into(how.dtype, how.op, dst, unsafe { slice(rank, r.slot(p, len)).slice(0, acc.len) });
         }
         if how.op == ReduceOp::Avg {
@@ -85,6 +96,9 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
         r.stage()?;
         if gets_result {
             for p in 0..world {
+                // SAFETY: after the second stage every slot is only read (until every
+                // rank has arrived at the next round's first stage); slice p of the
+                // chunk lies in the op's buffer, which no transfer touches.
                 unsafe { ctx.copy(slice(p, chunk), slice(p, r.slot(p, len))) };
             }
         }
@@ -94,9 +108,15 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
 
 /// `out` = the fold of `slots` in rank order (then divided, for an average).
 fn fold_all(ctx: &OpCtx, how: &Reducing, out: RawBuf, slots: &[RawBuf]) {
+    // SAFETY: after the round's one stage the slots are only read; `out` is a
+    // chunk of the op's buffer, the same length as every slot here.
     unsafe { ctx.copy(out, slots[0]) };
+    // SAFETY: `out` is a chunk of the op's buffer, touched by nothing else
+    // while the fold runs; the slots it reads are other memory.
     let acc = unsafe { out.slice_mut(0, out.len) };
     for s in &slots[1..] {
+        // SAFETY: a slot of this round, after its one stage: read-only until every
+        // rank has arrived at the next round's first stage.
         ctx.reduce_into(how.dtype, how.op, acc, unsafe { s.slice(0, s.len) });
     }
     if how.op == ReduceOp::Avg {

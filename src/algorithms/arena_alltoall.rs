@@ -34,6 +34,8 @@ pub fn arena_alltoall(
     fp: &Fingerprint,
 ) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    // The sizes and each round's parts are laid out for exactly world blocks each way.
+    assert!(inputs.len() == world && outputs.len() == world, "arena_alltoall: one block per rank each way");
     let deadline = Instant::now() + ctx.timeout;
     let (mut largest, mut smallest) = (0, usize::MAX);
     {
@@ -41,8 +43,14 @@ pub fn arena_alltoall(
         let slots: Vec<*mut u64> = (0..world).map(|p| r.slot(p, 16 * world).ptr.cast()).collect();
         let sizes = |p: usize| slots[p];
         let mine: Vec<u64> = inputs.iter().chain(outputs).map(|b| b.len as u64).collect();
+        // SAFETY: this rank's slot, 16 * world >= 8 * 2 * world bytes long (`fits`:
+        // `slot` asserts it) and aligned for u64 (`arena::SLOT_ALIGN`), written by
+        // it alone before the stage; `mine` holds 2 * world u64 (asserted above).
         unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), sizes(rank), 2 * world) };
         r.stage()?;
+        // SAFETY: after the stage slot p is only read; it holds 2 * world aligned
+        // u64 (any bytes are a u64: what a peer wrote is only compared and
+        // counted, never used as an index).
         let of = |p: usize| unsafe { std::slice::from_raw_parts(sizes(p), 2 * world).to_vec() };
         let all: Vec<Vec<u64>> = (0..world).map(of).collect();
         for (p, q) in (0..world).flat_map(|p| (0..world).map(move |q| (p, q))) {
@@ -68,14 +76,20 @@ pub fn arena_alltoall(
     for k in 0..largest.div_ceil(per_block) {
         let mut r = round(ctx, arena, fp, 1 + k as u64, deadline)?;
         let slots: Vec<*mut u8> = (0..world).map(|p| r.slot(p, arena.slot_bytes()).ptr).collect();
+        // SAFETY: c < world (asserted above) and len <= per_block (`part`), and
+        // world * per_block <= slot bytes: the part lies inside slot p.
         let at = |p: usize, c: usize, len: usize| RawBuf::new(unsafe { slots[p].add(c * per_block) }, len);
         for (c, block) in inputs.iter().enumerate() {
             let src = part(*block, per_block, k);
+            // SAFETY: before the stage this rank writes only its own slot, which no
+            // rank reads yet; `src` lies in the op's input block, only read.
             unsafe { ctx.copy(at(rank, c, src.len), src) };
         }
         r.stage()?;
         for (p, out) in outputs.iter().enumerate() {
             let dst = part(*out, per_block, k);
+            // SAFETY: after the stage the slots are only read; `dst` lies in the op's
+            // output block, touched by nothing else.
             unsafe { ctx.copy(dst, at(p, rank, dst.len)) };
         }
     }

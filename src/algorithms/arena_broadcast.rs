@@ -19,10 +19,15 @@ pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp:
         let chunk = part(buf, per_round, k);
         let theirs = r.slot(root, chunk.len);
         if rank == root {
+            // SAFETY: before the stage the root's slot is written by the root alone
+            // and read by none; `chunk` lies in the op's buffer (`part`), only read.
             unsafe { ctx.copy(theirs, chunk) };
         }
         r.stage()?;
         if rank != root {
+            // SAFETY: after the stage the root's slot is only read until every rank
+            // has arrived at the next round's first stage; on a receiver `chunk`
+            // lies in the op's buffer, which nothing else touches.
             unsafe { ctx.copy(chunk, theirs) };
         }
         Ok(())

@@ -28,12 +28,17 @@ pub fn arena_gather(
     in_rounds(ctx, arena, fp, input.len, per_round, |r, k| {
         let mine = part(input, per_round, k);
         if rank != root {
+            // SAFETY: before the stage this rank's slot is written by it alone and
+            // read by none; `mine` lies in the op's input (`part`), only read.
             unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
         }
         r.stage()?;
         for (p, out) in outputs.iter().enumerate() {
             let dst = part(*out, per_round, k);
             let src = if p == rank { mine } else { r.slot(p, dst.len) };
+            // SAFETY: after the stage the slots are only read; `dst` lies in the op's
+            // buffer outputs[p] (at the root), touched by nothing else; `src` is
+            // a slot or this rank's input (only read; in place, `copy` skips it).
             unsafe { ctx.copy(dst, src) };
         }
         Ok(())

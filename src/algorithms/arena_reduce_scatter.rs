@@ -30,6 +30,8 @@ pub fn arena_reduce_scatter(
     fp: &Fingerprint,
 ) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    // Each block has a part of its own in every slot: at most world of them fit.
+    assert_eq!(inputs.len(), world, "arena_reduce_scatter: one input block per rank");
     let es = how.dtype.size();
     let deadline = Instant::now() + ctx.timeout;
     // The dispatcher sees that every block gets an element at least.
@@ -39,10 +41,15 @@ pub fn arena_reduce_scatter(
         let mut r = round(ctx, arena, fp, k as u64, deadline)?;
         // Block c's part in rank p's slot.
         let slots: Vec<*mut u8> = (0..world).map(|p| r.slot(p, arena.slot_bytes()).ptr).collect();
+        // SAFETY: c < world (asserted above) and len <= per_block (`part`), and
+        // world * per_block <= slot bytes: the part lies inside slot p.
         let at = |p: usize, c: usize, len: usize| RawBuf::new(unsafe { slots[p].add(c * per_block) }, len);
         for (c, block) in inputs.iter().enumerate() {
             let src = part(*block, per_block, k);
             let dst = at(rank, c, src.len);
+            // SAFETY: before the stage this rank writes only its own slot, which no
+            // rank reads yet; `src` lies in the op's input block (only read), and
+            // `dst` in the slot, so the two do not overlap.
             unsafe {
                 ctx.copy(dst, src);
                 if let Some(f) = how.premul {
@@ -52,9 +59,15 @@ pub fn arena_reduce_scatter(
         }
         r.stage()?;
         let out = part(output, per_block, k);
+        // SAFETY: after the stage the slots are only read; `out` lies in the op's
+        // output (it may be inputs[rank] itself, already copied to the slot).
         unsafe { ctx.copy(out, at(0, rank, out.len)) };
+        // SAFETY: `out` lies in the op's output, touched by nothing else while the
+        // folds run; the parts folded into it are in the slots.
         let acc = unsafe { out.slice_mut(0, out.len) };
         for p in 1..world {
+            // SAFETY: part `rank` of rank p's slot, written by p before the stage and
+            // only read after it.
             ctx.reduce_into(how.dtype, how.op, acc, unsafe { at(p, rank, out.len).slice(0, out.len) });
         }
         if how.op == ReduceOp::Avg {

@@ -29,11 +29,17 @@ pub fn arena_scatter(
     in_rounds(ctx, arena, fp, output.len, per_round, |r, k| {
         for (p, block) in inputs.iter().enumerate().filter(|&(p, _)| p != rank) {
             let src = part(*block, per_round, k);
+            // SAFETY: before the stage the root alone writes every other rank's slot
+            // (in a scatter no rank writes its own), and no rank reads any; `src`
+            // lies in the op's input block (`part`), only read.
             unsafe { ctx.copy(r.slot(p, src.len), src) };
         }
         r.stage()?;
         let dst = part(output, per_round, k);
         let src = if rank == root { part(inputs[rank], per_round, k) } else { r.slot(rank, dst.len) };
+        // SAFETY: after the stage the slots are only read; `dst` lies in the op's
+        // output, touched by nothing else; `src` is this rank's slot or, at
+        // the root, its own input block (in place, `copy` skips it).
         unsafe { ctx.copy(dst, src) };
         Ok(())
     })

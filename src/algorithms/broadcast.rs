@@ -25,6 +25,9 @@ pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
     if pos != 0 {
         for j in 0..nseg {
             let (off, len) = segment(j);
+            // SAFETY: segment j of the op's buffer (off + len <= buf.len), received
+            // into by this transfer alone: the segments are disjoint, and this
+            // rank sends a segment only after its receive is waited for.
             ids.push(unsafe { tr.recv(left, ctx.key(j as u64), buf.ptr.add(off), len)? });
         }
     }
@@ -34,6 +37,9 @@ pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
         }
         if pos != world - 1 {
             let (off, len) = segment(j);
+            // SAFETY: segment j of the op's buffer, only read by the send: at the
+            // root nothing writes the buffer; elsewhere segment j's receive was
+            // waited for above, and later receives fill other segments.
             unsafe { tr.send(right, ctx.key(j as u64), buf.slice(off, len))? };
         }
     }

@@ -34,6 +34,8 @@ pub fn direct_allreduce(
     let len = buf.len;
     let mut scratch = ctx.scratch(len * world);
     let slots = scratch.raw();
+    // SAFETY: p < world and the scratch holds len * world bytes: slot p lies
+    // inside it.
     let slot = |p: usize| RawBuf::new(unsafe { slots.ptr.add(p * len) }, len);
     let key = ctx.key(0);
     // Data arrives from every peer before the check: check every peer's call.
@@ -47,20 +49,31 @@ pub fn direct_allreduce(
         return agreed(tr).and_then(|()| tr.wait_all());
     }
     for p in ctx.peers() {
+        // SAFETY: slot p (p != rank) of the scratch, which outlives `tr`, filled
+        // by this receive alone: each peer has a slot of its own.
         unsafe { tr.recv(p, key, slot(p).ptr, len)? };
     }
     for p in ctx.peers() {
+        // SAFETY: the op's buffer, only read by the sends; nothing writes it until
+        // `tr.wait_all` below says every send is done.
         unsafe { tr.send(p, key, buf.slice(0, len))? };
     }
     // The calls agree, everything is received, and our buffer sent, before it is overwritten.
     agreed(tr)?;
     tr.wait_all()?;
+    // SAFETY: every transfer is done (`wait_all`): the buffer and the slots
+    // are this rank's alone; slot(rank) and slot(0) are scratch, the
+    // buffer is the op's, so neither copy overlaps.
     unsafe {
         ctx.copy(slot(rank), buf);
         ctx.copy(buf, slot(0));
     }
+    // SAFETY: the op's buffer, with every transfer done: nothing else
+    // touches it while the folds run.
     let acc = unsafe { buf.slice_mut(0, len) };
     for p in 1..world {
+        // SAFETY: a scratch slot, filled by a receive waited for above; other
+        // memory than `acc`.
         ctx.reduce_into(dtype, op, acc, unsafe { slot(p).slice(0, len) });
     }
     if op == ReduceOp::Avg {

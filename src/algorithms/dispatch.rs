@@ -258,6 +258,8 @@ fn all_reduce(
 /// PREMUL_SUM on a buffer the op overwrites anyway: scale it in place, then sum.
 fn premultiply(buf: &RawBuf, red: &Reduction) -> ReduceOp {
     if let Some(f) = red.premul {
+        // SAFETY: before the algorithm starts: the op's buffer (its whole `len`)
+        // is in no transfer, and this rank alone touches it.
         scale(red.dtype, unsafe { buf.slice_mut(0, buf.len) }, f);
     }
     red.op
@@ -278,6 +280,10 @@ fn premultiplied_copies<'a>(
         .iter()
         .map(|b| {
             let dst = RawBuf::new(at, b.len);
+            // SAFETY: `dst` lies in the scratch, which holds the sum of the blocks'
+            // lengths, at the running offset `at` (advanced by each block's length,
+            // so at most to the scratch's end); the scratch is no one else's yet,
+            // and `*b` is the op's input block, only read.
             unsafe {
                 ctx.copy(dst, *b);
                 scale(red.dtype, dst.slice_mut(0, dst.len), factor);

@@ -108,6 +108,10 @@ impl Plan<'_> {
             (1, _) => {
                 ring_allreduce(&ctx.phase(&self.across, phase), mine, self.dtype, sum)?;
                 if self.op == ReduceOp::Avg {
+                    // SAFETY: `mine` is this piece's chunk of the op's buffer; the all-reduce
+                    // across hosts returned, so its transfers are done, and the pipeline
+                    // runs this piece's phases one after the other (other threads work on
+                    // other pieces: other bytes).
                     divide_by(self.dtype, unsafe { mine.slice_mut(0, mine.len) }, ctx.transport.size());
                 }
                 Ok(())

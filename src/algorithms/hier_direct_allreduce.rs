@@ -60,6 +60,8 @@ pub fn hierarchical_direct_allreduce(
     if let Some(a) = &mut agreement {
         a.post(ctx, tr)?;
     }
+    // SAFETY: `sums` is scratch of buf.len bytes, in no transfer (`tr` holds
+    // only the agreement's own messages); the buffer is the op's, only read.
     unsafe { ctx.copy(sums, buf) };
     // An average divides once, by W, after the sums across hosts.
     let sum = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
@@ -78,8 +80,12 @@ pub fn hierarchical_direct_allreduce(
     direct_allreduce(&ctx.phase(&across, 2), sums, dtype, sum, None)?;
     tr.wait_all()?;
     if op == ReduceOp::Avg {
+        // SAFETY: both exchanges have returned (their transfers are done) and
+        // `tr` is waited for: the scratch is this rank's alone.
         divide_by(dtype, unsafe { sums.slice_mut(0, sums.len) }, ctx.transport.size());
     }
+    // SAFETY: every transfer is done; the buffer is the op's, touched by
+    // nothing else, and the scratch is other memory.
     unsafe { ctx.copy(buf, sums) };
     Ok(())
 }

@@ -50,6 +50,8 @@ pub fn hierarchical_reduce_scatter(
     // partials[g]: this host's sum of the block of host g's i-th rank.
     let mut scratch = ctx.scratch(count * b);
     let base = scratch.raw().ptr;
+    // SAFETY: g < count and the scratch holds count * b bytes: partial g lies
+    // inside it.
     let partials: Vec<RawBuf> = (0..count).map(|g| RawBuf::new(unsafe { base.add(g * b) }, b)).collect();
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     let one_piece = piece_count(ctx, inputs.iter().map(|b| b.len).sum(), 1) == 1;
@@ -68,6 +70,8 @@ pub fn hierarchical_reduce_scatter(
     let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
     ring_reduce_scatter(&ctx.phase(&across, 1 + count as u64), &partials, output, dtype, sum)?;
     if op == ReduceOp::Avg {
+        // SAFETY: the last reduce-scatter has returned (its transfers are done):
+        // the op's output, b bytes long, is this rank's alone.
         divide_by(dtype, unsafe { output.slice_mut(0, b) }, world);
     }
     Ok(())

@@ -5,6 +5,9 @@
 // Segment loops index several parallel lists (offsets, posted receives) by
 // the segment number; iterator chains would hide that.
 #![allow(clippy::needless_range_loop)]
+// The algorithms read and write the caller's tensors, scratch memory and the
+// arena's slots through raw pointers: every unsafe block says why (see `RawBuf`).
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::dtype::{DType, ReduceOp};
 use crate::status::Cost;
@@ -152,15 +155,40 @@ pub fn reducing(dtype: DType, op: ReduceOp) -> Fold {
 }
 
 /// A caller-owned byte range (a tensor's storage) that outlives the op.
+///
+/// The algorithms' unsafe code rests on what follows; their SAFETY comments
+/// say which of it applies and which range is meant:
+/// - The op's buffers (the `Collective`'s) are valid for reads and writes of
+///   `len` bytes until the op is done, and the caller does not touch them
+///   meanwhile (`Engine::submit`'s contract). Scratch memory is valid while
+///   its `Scratch` lives; an algorithm takes it before its `Transfers`,
+///   which is dropped first, and waits for or withdraws every transfer.
+///   An arena slot is valid while its round's arena lives (`InArena::slot`
+///   keeps the length inside the slot).
+/// - The transport touches a range handed to `Transfers::send` (reads) or
+///   `recv` (writes) from then until the transfer is waited for or the
+///   `Transfers` is dropped; the algorithm does not write a range being
+///   sent, nor touch one being received, in between, unless the order of
+///   the messages proves the transport is done with it (said where so).
+/// - Two buffers of one op do not overlap, but where an input is exactly
+///   the block this rank keeps of its own (all-gather's `outputs[rank]`,
+///   all-to-all's, reduce-scatter's output as `inputs[rank]`: in place;
+///   `copy` skips it). The shim does not check this; torch's in-place
+///   forms give exactly such blocks.
+/// - Ranges are computed inside the buffer (`slice` and `slice_mut` assert
+///   it; pointer arithmetic says why where it is done by hand).
 #[derive(Clone, Copy, Debug)]
 pub struct RawBuf {
     pub ptr: *mut u8,
     pub len: usize,
 }
-// The op's owner keeps the memory alive until the op finishes. Sharing the
-// descriptor between an op's threads is safe: touching the memory is unsafe
-// (`slice`, `slice_mut`), and each phase of an op touches ranges of its own.
+// SAFETY: a RawBuf is a pointer and a length; touching the memory is unsafe
+// (`slice`, `slice_mut`, the transfers), and the op's owner keeps it alive
+// until the op finishes, whichever thread runs it (the engine's worker, a
+// pipelined phase's thread, the reactor for transfers).
 unsafe impl Send for RawBuf {}
+// SAFETY: sharing the descriptor between an op's threads only copies the
+// pointer; each phase of an op touches ranges of its own (see above).
 unsafe impl Sync for RawBuf {}
 
 impl RawBuf {
@@ -171,6 +199,8 @@ impl RawBuf {
         RawBuf { ptr, len }
     }
 
+    /// The bytes [off, off + len) (inside the buffer: asserted).
+    ///
     /// # Safety
     /// The range must be valid and not written by anyone else while the slice lives.
     pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {
@@ -178,6 +208,8 @@ impl RawBuf {
         std::slice::from_raw_parts(self.ptr.add(off), len)
     }
 
+    /// The bytes [off, off + len) (inside the buffer: asserted), to write.
+    ///
     /// # Safety
     /// The range must be valid and not accessed by anyone else while the slice lives.
     pub unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {

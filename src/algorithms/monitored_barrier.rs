@@ -29,6 +29,9 @@ fn arrive(ctx: &OpCtx) -> Result<()> {
     let rank = ctx.transport.rank();
     let mut release = [0u8; RELEASE_LEN];
     let tr = &mut ctx.transfers();
+    // SAFETY: an empty, static slice: nothing to keep alive or unchanged.
+    // The receive that follows fills `release`, a local declared before
+    // `tr` (so dropped after it), read only once the receive is waited for.
     let outcome = unsafe { tr.send(0, ctx.key(0), &[]) }
         .and_then(|_| unsafe { tr.recv(0, ctx.key(1), release.as_mut_ptr(), release.len()) })
         .and_then(|id| tr.wait(id))
@@ -53,6 +56,8 @@ fn monitor(ctx: &OpCtx, wait_all: bool, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let arrivals = &mut Transfers::new(ctx.transport, timeout, ctx.what.clone(), ctx.spin, ctx.cost.clone());
     let ids = (1..world)
+        // SAFETY: a receive of no bytes: a dangling, aligned pointer is valid
+        // for zero-length writes.
         .map(|p| unsafe { arrivals.recv(p, ctx.key(0), std::ptr::NonNull::<u8>::dangling().as_ptr(), 0) })
         .collect::<Result<Vec<_>>>()?;
     let mut arrived = Vec::new();
@@ -93,6 +98,8 @@ fn monitor(ctx: &OpCtx, wait_all: bool, timeout: Duration) -> Result<()> {
         release[1..=n].copy_from_slice(&why.as_bytes()[..n]);
     }
     let releases = &mut ctx.transfers();
+    // SAFETY: `release` is a local declared before `releases` (so dropped
+    // after it) and not changed once the sends start.
     let sent = (1..world).try_for_each(|peer| unsafe { releases.send(peer, ctx.key(1), &release).map(drop) });
     match failure {
         // Telling the others is best effort: a missing rank may be gone.

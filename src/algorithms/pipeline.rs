@@ -26,8 +26,11 @@ pub fn piece_count(ctx: &OpCtx, bytes: usize, keys: usize) -> usize {
 
 /// Piece k of `count` of `buf`, cut at multiples of `unit` bytes.
 pub fn piece(buf: RawBuf, unit: usize, count: usize, k: usize) -> RawBuf {
+    assert!(k < count, "piece {k} of {count}");
     let n = buf.len / unit;
     let (lo, hi) = (k * n / count, (k + 1) * n / count);
+    // SAFETY: k < count (asserted), so lo <= hi <= n and lo * unit <= n * unit
+    // <= buf.len: the piece lies inside the buffer.
     RawBuf::new(unsafe { buf.ptr.add(lo * unit) }, (hi - lo) * unit)
 }
 

@@ -12,6 +12,8 @@ use crate::error::Result;
 /// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
 pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    // SAFETY: before any transfer: outputs[rank] and the input are the op's
+    // buffers (in place the same memory, which `copy` skips).
     unsafe { ctx.copy(outputs[rank], input) };
     if world == 1 {
         return Ok(());
@@ -31,6 +33,9 @@ pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<
         let step = (0..nseg(b))
             .map(|j| {
                 let (off, n) = segment(outputs[b].len, seg, j);
+                // SAFETY: segment j of outputs[b], b != rank (blocks rank - 1 down to
+                // rank - W + 1, each received at one step only): filled by this receive
+                // alone, and sent on only once it is waited for.
                 unsafe { tr.recv(left, key(t, j), outputs[b].ptr.add(off), n) }
             })
             .collect::<Result<Vec<_>>>()?;
@@ -43,6 +48,9 @@ pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<
                 tr.wait(ids[t - 1][j])?;
             }
             let (off, n) = segment(outputs[b].len, seg, j);
+            // SAFETY: segment j of outputs[b], only read by the send: b == rank at
+            // step 0 (copied above, received into never), else its receive was
+            // waited for just above; nothing writes an output block after that.
             unsafe { tr.send(right, key(t, j), outputs[b].slice(off, n))? };
         }
     }

@@ -53,6 +53,15 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
         for j in 0..nseg {
             let (off, len) = segment(c, j);
             let folding = (t < reduce_steps).then(|| fold.clone());
+            // SAFETY: segment j of chunk `incoming(t)` of the op's buffer (inside it:
+            // `segment` stays within the chunk). While this receive is pending no
+            // other step folds into or overwrites that chunk (posted steps t and
+            // t + 1 take different chunks), and it is sent only once this receive
+            // is waited for. In the all-gather steps it overwrites a chunk whose
+            // send from the reduce-scatter steps may still count as pending: what
+            // arrives there is that chunk's total, which the ring computes only
+            // after the right neighbour has read what this rank sent, so the
+            // transport is done reading it by then.
             ids.push(unsafe { tr.recv_folded(left, key(t, j), buf.ptr.add(off), len, folding)? });
         }
         Ok(())
@@ -64,6 +73,9 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
     }
     for j in 0..nseg {
         let (off, len) = segment(rank, j);
+        // SAFETY: this rank's own chunk, only read by the send; it is received
+        // into only at step W - 1, with bytes that arrive after the right
+        // neighbour has read these (see the receive above).
         unsafe { tr.send(right, key(0, j), buf.slice(off, len))? };
     }
     for t in 0..steps {
@@ -76,9 +88,14 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
             tr.wait(posted[t % 2][j])?;
             let (off, len) = segment(c, j);
             if t == reduce_steps - 1 && op == ReduceOp::Avg {
+                // SAFETY: the chunk's last fold was waited for just above and its send on
+                // starts below: no transfer touches this segment meanwhile.
                 divide_by(dtype, unsafe { buf.slice_mut(off, len) }, world);
             }
             if t + 1 < steps {
+                // SAFETY: segment j of the chunk whose receive was waited for above; only
+                // read by the send (later receives into it arrive after the right
+                // neighbour has read it, see `post`).
                 unsafe { tr.send(right, key(t + 1, j), buf.slice(off, len))? };
             }
         }

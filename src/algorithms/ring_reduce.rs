@@ -32,6 +32,8 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
         (0..nseg)
             .map(|j| {
                 let (off, n) = segment(buf.len, seg, j);
+                // SAFETY: segment j of the scratch (buf.len bytes, taken before `tr`),
+                // filled by this receive alone; each segment is received once.
                 unsafe { tr.recv(left, key(j), partial.ptr.add(off), n) }
             })
             .collect::<Result<Vec<_>>>()?
@@ -39,19 +41,29 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
     for j in 0..nseg {
         let (off, n) = segment(buf.len, seg, j);
         if pos == 0 {
+            // SAFETY: the first rank of the chain only reads its buffer (it receives
+            // nothing): segment j of the op's buffer, unchanged until `tr` is done.
             unsafe { tr.send(right, key(j), buf.slice(off, n))? };
             continue;
         }
         tr.wait(ids[j])?;
+        // SAFETY: segment j of the scratch, whose receive was just waited for; it
+        // is sent on (below) only after this fold.
         let theirs = unsafe { partial.slice_mut(off, n) };
         if pos == world - 1 {
+            // SAFETY: the root's buffer: it sends nothing from it and receives into
+            // scratch, so segment j is touched by this fold alone.
             let mine = unsafe { buf.slice_mut(off, n) };
             ctx.reduce_into(dtype, op, mine, theirs);
             if op == ReduceOp::Avg {
                 divide_by(dtype, mine, world);
             }
         } else {
+            // SAFETY: segment j of the op's buffer, only read (ranks between the first
+            // and the root never write it); other memory than `theirs` (scratch).
             ctx.reduce_into(dtype, op, theirs, unsafe { buf.slice(off, n) });
+            // SAFETY: `theirs` is scratch segment j, received and folded above and
+            // never written again during the op.
             unsafe { tr.send(right, key(j), theirs)? };
         }
     }

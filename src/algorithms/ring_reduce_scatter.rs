@@ -22,6 +22,8 @@ use crate::transport::TransferId;
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     if world == 1 {
+        // SAFETY: one rank: no transfers; `output` and inputs[0] are the op's
+        // buffers (in place the same memory, which `copy` skips).
         unsafe { ctx.copy(output, inputs[0]) };
         return Ok(());
     }
@@ -46,6 +48,8 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     let mut recvs: Vec<Vec<TransferId>> = vec![Vec::new(); steps];
     let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
     // The last step's block is this rank's own: start the output from it.
+    // SAFETY: before any receive into `output` is posted (the first `post`
+    // follows); inputs[rank] is never sent, only read here.
     unsafe { ctx.copy(output, inputs[rank]) };
     let fold = reducing(dtype, op);
     // Step t receives block(t + 1).
@@ -55,8 +59,14 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
             .map(|j| {
                 let (off, n) = segment(len(c), seg, j);
                 if t + 1 == steps {
+                    // SAFETY: segment j of `output` at the last step, the only transfer into
+                    // it; nothing else touches it until the receive is waited for.
                     unsafe { tr.recv_folded(left, key(t, j), output.ptr.add(off), n, Some(fold.clone())) }
                 } else {
+                    // SAFETY: segment j of partial buffer t % 3 (scratch as large as the
+                    // largest block): its previous partials, sent at step t - 3, were
+                    // waited for before this post (see the loop), so only this receive
+                    // touches it.
                     unsafe { tr.recv(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
                 }
             })
@@ -66,6 +76,8 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     recvs[0] = post(tr, 0)?;
     for j in 0..nseg(block(0)) {
         let (off, n) = segment(len(block(0)), seg, j);
+        // SAFETY: segment j of the op's input block(0) != rank: only read, by this
+        // send; inputs are never written (but inputs[rank], never sent).
         sends[0].push(unsafe { tr.send(right, key(0, j), inputs[block(0)].slice(off, n))? });
     }
     for t in 0..steps {
@@ -85,12 +97,20 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
             let (off, n) = segment(len(c), seg, j);
             if last {
                 if op == ReduceOp::Avg {
+                    // SAFETY: the last fold into this segment of `output` was waited for just
+                    // above; no transfer touches it now.
                     divide_by(dtype, unsafe { output.slice_mut(off, n) }, world);
                 }
             } else {
+                // SAFETY: the receive into this segment of partial t % 3 was waited for
+                // above; it is sent (below) only after this fold.
                 let partial = unsafe { bufs[t % 3].slice_mut(off, n) };
+                // SAFETY: inputs[c], c != rank (c is received at a step before the last):
+                // only read, and other memory than the partial (scratch).
                 let mine = unsafe { inputs[c].slice(off, n) };
                 ctx.reduce_into(dtype, op, partial, mine);
+                // SAFETY: `partial` is not written again until its buffer is refilled,
+                // three steps on, after this send is waited for.
                 sends[t + 1].push(unsafe { tr.send(right, key(t + 1, j), partial)? });
             }
         }

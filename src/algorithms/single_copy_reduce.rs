@@ -33,6 +33,9 @@ pub fn single_copy_reduce_scatter(
     let tr = &mut ctx.transfers();
     agree_with_all(ctx, tr, check)?;
     send_blocks(ctx, tr, inputs, 0)?;
+    // SAFETY: `output` is in no transfer yet (folds into it come next); the
+    // sends above only read inputs[p] for p != rank, and inputs[rank]
+    // is only read here (in place the same memory: `copy` skips it).
     unsafe { ctx.copy(output, inputs[rank]) };
     fold_peers_blocks(ctx, tr, output, dtype, op)?;
     tr.wait_all()
@@ -49,9 +52,16 @@ pub fn single_copy_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceO
     // A peer's block is overwritten only by the peer's reduced one, which it
     // sends after it has read (and folded) ours.
     for p in ctx.peers() {
+        // SAFETY: blocks[p], p != rank, of the op's buffer. Its send above may
+        // still count as pending, but peer p reads it (as its address) before
+        // it folds and sends its reduced block, which is what fills this
+        // receive: the transport is done reading it by then. No other receive
+        // fills it.
         unsafe { tr.recv(p, ctx.key(1), blocks[p].ptr, blocks[p].len)? };
     }
     for p in ctx.peers() {
+        // SAFETY: this rank's reduced block, whose folds were all waited for; no
+        // receive fills it, the sends only read it.
         unsafe { tr.send(p, ctx.key(1), blocks[rank].slice(0, blocks[rank].len))? };
     }
     tr.wait_all()
@@ -61,12 +71,17 @@ pub fn single_copy_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceO
 fn allreduce_blocks(buf: RawBuf, dtype: DType, world: usize) -> Vec<RawBuf> {
     let (es, n) = (dtype.size(), buf.len / dtype.size());
     let start = |c: usize| c * n / world * es;
+    // SAFETY: start(c) <= n * es <= buf.len for c <= world: each block starts
+    // inside the buffer and ends at the next block's start.
     (0..world).map(|c| RawBuf::new(unsafe { buf.ptr.add(start(c)) }, start(c + 1) - start(c))).collect()
 }
 
 /// Send `blocks[p]` to every peer p (as its address: the peer reads it).
 fn send_blocks(ctx: &OpCtx, tr: &mut Transfers, blocks: &[RawBuf], step: u64) -> Result<()> {
     for p in ctx.peers() {
+        // SAFETY: blocks[p], p != rank, of the op's buffers: only read, by the
+        // sends; nothing writes them before the peers have read them (see
+        // `single_copy_allreduce`).
         unsafe { tr.send(p, ctx.key(step), blocks[p].slice(0, blocks[p].len))? };
     }
     Ok(())
@@ -77,10 +92,13 @@ fn send_blocks(ctx: &OpCtx, tr: &mut Transfers, blocks: &[RawBuf], step: u64) ->
 fn fold_peers_blocks(ctx: &OpCtx, tr: &mut Transfers, mine: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let fold = reducing(dtype, op);
     for p in ctx.peers() {
+        // SAFETY: `mine` is this rank's block (never sent from here), filled by one
+        // fold at a time: each is waited for before the next is posted.
         let id = unsafe { tr.recv_folded(p, ctx.key(0), mine.ptr, mine.len, Some(fold.clone()))? };
         tr.wait(id)?;
     }
     if op == ReduceOp::Avg {
+        // SAFETY: every fold into `mine` was waited for: no transfer touches it.
         divide_by(dtype, unsafe { mine.slice_mut(0, mine.len) }, ctx.transport.size());
     }
     Ok(())

@@ -46,18 +46,25 @@ pub fn tree_reduce(
     let own_sum = (parent.is_some() && !children.is_empty()) || head;
     let mut scratch = ctx.scratch(len * (children.len() + own_sum as usize));
     let slots = scratch.raw();
+    // SAFETY: c <= children.len(), and the scratch holds a slot per child and
+    // one more where `own_sum` (the only case slot(children.len()) is
+    // used): slot c lies inside it.
     let slot = |c: usize| RawBuf::new(unsafe { slots.ptr.add(c * len) }, len);
     let sum = if own_sum { slot(children.len()) } else { buf };
     // An average divides once, by W, at the root.
     let fold = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
     let tr = &mut ctx.transfers();
     for (c, &child) in children.iter().enumerate() {
+        // SAFETY: slot c of the scratch (taken before `tr`), filled by this
+        // receive alone: each child has a slot of its own.
         unsafe { tr.recv(child, ctx.key(0), slot(c).ptr, len)? };
     }
     match &on_host {
         Some(hop) => {
             // The rank that sums reads its buffer from `sum` and gets the host's sum there.
             if head {
+                // SAFETY: `sum` is the scratch slot after the children's, in no transfer;
+                // the buffer is the op's, only read.
                 unsafe { ctx.copy(sum, buf) };
             }
             let how = Reducing { dtype, op: fold, premul: None, root: Some(hop.head) };
@@ -69,19 +76,29 @@ pub fn tree_reduce(
         }
         None => {
             tr.wait_all()?;
+            // SAFETY: every receive is done; `sum` is the buffer itself (then `copy`
+            // skips it) or a scratch slot no transfer touches.
             unsafe { ctx.copy(sum, buf) };
         }
     }
     for c in 0..children.len() {
+        // SAFETY: after every receive is done: `sum` (the buffer or its own
+        // scratch slot) and slot c are different memory, and no transfer
+        // touches either.
         ctx.reduce_into(dtype, fold, unsafe { sum.slice_mut(0, len) }, unsafe { slot(c).slice(0, len) });
     }
     match parent {
         None => {
             if op == ReduceOp::Avg {
+                // SAFETY: the root's `sum`: no transfer touches it (the root sends nothing).
                 divide_by(dtype, unsafe { sum.slice_mut(0, len) }, world);
             }
+            // SAFETY: the root's buffer and `sum`, neither in a transfer (in place the
+            // same memory: `copy` skips it).
             unsafe { ctx.copy(buf, sum) };
         }
+        // SAFETY: `sum` is only read by the send and not written again before
+        // `tr` is done.
         Some(parent) => unsafe {
             tr.send(parent, ctx.key(0), sum.slice(0, len))?;
         },
