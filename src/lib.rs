@@ -6,6 +6,10 @@
 //! Store; `config` holds every setting. The torch shim (C++, `cpp/`) and the
 //! Python module sit on top, behind the `extension` feature.
 
+// An unsafe fn's body is no unsafe block: each unsafe operation in it
+// has one of its own, and says why it keeps the contracts involved.
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod algorithms;
 pub mod config;
 pub mod cuda;

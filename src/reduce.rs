@@ -211,6 +211,11 @@ fn reduce_aligned(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     reduce_into_any_cpu(dtype, op, dst, src)
 }
 
+/// `reduce_into_any_cpu` compiled for AVX2 and F16C.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C (`is_x86_feature_detected!`): the code
+/// is compiled to use them.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_into_avx2(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {

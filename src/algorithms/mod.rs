@@ -135,7 +135,8 @@ impl<'a> OpCtx<'a> {
         if dst.ptr != src.ptr {
             self.cost.copied(src.len);
         }
-        copy_buf(dst, src)
+        // SAFETY: this function's contract is `copy_buf`'s, passed on.
+        unsafe { copy_buf(dst, src) }
     }
 
     /// Fold `src` into `dst` with `op`, and count it.
@@ -205,7 +206,10 @@ impl RawBuf {
     /// The range must be valid and not written by anyone else while the slice lives.
     pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {
         assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
-        std::slice::from_raw_parts(self.ptr.add(off), len)
+        // SAFETY: [off, off + len) lies inside the buffer (asserted), whose
+        // pointer is non-null and, being bytes, aligned (`RawBuf::new`); the
+        // caller promises the range is valid and unwritten while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
     }
 
     /// The bytes [off, off + len) (inside the buffer: asserted), to write.
@@ -214,7 +218,9 @@ impl RawBuf {
     /// The range must be valid and not accessed by anyone else while the slice lives.
     pub unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {
         assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
-        std::slice::from_raw_parts_mut(self.ptr.add(off), len)
+        // SAFETY: as in `slice`; the caller promises nobody else touches the
+        // range while this mutable slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
     }
 }
 
@@ -285,7 +291,9 @@ impl Drop for Scratch<'_> {
 pub unsafe fn copy_buf(dst: RawBuf, src: RawBuf) {
     assert_eq!(dst.len, src.len, "copy_buf: length mismatch");
     if dst.ptr != src.ptr && src.len > 0 {
-        std::ptr::copy(src.ptr, dst.ptr, src.len);
+        // SAFETY: both ranges are `len` bytes (asserted), valid and touched by
+        // no one else (the caller's promise); `copy` allows them to overlap.
+        unsafe { std::ptr::copy(src.ptr, dst.ptr, src.len) };
     }
 }
 

@@ -38,7 +38,9 @@ impl Engine {
         let status = self.issued(self.p2p_status(OpKind::Send, &op, buf.len, done));
         let deadline = Instant::now() + timeout;
         let timed_out = Error::timed_out(timeout, format_args!("{op} was still waiting to write its data"));
-        t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready)
+        // SAFETY: the caller keeps `buf` valid and unchanged (from when `ready`
+        // returns) until `done` has run, which `status` runs as it finishes.
+        unsafe { t.send(dst, Key::p2p(tag), buf.ptr, buf.len, status.clone(), deadline, ready) }
             .map_err(|e| e.context(format_args!("rustc10d: {op}")))?;
         let expiry = Expiry { deadline, transport: t.clone(), peer: Some(dst), recv_key: None, timed_out };
         Ok(OpHandle { status, seq, source_rank: -1, expiry: Some(expiry), spin: self.shared.spin })
@@ -68,9 +70,11 @@ impl Engine {
         let status = self.issued(self.p2p_status(OpKind::Recv, &op, buf.len, done));
         let timed_out = Error::timed_out(timeout, format_args!("{op} was waiting for data"));
         let key = Key::p2p(tag);
+        // SAFETY: the caller keeps `buf` valid and unread until `done` has
+        // run, which `status` runs as it finishes.
         match src {
-            Some(src) => t.recv(src, key, buf.ptr, buf.len, None, status.clone())?,
-            None => t.recv_any(key, buf.ptr, buf.len, status.clone())?,
+            Some(src) => unsafe { t.recv(src, key, buf.ptr, buf.len, None, status.clone())? },
+            None => unsafe { t.recv_any(key, buf.ptr, buf.len, status.clone())? },
         }
         let expiry = Expiry {
             deadline: Instant::now() + timeout,

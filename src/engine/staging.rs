@@ -195,6 +195,8 @@ fn ranges(len: usize, bytes: usize) -> Vec<(usize, usize)> {
 pub fn piece_of(part: &Collective, start: usize, len: usize) -> Collective {
     let sub = |b: &RawBuf| {
         assert!(start + len <= b.len);
+        // SAFETY: start + len <= b.len (asserted just above): the piece starts
+        // inside the op's buffer.
         RawBuf::new(unsafe { b.ptr.add(start) }, len)
     };
     match part {

@@ -62,8 +62,10 @@ struct HeldSend {
     status: Arc<Status>,
 }
 
-// The sender keeps `data` valid until the send's status finishes (the
-// Transport contract); the pointer is only read under the link's lock.
+// SAFETY: the sender keeps `data` valid and unchanged until the send's status
+// finishes (`Transport::send`), which a held send's does only once it is
+// delivered or failed; the pointer is only read on delivery, by whichever
+// thread releases the link (under the link's lock).
 unsafe impl Send for HeldSend {}
 
 /// One rank's endpoint of a `FakeNet`.
@@ -173,6 +175,8 @@ impl FakeTransport {
         let held = self.net.held[self.rank][peer].lock().unwrap().take().unwrap_or_default();
         for h in held {
             // Delivered as if sent now: a link cut meanwhile fails it.
+            // SAFETY: a held send's bytes are still valid and unchanged: its status has
+            // not finished (see HeldSend), and `send` reads them before it finishes it.
             if let Err(e) = unsafe { self.send(peer, h.key, h.data, h.len, h.status.clone(), Instant::now(), None) } {
                 h.status.finish(Err(e));
             }
@@ -250,6 +254,9 @@ impl Transport for FakeTransport {
 
     /// Runs `ready`, then delivers, on the caller's thread: `status` has
     /// finished when this returns Ok. A send to a lost peer fails at once.
+    ///
+    /// # Safety
+    /// As for `Transport::send`.
     unsafe fn send(
         &self,
         peer: usize,
@@ -280,7 +287,10 @@ impl Transport for FakeTransport {
             held.push(HeldSend { key, data, len, status });
             return Ok(());
         }
-        let bytes = if len == 0 { &[][..] } else { std::slice::from_raw_parts(data, len) };
+        // SAFETY: the caller keeps `len` bytes at `data` valid and unchanged
+        // until `status` finishes (this function's contract), which is below,
+        // after the copy; `ready`, if any, has run.
+        let bytes = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(data, len) } };
         // A frame read whole: the mailbox fills or folds a posted receive of
         // this length, fails one of another length, or keeps the message early.
         self.net.inbox[peer][self.rank].lock().unwrap().stash(key, bytes.to_vec(), &self.net.any[peer]);
@@ -295,6 +305,8 @@ impl Transport for FakeTransport {
         Ok(())
     }
 
+    /// # Safety
+    /// As for `Transport::recv`.
     unsafe fn recv(
         &self,
         peer: usize,
@@ -310,6 +322,8 @@ impl Transport for FakeTransport {
         Ok(())
     }
 
+    /// # Safety
+    /// As for `Transport::recv_any`.
     unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
         // As the mesh does: post, then take a message that came early, if any.
         let any = &self.net.any[self.rank];

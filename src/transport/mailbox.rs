@@ -37,6 +37,8 @@ impl Fold {
 
 /// 8-byte aligned words viewed as bytes.
 pub fn u64_bytes(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: u8 has no alignment, the length is that of the words, and the
+    // words are borrowed mutably for as long as the bytes.
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len() * 8) }
 }
 
@@ -46,7 +48,9 @@ pub struct RecvBuf {
     pub len: usize,
     pub fold: Option<Fold>,
 }
-// The poster guarantees the memory outlives the transfer (see Transport::recv).
+// SAFETY: the poster keeps the buffer valid, and touches it not, until the
+// receive's status finishes (`Transport::recv`), whichever thread fills
+// it; the RecvBuf is its only user meanwhile.
 unsafe impl Send for RecvBuf {}
 
 pub struct PostedRecv {
@@ -71,7 +75,13 @@ impl PostedRecv {
             self.status.early(data.len());
         }
         match &self.buf.fold {
+            // SAFETY: `data.len()` is the buffer's length (both callers match the
+            // lengths first); the poster keeps it valid and untouched until the
+            // status finishes, and this PostedRecv, taken out of the mailbox, is
+            // its only user.
             Some(fold) => fold.apply(unsafe { std::slice::from_raw_parts_mut(self.buf.ptr, data.len()) }, data),
+            // SAFETY: as for the fold above: `data.len()` bytes fit the buffer, which
+            // is this receive's alone; `data` is the mailbox's own copy, other memory.
             None => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr, data.len()) },
         }
         self.complete(data.len(), peer);

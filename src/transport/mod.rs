@@ -247,8 +247,9 @@ impl<'t> Transfers<'t> {
     /// `data` must stay valid and unchanged until this `Transfers` is dropped.
     pub unsafe fn send(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
         let status = Status::costed(self.cost.clone());
-        self.transport
-            .send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None)
+        // SAFETY: the caller keeps `data` valid and unchanged until this
+        // Transfers is dropped, and dropping it waits until `status` finishes.
+        unsafe { self.transport.send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None) }
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
         self.pending.push(Pending { peer, recv_key: None, status, owned: None });
         Ok(TransferId(self.pending.len() - 1))
@@ -259,7 +260,9 @@ impl<'t> Transfers<'t> {
     /// the op's transfers end (a send may still read its memory then).
     pub fn send_copy(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
         let owned = data.to_vec();
-        // Moving the Vec below does not move its heap memory.
+        // SAFETY: `owned` is kept in this Transfers (`pending`, below) until it is
+        // dropped, after every transfer is done; moving the Vec does not move
+        // its heap memory, and nothing writes it.
         let id = unsafe { self.send(peer, key, &owned)? };
         self.pending[id.0].owned = Some(owned);
         Ok(id)
@@ -269,6 +272,9 @@ impl<'t> Transfers<'t> {
     /// reads them once the receive is waited for.
     pub fn recv_owned(&mut self, peer: usize, key: Key, len: usize) -> Result<TransferId> {
         let mut owned = vec![0u8; len];
+        // SAFETY: `owned` is `len` bytes kept in this Transfers until it is dropped
+        // (after every transfer is done), and read (`received`) only once this
+        // receive has finished.
         let id = unsafe { self.recv(peer, key, owned.as_mut_ptr(), len)? };
         self.pending[id.0].owned = Some(owned);
         Ok(id)
@@ -282,10 +288,13 @@ impl<'t> Transfers<'t> {
     }
 
     /// # Safety
-    /// `data` must stay valid, and not be read, until the transfer is waited
-    /// for or this `Transfers` is dropped.
+    /// `data` must stay valid, and not be read, until a wait for the transfer
+    /// has returned Ok (one that timed out leaves it pending) or this
+    /// `Transfers` is dropped.
     pub unsafe fn recv(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
-        self.recv_folded(peer, key, data, len, None)
+        // SAFETY: the same contract, passed on (without a fold nothing else
+        // needs to stay away from the buffer: it is only written).
+        unsafe { self.recv_folded(peer, key, data, len, None) }
     }
 
     /// Like `recv`, folding the message into what `data` holds (see `Fold`).
@@ -301,8 +310,10 @@ impl<'t> Transfers<'t> {
         fold: Option<Fold>,
     ) -> Result<TransferId> {
         let status = Status::costed(self.cost.clone());
-        self.transport
-            .recv(peer, key, data, len, fold, status.clone())
+        // SAFETY: the caller keeps `data` valid and untouched until a wait for
+        // it returns Ok, which is once `status` has finished, or until this
+        // Transfers is dropped, which waits until `status` finishes.
+        unsafe { self.transport.recv(peer, key, data, len, fold, status.clone()) }
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
         self.pending.push(Pending { peer, recv_key: Some(key), status, owned: None });
         Ok(TransferId(self.pending.len() - 1))

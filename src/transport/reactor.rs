@@ -150,15 +150,19 @@ impl Reactor {
 
     fn start() -> Result<Reactor> {
         let os = |what: &str| Error::io(format!("rustc10d: {what} failed: {}", std::io::Error::last_os_error()));
+        // SAFETY: epoll_create1 takes only flags and touches no memory of ours.
         let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if epoll < 0 {
             return Err(os("epoll_create1"));
         }
+        // SAFETY: a descriptor epoll_create1 just returned (checked >= 0), owned by nothing else.
         let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
+        // SAFETY: eventfd takes a count and flags and touches no memory of ours.
         let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if wake < 0 {
             return Err(os("eventfd"));
         }
+        // SAFETY: a descriptor eventfd just returned (checked >= 0), owned by nothing else.
         let wake = unsafe { OwnedFd::from_raw_fd(wake) };
         let core = Arc::new(Core { epoll, wake, state: Mutex::default() });
         core.ctl(libc::EPOLL_CTL_ADD, core.wake.as_raw_fd(), libc::EPOLLIN as u32, WAKE)?;
@@ -293,6 +297,8 @@ impl Reactor {
 impl Core {
     fn ctl(&self, op: i32, fd: RawFd, events: u32, token: u64) -> Result<()> {
         let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: `ev` is a live local epoll_ctl reads (it keeps no pointer to it);
+        // the epoll descriptor is ours and open (owned by `self`).
         if unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) } != 0 {
             return Err(Error::io(format!("rustc10d: epoll_ctl failed: {}", std::io::Error::last_os_error())));
         }
@@ -301,6 +307,9 @@ impl Core {
 
     fn wake(&self) {
         let one = 1u64;
+        // SAFETY: writes the 8 bytes of a live local u64 (an eventfd takes exactly
+        // 8) to the eventfd `self` owns; a full counter (EAGAIN) is fine: the
+        // loop is woken already.
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
@@ -336,6 +345,8 @@ impl Core {
             if !spinners.is_empty() {
                 self.spin_once(&spinners);
             }
+            // SAFETY: `events` is a live Vec of events.len() epoll_events, which
+            // epoll_wait fills at most maxevents of; the epoll descriptor is ours.
             let n = unsafe {
                 libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout_ms)
             };
@@ -343,6 +354,8 @@ impl Core {
                 let (mask, token) = (ev.events, ev.u64);
                 if token == WAKE {
                     let mut count = 0u64;
+                    // SAFETY: reads 8 bytes into a live local u64 from the wake-up eventfd
+                    // `self` owns (non-blocking: an empty one is EAGAIN, harmless).
                     unsafe { libc::read(self.wake.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
                     continue;
                 }
@@ -415,6 +428,8 @@ mod tests {
     impl Source for Pipe {
         fn ready(&self, events: u32) {
             let mut buf = [0u8; 16];
+            // SAFETY: reads at most buf.len() bytes into the local buffer, from the
+            // pipe this source owns.
             unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
             let _ = self.seen.send(events);
         }
@@ -437,7 +452,9 @@ mod tests {
 
     fn pipe() -> (OwnedFd, OwnedFd) {
         let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two descriptors into `fds`, a live local array of two.
         assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
+        // SAFETY: the two descriptors pipe2 just made (it returned 0), owned by nothing else.
         unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
     }
 
@@ -449,6 +466,7 @@ mod tests {
         let raw = faulty_rd.as_raw_fd();
         r.register(raw, READABLE, Arc::new(Faulty { fd: faulty_rd, contained: contained_tx })).unwrap();
         r.defer(Box::new(|| panic!("a bug in a task")));
+        // SAFETY: writes one byte of a static string to the pipe's write end, which is open.
         unsafe { libc::write(faulty_wr.as_raw_fd(), b"x".as_ptr().cast(), 1) };
         let why = contained_rx.recv_timeout(Duration::from_secs(5)).expect("contain was called");
         assert!(why.contains("the I/O thread hit an internal error: a bug in a source"), "{why}");
@@ -458,6 +476,7 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let fd = rd.as_raw_fd();
         r.register(fd, READABLE, Arc::new(Pipe { fd: rd, seen: tx })).unwrap();
+        // SAFETY: writes one byte of a static string to the pipe's write end, which is open.
         unsafe { libc::write(wr.as_raw_fd(), b"y".as_ptr().cast(), 1) };
         assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok(), "the loop stopped serving sources");
         let (done_tx, done_rx) = mpsc::channel();
@@ -472,11 +491,14 @@ mod tests {
         let (again, _other) = Reactor::join().unwrap();
         assert!(Arc::ptr_eq(&r, &again), "one per process while used");
         let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two descriptors into `fds`, a live local array of two.
         assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
+        // SAFETY: the two descriptors pipe2 just made (it returned 0), owned by nothing else.
         let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let (tx, rx) = mpsc::channel();
         let raw = rd.as_raw_fd();
         let token = r.register(raw, READABLE, Arc::new(Pipe { fd: rd, seen: tx })).unwrap();
+        // SAFETY: writes one byte of a static string to the pipe's write end, which is open.
         unsafe { libc::write(wr.as_raw_fd(), b"x".as_ptr().cast(), 1) };
         let ev = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(ev & libc::EPOLLIN as u32 != 0);

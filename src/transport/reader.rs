@@ -267,6 +267,11 @@ fn fill(
     };
     match into {
         Into::Posted(p) => {
+            // SAFETY: the mailbox gave this receive only because its buffer is `len`
+            // bytes (`Mailbox::on_header`), so [got, len) lies inside it; the
+            // poster keeps it valid and untouched until its status finishes
+            // (`Transport::recv`), and this reader holds the only PostedRecv for
+            // it (taken out of the mailbox, so no cancel or other reader has it).
             let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(got as usize), left) };
             let n = read(dst)?;
             p.status.copied(n);
@@ -297,6 +302,9 @@ fn fill(
             // Fold whole pieces (whole elements) as they complete.
             if *pending == piece {
                 let at = got as usize + n - *pending;
+                // SAFETY: `at` is where the bytes in the bounce buffer start in the body:
+                // at + piece = got + n <= len, the buffer's length (see `Into::Posted`
+                // for why the buffer is valid and this reader's alone).
                 let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(at), piece) };
                 fold.apply(dst, &u64_bytes(bounce)[..piece]);
                 p.status.copied(piece);
@@ -313,6 +321,9 @@ fn fold_pending(bounce: &mut [u64], p: &PostedRecv, len: usize, pending: usize) 
         return;
     }
     let fold = p.buf.fold.as_ref().expect("a folded receive");
+    // SAFETY: the last `pending` bytes of the body, len <= the buffer's length
+    // (the mailbox matched the lengths); valid and this reader's alone, as
+    // for `Into::Posted` in `fill`.
     let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(len - pending), pending) };
     fold.apply(dst, &u64_bytes(bounce)[..pending]);
     p.status.copied(pending);

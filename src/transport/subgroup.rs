@@ -45,6 +45,8 @@ impl Transport for Subgroup<'_> {
         self.group.describe_peer(self.members[peer])
     }
 
+    /// # Safety
+    /// As for `Transport::send`.
     unsafe fn send(
         &self,
         peer: usize,
@@ -55,9 +57,13 @@ impl Transport for Subgroup<'_> {
         deadline: Instant,
         ready: Option<Ready>,
     ) -> Result<()> {
-        self.group.send(self.members[peer], key, data, len, status, deadline, ready)
+        // SAFETY: the caller's contract is the group's: passed on, for the
+        // member this view's rank `peer` is.
+        unsafe { self.group.send(self.members[peer], key, data, len, status, deadline, ready) }
     }
 
+    /// # Safety
+    /// As for `Transport::recv`.
     unsafe fn recv(
         &self,
         peer: usize,
@@ -67,10 +73,15 @@ impl Transport for Subgroup<'_> {
         fold: Option<Fold>,
         status: Arc<Status>,
     ) -> Result<()> {
-        self.group.recv(self.members[peer], key, data, len, fold, status)
+        // SAFETY: the caller's contract is the group's: passed on, for the
+        // member this view's rank `peer` is.
+        unsafe { self.group.recv(self.members[peer], key, data, len, fold, status) }
     }
 
     /// Views are for collectives, whose receives name their sender.
+    ///
+    /// # Safety
+    /// As for `Transport::recv_any` (the buffer is never touched here).
     unsafe fn recv_any(&self, _key: Key, _data: *mut u8, _len: usize, _status: Arc<Status>) -> Result<()> {
         Err(Error::invalid("rustc10d: a subgroup view takes no any-source receive"))
     }

@@ -32,7 +32,9 @@ struct Head {
     /// Sent as its address, with this number: it waits for the acknowledgement.
     id: Option<u64>,
 }
-// The sender keeps `data` alive until `status` finishes (Transport::send's contract).
+// SAFETY: a SendReq is the only user of `data`, which the sender keeps
+// valid and unchanged until `status` finishes (`Transport::send`'s
+// contract), whichever thread writes it (the sending one or the reactor).
 unsafe impl Send for SendReq {}
 
 enum Readiness {
@@ -106,6 +108,10 @@ impl Outbox {
             let head = req.head.get_or_insert_with(|| head(key, data, len, conn.sends_directly(len), last_id));
             let payload = match head.id {
                 Some(_) => &[][..],
+                // SAFETY: the sender keeps `len` bytes at `data` valid and unchanged until
+                // the status finishes (`Transport::send`'s contract; `data` is never
+                // null: empty sends point at a dangling, aligned address), and its
+                // `ready`, if any, has run (checked just above).
                 None => unsafe { std::slice::from_raw_parts(data, len) },
             };
             let (head_len, total) = (head.len, head.len + payload.len());
