@@ -85,12 +85,32 @@ impl Group {
         match op_kind(call.kind)? {
             ops::OpKind::Send => {
                 let ready = staging.map(|s| s.send_in()).transpose()?;
+                // The ready runs on the staging thread and uses the Completion
+                // (its events, its host copy); a send whose connection closes
+                // meanwhile is finished at once, which frees the Completion.
+                // So they take turns: the finisher waits for a ready that
+                // runs, and a ready that starts after it does nothing.
+                let live = Arc::new(Mutex::new(true));
                 let ready = ready.map(|wait| -> crate::transport::Ready {
-                    Box::new(move || wait().map_err(|e| e.context("rustc10d: send could not stage its tensor")))
+                    let live = live.clone();
+                    Box::new(move || {
+                        let live = live.lock().unwrap_or_else(|e| e.into_inner());
+                        if !*live {
+                            return Err(crate::error::Error::aborted(
+                                "rustc10d: the send had ended before its tensor was staged",
+                            ));
+                        }
+                        wait().map_err(|e| e.context("rustc10d: send could not stage its tensor"))
+                    })
+                });
+                let finish = finish_with(done, None, None);
+                let done: crate::status::Finisher = Box::new(move |r| {
+                    *live.lock().unwrap_or_else(|e| e.into_inner()) = false;
+                    finish(r)
                 });
                 let dst = rank(call.root, "destination")?;
                 let input = first(&call.inputs, "input")?;
-                unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, finish_with(done, None, None)) }
+                unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, done) }
             }
             ops::OpKind::Recv => {
                 // A negative source: any source (torch's recvAnysource).
