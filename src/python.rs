@@ -65,7 +65,10 @@ fn create_backend(
     options: BTreeMap<String, String>,
 ) -> PyResult<Py<PyAny>> {
     let err = |e: cxx::Exception| PyRuntimeError::new_err(e.what().to_string());
-    let store_ref = store_from_python(store.as_ptr() as usize).map_err(err)?;
+    // SAFETY: `store` is a live Python object (bound to `py`, so the GIL is
+    // held) for the whole call; the shim casts it to a c10d::Store and
+    // throws (an Err here) if it is not one.
+    let store_ref = unsafe { store_from_python(store.as_ptr() as usize) }.map_err(err)?;
     let member = Member {
         rank: usize::try_from(rank).map_err(|_| PyValueError::new_err(format!("rustc10d: invalid rank {rank}")))?,
         size: usize::try_from(size).map_err(|_| PyValueError::new_err(format!("rustc10d: invalid size {size}")))?,
@@ -92,6 +95,8 @@ fn create_backend(
         size,
     )
     .map_err(err)?;
+    // SAFETY: the shim returns a new reference (py::object::release) to the
+    // backend's Python object, which this takes over; the GIL is held.
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())
 }
 

@@ -77,8 +77,10 @@ impl Group {
         Ok(stream.clone().unwrap())
     }
 
-    // Safety of the raw buffers: the Completion owns the tensors and is
-    // dropped only when the engine finishes the op.
+    // The raw buffers are the tensors (or their staged host copies) that the
+    // Completion owns; it is dropped only when the op's finisher runs, after
+    // the engine is done with them. Torch's contract for asynchronous ops
+    // keeps the caller's hands off them until the Work completes.
     pub(crate) fn issue(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Result<OpHandle> {
         let staging = self.staging(call, &done)?;
         let e = &self.engine;
@@ -110,12 +112,18 @@ impl Group {
                 });
                 let dst = rank(call.root, "destination")?;
                 let input = first(&call.inputs, "input")?;
+                // SAFETY: the input (or its host copy, filled by `ready`) is owned
+                // by the Completion, which `done` frees only when the send has
+                // finished, and which torch's caller leaves unchanged until then.
                 unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, done) }
             }
             ops::OpKind::Recv => {
                 // A negative source: any source (torch's recvAnysource).
                 let src = if call.root < 0 { None } else { Some(rank(call.root, "source")?) };
                 let out = first(&call.outputs, "output")?;
+                // SAFETY: the output (or its host copy) is owned by the Completion,
+                // which the finisher frees only when the receive has finished, and
+                // which torch's caller does not read until then.
                 unsafe { e.recv(out, src, call.tag, timeout(call.timeout_ms), finish_with(done, None, staging)) }
             }
             _ => {
@@ -125,6 +133,10 @@ impl Group {
                 // A monitored barrier's timeout is rank 0's wait; the op runs with the group's.
                 let op_timeout = if call.kind == OpKind::MonitoredBarrier { None } else { timeout(call.timeout_ms) };
                 let done = finish_with(done, is_sparse.then_some(sparse), None);
+                // SAFETY: every buffer of `parts` is a tensor (or its host copy)
+                // the Completion owns, which `done` frees only when the op has
+                // finished; torch's caller leaves inputs unchanged and outputs
+                // unread until then.
                 unsafe { e.submit(parts, op_timeout, staging, done) }
             }
         }

@@ -158,6 +158,11 @@ pub mod bridge {
         fn seq(self: &Op) -> u64;
     }
 
+    // SAFETY: the declarations match cpp/shim.h (cxx checks the types on
+    // both sides); those not marked unsafe are safe for every argument: the
+    // shim checks indices and ranges (TORCH_CHECK, as exceptions), and
+    // references and UniquePtrs are valid by type. Those that take a raw
+    // address or handle as an integer are unsafe fns.
     unsafe extern "C++" {
         include!("rustc10d/cpp/shim.h");
         type StoreRef;
@@ -167,7 +172,10 @@ pub mod bridge {
         fn store_get(store: &StoreRef, key: &str, timeout_ms: i64) -> Result<Vec<u8>>;
         fn store_add(store: &StoreRef, key: &str, delta: i64) -> Result<i64>;
         fn store_host(store: &StoreRef) -> String;
-        fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
+        /// # Safety
+        /// `pyobject` must be a live `PyObject*` of a torch Store, and the
+        /// caller must hold the GIL.
+        unsafe fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
 
         /// Finish the op: its future, its Work, its tensors (error empty: success).
         fn complete(done: UniquePtr<Completion>, kind: ErrorKind, error: &str);
@@ -189,7 +197,11 @@ pub mod bridge {
         /// the device on stream `held` (a native handle, behind the op's
         /// gate queued there), after the op's copies in; the op's Work then
         /// orders its consumers after `held`, and its future through `side`.
-        fn to_device_held(
+        ///
+        /// # Safety
+        /// `held` and `side` must be live CUDA streams of the staged tensors'
+        /// device (native handles; `DeviceGate::streams`).
+        unsafe fn to_device_held(
             done: &Completion,
             held: usize,
             side: usize,
@@ -199,7 +211,10 @@ pub mod bridge {
         ) -> Result<()>;
         /// Copy bytes [start, start + len) from the device to the host copy
         /// now, on stream `side` (nothing holds it), and wait for the copy.
-        fn restore(done: &Completion, side: usize, buffer: usize, start: usize, len: usize) -> Result<()>;
+        ///
+        /// # Safety
+        /// As for `to_device_held`, of `side`.
+        unsafe fn restore(done: &Completion, side: usize, buffer: usize, start: usize, len: usize) -> Result<()>;
 
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
     }
@@ -207,10 +222,15 @@ pub mod bridge {
 
 use bridge::{OpKind, ReduceOpCode};
 
-// Torch's Store and the tensors a Completion holds are safe to use and
-// release from any thread.
+// SAFETY: a Completion holds tensors, a future and CUDA events, all of which
+// torch lets any thread use and release; the engine hands it from the
+// issuing thread to whichever finishes the op, one at a time.
 unsafe impl Send for bridge::Completion {}
+// SAFETY: a StoreRef holds an intrusive_ptr to a c10d::Store, which torch
+// lets any thread use and release.
 unsafe impl Send for bridge::StoreRef {}
+// SAFETY: c10d::Store's methods are thread-safe (torch's stores lock or talk
+// to a server); shared references only call them.
 unsafe impl Sync for bridge::StoreRef {}
 
 pub use bridge::{backend_to_python, store_from_python, store_host, StoreRef};

@@ -192,12 +192,18 @@ pub(super) struct ShimDevice {
     pub(super) streams: Option<[crate::cuda::Stream; 2]>,
 }
 
-// The Completion lives in the op's callback, which runs only after staging is
-// done with (for a send: after its ready).
+// SAFETY: `done` points at the op's Completion, which torch lets any thread
+// use (see bridge::Completion's Send), and which lives until the op's
+// finisher runs (`finish_with`): a collective's staging is settled and
+// dropped in the finisher before it completes the op, and a send's ready
+// takes turns with its finisher (`Group::issue`). The streams are handles.
 unsafe impl Send for ShimDevice {}
 
 impl ShimDevice {
     fn call<T>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
+        // SAFETY: the Completion is alive while this ShimDevice is used (see
+        // its Send), and the shim only reads it through a shared reference
+        // (its staged buffers and events are the C++ side's to mutate).
         f(unsafe { &*self.done }).map_err(|e| Error::io(e.what().to_string()))
     }
 
@@ -222,10 +228,13 @@ impl Device for ShimDevice {
 impl HeldCopies for ShimDevice {
     fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
         let [held, side] = self.streams()?;
-        self.call(|c| bridge::to_device_held(c, held, side, index, start, len))
+        // SAFETY: both are the streams of this op's device's DeviceGate
+        // (`Group::gates`), which are never destroyed.
+        self.call(|c| unsafe { bridge::to_device_held(c, held, side, index, start, len) })
     }
     fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
         let [_, side] = self.streams()?;
-        self.call(|c| bridge::restore(c, side, index, start, len))
+        // SAFETY: the side stream of this op's device's DeviceGate, never destroyed.
+        self.call(|c| unsafe { bridge::restore(c, side, index, start, len) })
     }
 }
