@@ -378,6 +378,7 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
     let key = keys.token();
     let bytes = if rank == 0 {
         let mut t = [0u8; TOKEN_LEN];
+        // SAFETY: getrandom writes at most TOKEN_LEN bytes into `t`, a live local of that size.
         let n = unsafe { libc::getrandom(t.as_mut_ptr().cast(), TOKEN_LEN, 0) };
         if n != TOKEN_LEN as isize {
             return Err(Error::io("rustc10d: getrandom failed"));
@@ -470,23 +471,31 @@ fn interface_addr(name: &str) -> Result<IpAddr> {
 /// link-local (those need a scope id that peers would not know).
 fn interfaces() -> Result<Vec<(String, IpAddr)>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes the head of a list it allocates into `head`, a
+    // live local; the list is freed below, once.
     if unsafe { libc::getifaddrs(&mut head) } != 0 {
         return Err(Error::io(format!("rustc10d: getifaddrs failed: {}", std::io::Error::last_os_error())));
     }
     let mut out = Vec::new();
     let mut cur = head;
     while !cur.is_null() {
+        // SAFETY: `cur` is non-null (the loop's condition) and a node of the list
+        // getifaddrs made, which stays allocated until freeifaddrs below.
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
         if ifa.ifa_flags & libc::IFF_UP as u32 == 0 || ifa.ifa_addr.is_null() {
             continue;
         }
+        // SAFETY: ifa_addr is non-null (checked above) and points at a sockaddr of
+        // the list, which stays allocated until freeifaddrs below.
         let ip = match unsafe { (*ifa.ifa_addr).sa_family } as i32 {
             libc::AF_INET => {
+                // SAFETY: the address family is AF_INET, so getifaddrs allocated a whole sockaddr_in there.
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
                 IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
             }
             libc::AF_INET6 => {
+                // SAFETY: the address family is AF_INET6, so getifaddrs allocated a whole sockaddr_in6 there.
                 let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
                 let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
                 if ip.segments()[0] & 0xffc0 == 0xfe80 {
@@ -496,9 +505,13 @@ fn interfaces() -> Result<Vec<(String, IpAddr)>> {
             }
             _ => continue,
         };
+        // SAFETY: ifa_name is the interface's NUL-terminated name, which getifaddrs
+        // always sets, alive until freeifaddrs below; it is copied out here.
         let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
         out.push((name, ip));
     }
+    // SAFETY: `head` is the list getifaddrs returned, freed once; nothing of it
+    // is used after (the names and addresses were copied).
     unsafe { libc::freeifaddrs(head) };
     Ok(out)
 }

@@ -83,8 +83,12 @@ impl ShmConn {
     /// names it (SO_PEERCRED), and a read of its mapping of the segment
     /// must find the segment's first word.
     fn probe_direct_reads(&self) -> Option<libc::pid_t> {
+        // SAFETY: libc::ucred is plain C data: all zeroes is a valid value.
         let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: getsockopt(SO_PEERCRED) writes at most `len` (the size of a
+        // ucred) bytes into `cred`, a live local, and updates `len`; the socket
+        // is ours and open.
         let got = unsafe {
             libc::getsockopt(
                 self.sock.as_raw_fd(),
@@ -133,6 +137,7 @@ impl Conn {
         match self {
             Conn::Tcp(s) => {
                 let mut n: libc::c_int = 0;
+                // SAFETY: ioctl(TIOCOUTQ) writes one c_int into `n`, a live local; the socket is open (borrowed).
                 let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
                 if rc == 0 {
                     n.max(0) as u64
@@ -191,6 +196,8 @@ impl Conn {
     /// Read what is there: WouldBlock when nothing is, Ok(0) at the end.
     pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
+            // SAFETY: recv writes at most buf.len() bytes into `buf`, which is borrowed
+            // mutably for the call; the socket is open (borrowed).
             Conn::Tcp(s) => retry_interrupted(|| unsafe {
                 libc::recv(s.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
             }),
@@ -208,9 +215,13 @@ impl Conn {
     pub fn write(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Conn::Tcp(s) => {
+                // SAFETY: msghdr is plain C data: all zeroes is a valid value (null pointers, zero lengths).
                 let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
                 msg.msg_iov = bufs.as_ptr() as *mut libc::iovec; // IoSlice is an iovec on unix
                 msg.msg_iovlen = bufs.len() as _;
+                // SAFETY: `msg` lives across the call and points at `bufs`, a live slice of
+                // IoSlice, which std guarantees is ABI-compatible with iovec on Unix;
+                // sendmsg only reads them (and the bytes they point at, borrowed).
                 retry_interrupted(|| unsafe {
                     libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
                 })
@@ -291,6 +302,10 @@ pub fn read_process(pid: libc::pid_t, addr: u64, buf: &mut [u8]) -> io::Result<(
     while done < buf.len() {
         let local = libc::iovec { iov_base: buf[done..].as_mut_ptr().cast(), iov_len: buf.len() - done };
         let remote = libc::iovec { iov_base: (addr as usize + done) as *mut libc::c_void, iov_len: buf.len() - done };
+        // SAFETY: `local` describes buf[done..], borrowed mutably for the call, into
+        // which the kernel writes at most iov_len bytes; `remote` is an address
+        // in the peer process, which the kernel checks and reads there (a bad
+        // one is an error, never a write of ours).
         let n = retry_interrupted(|| unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) })?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer's memory ended early"));
@@ -359,6 +374,7 @@ pub mod tests {
 
     fn pending(fd: RawFd) -> bool {
         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll reads and writes one pollfd, `p`, a live local.
         unsafe { libc::poll(&mut p, 1, 0) == 1 }
     }
 

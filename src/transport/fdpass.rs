@@ -13,8 +13,10 @@ const MAX_FDS: usize = 4;
 fn with_fd_msg<R>(byte: u8, f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
     let mut byte = [byte];
     let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+    // SAFETY: CMSG_SPACE is arithmetic on its argument (a macro in C); it touches no memory.
     let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
     let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: msghdr is plain C data: all zeroes is a valid value (null pointers, zero lengths).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
@@ -24,6 +26,7 @@ fn with_fd_msg<R>(byte: u8, f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
 }
 
 fn cmsg_len(n: usize) -> usize {
+    // SAFETY: CMSG_LEN is arithmetic on its argument; it touches no memory.
     unsafe { libc::CMSG_LEN((n * std::mem::size_of::<RawFd>()) as u32) as usize }
 }
 
@@ -31,6 +34,11 @@ fn cmsg_len(n: usize) -> usize {
 pub fn send_fds(sock: &impl AsRawFd, fds: &[RawFd]) -> io::Result<()> {
     assert!(fds.len() <= MAX_FDS);
     with_fd_msg(1, |msg| {
+        // SAFETY: `msg` comes from `with_fd_msg`: its control buffer is `space` =
+        // CMSG_SPACE(MAX_FDS fds) bytes, 8-byte aligned (a Vec<u64>), so
+        // CMSG_FIRSTHDR is non-null and the header and fds.len() <= MAX_FDS
+        // descriptors after CMSG_DATA lie inside it (written unaligned, as
+        // the data need not be); the new controllen is at most `space`.
         unsafe {
             let cmsg = libc::CMSG_FIRSTHDR(msg);
             (*cmsg).cmsg_level = libc::SOL_SOCKET;
@@ -43,6 +51,8 @@ pub fn send_fds(sock: &impl AsRawFd, fds: &[RawFd]) -> io::Result<()> {
             msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) as _;
         }
         loop {
+            // SAFETY: `msg` points at live locals of `with_fd_msg` (the one-byte iovec,
+            // the control buffer) for the whole call; sendmsg only reads them.
             let n = unsafe { libc::sendmsg(sock.as_raw_fd(), msg, libc::MSG_NOSIGNAL) };
             if n == 1 {
                 return Ok(());
@@ -61,6 +71,9 @@ pub fn send_fds(sock: &impl AsRawFd, fds: &[RawFd]) -> io::Result<()> {
 pub fn recv_fds(sock: &impl AsRawFd, count: std::ops::RangeInclusive<usize>) -> io::Result<Vec<OwnedFd>> {
     with_fd_msg(0, |msg| {
         let n = loop {
+            // SAFETY: `msg` points at live locals of `with_fd_msg`: recvmsg writes at
+            // most iov_len (1) bytes into the byte and msg_controllen bytes into
+            // the control buffer, and updates `msg` itself.
             let n = unsafe { libc::recvmsg(sock.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) };
             if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                 continue;
@@ -70,15 +83,28 @@ pub fn recv_fds(sock: &impl AsRawFd, count: std::ops::RangeInclusive<usize>) -> 
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
+        // SAFETY: `msg` is the live msghdr recvmsg just filled; CMSG_FIRSTHDR only
+        // reads its control fields (null if there is no room for a header).
         let cmsg = unsafe { libc::CMSG_FIRSTHDR(msg) };
         if n != 1 || cmsg.is_null() {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "expected file descriptors"));
         }
+        // SAFETY: `cmsg` is non-null (checked) and points at a header inside the
+        // control buffer, which the kernel filled.
         let (level, kind, len) = unsafe { ((*cmsg).cmsg_level, (*cmsg).cmsg_type, (*cmsg).cmsg_len as usize) };
         let got = (len.saturating_sub(cmsg_len(0))) / std::mem::size_of::<RawFd>();
+        // SAFETY: CMSG_DATA is pointer arithmetic on the live header `cmsg`, inside
+        // the control buffer.
         let data = unsafe { libc::CMSG_DATA(cmsg) as *const RawFd };
         // Own whatever arrived, so that a wrong count closes them all.
         let fds: Vec<OwnedFd> = (0..got.min(MAX_FDS))
+            // SAFETY: i < min(got, MAX_FDS): the kernel wrote `got` descriptors after
+            // CMSG_DATA, and the buffer has room for MAX_FDS, so the read is in
+            // bounds (unaligned, as the data need not be aligned). For an
+            // SCM_RIGHTS message each is a new descriptor the kernel installed for
+            // this process, owned by nothing else. (The level and type are checked
+            // only after: another type would make these integers no descriptors.
+            // Only SCM_RIGHTS arrives here: neither SO_PASSCRED nor SO_PASSSEC is set.)
             .map(|i| unsafe { OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))) })
             .collect();
         if level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS || !count.contains(&fds.len()) {
@@ -91,22 +117,28 @@ pub fn recv_fds(sock: &impl AsRawFd, count: std::ops::RangeInclusive<usize>) -> 
 
 /// A non-blocking eventfd: one rank writes to it to wake the other.
 pub fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: eventfd takes a count and flags and touches no memory of ours.
     let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if fd < 0 {
         return Err(Error::io(format!("rustc10d: eventfd failed: {}", io::Error::last_os_error())));
     }
+    // SAFETY: a descriptor eventfd just returned (checked >= 0), owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Wake whoever watches the eventfd `fd`.
 pub fn notify(fd: &OwnedFd) {
     let one = 1u64;
+    // SAFETY: writes the 8 bytes of a live local u64 (what an eventfd takes);
+    // the descriptor is open (borrowed); a full counter (EAGAIN) is fine.
     unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
 /// Reset an eventfd after a wake-up.
 pub fn drain(fd: &OwnedFd) {
     let mut count = 0u64;
+    // SAFETY: reads at most 8 bytes into a live local u64; the descriptor is
+    // open (borrowed); an empty one (EAGAIN) is fine.
     unsafe { libc::read(fd.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
 }
 
@@ -134,6 +166,7 @@ mod tests {
         let got = recv_fds(&s2, 2..=2).unwrap();
         notify(&got[0]);
         let mut count = 0u64;
+        // SAFETY: reads at most 8 bytes into a live local u64 from an open eventfd.
         assert_eq!(unsafe { libc::read(a.as_raw_fd(), (&mut count as *mut u64).cast(), 8) }, 8, "the same eventfd");
         send_fds(&s1, &[a.as_raw_fd()]).unwrap();
         assert!(recv_fds(&s2, 2..=3).is_err());

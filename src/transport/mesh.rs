@@ -79,6 +79,7 @@ impl ShmEndpoint {
     /// The segments this rank creates have rings of `ring_bytes`.
     pub fn bind(ring_bytes: usize) -> Result<(ShmEndpoint, String)> {
         let mut r = [0u8; 16];
+        // SAFETY: getrandom writes at most r.len() bytes into `r`, a live local array.
         if unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) } != r.len() as isize {
             return Err(Error::io("rustc10d: getrandom failed"));
         }
@@ -204,6 +205,8 @@ impl Transport for Mesh {
 
     /// Written at once, as far as the connection takes it, when nothing is
     /// queued before it (and no `ready` holds it back); the reactor writes the rest.
+    /// # Safety
+    /// As for `Transport::send`.
     unsafe fn send(
         &self,
         peer: usize,
@@ -221,6 +224,8 @@ impl Transport for Mesh {
         Ok(())
     }
 
+    /// # Safety
+    /// As for `Transport::recv`.
     unsafe fn recv(
         &self,
         peer: usize,
@@ -236,6 +241,8 @@ impl Transport for Mesh {
         Ok(())
     }
 
+    /// # Safety
+    /// As for `Transport::recv_any`.
     unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
         let core = &self.core;
         // Post first, then look for a message that came early: a reader that

@@ -42,6 +42,8 @@ pub fn allow_peer_reads() -> PeerReads {
     static DONE: OnceLock<PeerReads> = OnceLock::new();
     *DONE.get_or_init(|| {
         let scope = std::fs::read_to_string(SCOPE_FILE).ok();
+        // SAFETY: prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) takes integers only
+        // and changes which processes may ptrace this one; no memory of ours.
         let outcome = at_scope(scope.as_deref(), || unsafe {
             libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) == 0
         });
