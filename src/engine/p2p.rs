@@ -70,10 +70,11 @@ impl Engine {
         let status = self.issued(self.p2p_status(OpKind::Recv, &op, buf.len, done));
         let timed_out = Error::timed_out(timeout, format_args!("{op} was waiting for data"));
         let key = Key::p2p(tag);
-        // SAFETY: the caller keeps `buf` valid and unread until `done` has
-        // run, which `status` runs as it finishes.
         match src {
+            // SAFETY: the caller keeps `buf` valid and unread until `done` has
+            // run, which `status` runs as it finishes.
             Some(src) => unsafe { t.recv(src, key, buf.ptr, buf.len, None, status.clone())? },
+            // SAFETY: as above, whichever peer's message fills it.
             None => unsafe { t.recv_any(key, buf.ptr, buf.len, status.clone())? },
         }
         let expiry = Expiry {
