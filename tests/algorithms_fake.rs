@@ -4,6 +4,7 @@
 //! on failure `abort_all`, as the engine's break_group does), every result
 //! checked against plain arithmetic. Small segments, so that modest buffers
 //! take many pipelined steps. Every wait is bounded by the op's timeout.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod fake;
 

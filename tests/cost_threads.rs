@@ -5,6 +5,7 @@
 //! memory (so the single-copy collectives) and without (the rings). A message that arrives before its receive costs one
 //! copy more, so each count is checked against the formula plus the rank's
 //! early bytes.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod threads;
 
@@ -215,9 +216,11 @@ fn counts_match_each_algorithm(single_copy: bool) {
         let mut buf = vec![7u8; n];
         if rank == 0 {
             posted.wait();
+            // SAFETY: `buf` outlives the send, waited for at once, and is not changed.
             wait_ok(unsafe { e.send(raw(&mut buf), 1, 5, None, None, noop()).unwrap() });
         } else if rank == 1 {
             buf.fill(0);
+            // SAFETY: `buf` outlives the receive, waited for below before it is read.
             let h = unsafe { e.recv(raw(&mut buf), Some(0), 5, None, noop()).unwrap() };
             posted.wait();
             wait_ok(h);
@@ -294,8 +297,10 @@ fn a_receive_that_waits_sleeps_and_says_so() {
         let mut buf = vec![1u8; 64];
         if rank == 0 {
             std::thread::sleep(Duration::from_millis(100));
+            // SAFETY: `buf` outlives the send, waited for at once, and is not changed.
             wait_ok(unsafe { e.send(raw(&mut buf), 1, 0, None, None, noop()).unwrap() });
         } else {
+            // SAFETY: `buf` outlives the receive, waited for at once, before it is read.
             wait_ok(unsafe { e.recv(raw(&mut buf), Some(0), 0, None, noop()).unwrap() });
         }
     });

@@ -1,6 +1,7 @@
 //! Failures on the in-memory `FakeNet` (tests/fake): mismatched calls and a
 //! cut link fail every rank promptly, and the fake itself behaves as a
 //! connection does, when whole and when cut.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod fake;
 
@@ -190,6 +191,9 @@ fn in_the_arena_a_rank_that_never_comes_is_named_at_the_timeout() {
 
 fn posted(t: &FakeTransport, peer: usize, key: Key, buf: &mut [u8], fold: Option<Fold>) -> Arc<Status> {
     let status = Status::new();
+    // SAFETY: test code: each caller's buffer is a local that outlives every
+    // message for its key (a receive that gets none, or is withdrawn, is
+    // never written), and is read only once `result` says it finished.
     unsafe { t.recv(peer, key, buf.as_mut_ptr(), buf.len(), fold, status.clone()).unwrap() };
     status
 }
@@ -197,6 +201,8 @@ fn posted(t: &FakeTransport, peer: usize, key: Key, buf: &mut [u8], fold: Option
 fn send(t: &FakeTransport, peer: usize, key: Key, data: &[u8]) -> Result<Arc<Status>> {
     let status = Status::new();
     let far = Instant::now() + TIMEOUT;
+    // SAFETY: `data` is borrowed for the call, and the fake delivers (copies)
+    // it before returning: nothing reads it afterwards.
     unsafe { t.send(peer, key, data.as_ptr(), data.len(), status.clone(), far, None) }.map(|()| status)
 }
 
@@ -237,6 +243,7 @@ fn fake_delivers_as_a_connection_does() {
     // Any source: the sender's rank.
     let mut any = [0u8; 2];
     let s = Status::new();
+    // SAFETY: `any` outlives the receive, which finishes (checked below) before `any` is read.
     unsafe { b.recv_any(Key::p2p(9), any.as_mut_ptr(), 2, s.clone()).unwrap() };
     send(&net[2], 1, Key::p2p(9), &[8, 9]).unwrap();
     assert_eq!((result(&s).unwrap(), any), (2, [8, 9]));
@@ -254,10 +261,13 @@ fn fake_delivers_as_a_connection_does() {
     let mut got = [0u8; 2];
     let r = posted(b, 0, Key::p2p(11), &mut got, None);
     let ptr = data.lock().unwrap().as_ptr();
+    // SAFETY: `data` (behind the Arc) outlives the send, which the fake runs
+    // at once: `ready` fills it, then the fake copies it, before returning.
     unsafe { a.send(1, Key::p2p(11), ptr, 2, Status::new(), Instant::now(), Some(ready)).unwrap() };
     assert_eq!((result(&r).unwrap(), got), (2, [6, 7]));
     let s = Status::new();
     let fails: rustc10d::transport::Ready = Box::new(|| Err(Error::io("no bytes")));
+    // SAFETY: as above; `ready` fails, so the bytes are never read.
     unsafe { a.send(1, Key::p2p(12), ptr, 2, s.clone(), Instant::now(), Some(fails)).unwrap() };
     assert_eq!(result(&s).unwrap_err().message, "no bytes");
     assert_eq!((a.describe_peer(2), a.link_kind(1), a.link_kind(0)), ("rank 2 (fake)".into(), Some("fake"), None));
@@ -271,8 +281,11 @@ fn fake_break_peer_fails_both_sides_naming_the_peer() {
     let at0 = posted(&net[0], 1, k, &mut x, None);
     let at1 = posted(&net[1], 0, k, &mut y, None);
     let any_at2 = Status::new();
+    // SAFETY: no message with key p2p(3) is ever sent, so the fake never
+    // writes `w` (both receives fail or stay posted), and `w` is never read.
     unsafe { net[2].recv_any(Key::p2p(3), w.as_mut_ptr(), 1, any_at2.clone()).unwrap() };
     let any_at1 = Status::new();
+    // SAFETY: as above: nothing is sent with key p2p(3).
     unsafe { net[1].recv_any(Key::p2p(3), w.as_mut_ptr(), 1, any_at1.clone()).unwrap() };
     send(&net[1], 0, Key::p2p(1), &[5]).unwrap();
     net[0].break_peer(1, &Error::peer_lost("cut"));

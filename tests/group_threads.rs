@@ -1,6 +1,7 @@
 //! A group's life without torch, over real sockets and shared memory
 //! (tests/threads): init and its failures, a lost peer, monitored barrier,
 //! injected faults, the transport chosen, re-creation over the same Store.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod threads;
 
@@ -242,6 +243,8 @@ fn a_peer_says_what_it_waits_for() {
                 let mut tr =
                     Transfers::new(&meshes[1], Duration::from_secs(10), what, Duration::ZERO, Default::default());
                 let mut buf = [0u8; 8];
+                // SAFETY: `buf` outlives `tr`, which waits for the receive on the next line
+                // (and, dropped, withdraws it) before `buf` is returned.
                 let id = unsafe { tr.recv(0, key, buf.as_mut_ptr(), 8).unwrap() };
                 tr.wait(id).map(|()| buf)
             });
@@ -250,6 +253,8 @@ fn a_peer_says_what_it_waits_for() {
             assert!(told.starts_with("allreduce #0 on rank 1 was waiting for data from rank 0 ("), "{mode:?}: {told}");
             assert_eq!(meshes[2].ask(0).as_deref(), Some(""), "{mode:?}: rank 0 waits for nothing");
             let (status, seven, deadline) = (Status::new(), [7u8; 8], Instant::now() + Duration::from_secs(5));
+            // SAFETY: `seven` outlives the send, which is waited for below, before
+            // the scope ends; it is not changed.
             unsafe { meshes[0].send(1, key, seven.as_ptr(), 8, status.clone(), deadline, None) }.unwrap();
             assert_eq!(waiter.join().unwrap().unwrap(), [7u8; 8]);
             assert!(status.wait(Some(Instant::now() + Duration::from_secs(5)), Duration::ZERO).is_some());

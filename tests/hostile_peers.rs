@@ -50,6 +50,7 @@ fn still_works(engines: &[Engine]) {
                 let buf = RawBuf::new(v.as_mut_ptr().cast(), 4000);
                 let red = Reduction::new(DType::F32, ReduceOp::Sum);
                 let part = Collective::AllReduce { buf, red };
+                // SAFETY: `v` outlives the op, waited for on the next line before it is read.
                 let h = unsafe { e.submit(vec![part], None, None, Box::new(|_| Ok(()))).unwrap() };
                 assert_eq!(h.wait(None), Waited::Done);
                 let w = engines.len() as f32;

@@ -8,6 +8,7 @@
 //! without an arena for each host's ranks. With the arenas, the phases on
 //! the host move nothing through the links between a host's ranks.
 //! (algorithms_fake.rs checks values on such networks too, at every size.)
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod fake;
 

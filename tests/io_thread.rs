@@ -1,5 +1,6 @@
 //! The process's I/O thread lives exactly as long as some group uses it (a
 //! file of its own: tests in one file share a process, and their groups).
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod threads;
 

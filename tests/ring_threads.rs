@@ -1,6 +1,7 @@
 //! Collectives end to end without torch, over real sockets and shared memory
 //! (tests/threads): every algorithm against arithmetic, mismatched calls, and
 //! the connections kept full.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod threads;
 
@@ -68,8 +69,10 @@ fn empty_tensors_without_storage() {
         wait_ok(all_reduce(e, empty(), DType::F32, ReduceOp::Sum));
         wait_ok(run(e, Collective::Broadcast { buf: empty(), root: 1 }));
         let h = if rank == 0 {
+            // SAFETY: an empty buffer (len 0): nothing to keep alive.
             unsafe { e.send(empty(), 1, 3, None, None, noop()).unwrap() }
         } else {
+            // SAFETY: an empty buffer (len 0): nothing to keep alive.
             unsafe { e.recv(empty(), Some(0), 3, None, noop()).unwrap() }
         };
         wait_ok(h);
@@ -81,6 +84,8 @@ fn bad_input_is_refused_before_the_wire() {
     let engines = group(2, Duration::from_secs(5));
     let e = &engines[0];
     let mut v = vec![1.0f32; 3];
+    // SAFETY: every call is refused before it starts (is_err), so `v` and
+    // `short` are never touched by the engine.
     let bad = |part| unsafe { e.submit(vec![part], None, None, noop()) }.is_err();
     assert!(bad(Collective::AllReduce { buf: raw(&mut v), red: Reduction::new(DType::F32, ReduceOp::BXor) }));
     assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
@@ -90,7 +95,9 @@ fn bad_input_is_refused_before_the_wire() {
         bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut short), raw(&mut v)] }),
         "own block must fit"
     );
+    // SAFETY: refused at once (send to self), so `v` is never touched.
     assert!(unsafe { e.send(raw(&mut v), 0, 0, None, None, noop()) }.is_err(), "send to self");
+    // SAFETY: refused at once (no rank 7), so `v` is never touched.
     assert!(unsafe { e.recv(raw(&mut v), Some(7), 0, None, noop()) }.is_err());
     // Still usable.
     on_all(&engines, |_, e| {

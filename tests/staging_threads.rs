@@ -1,5 +1,6 @@
 //! Staged ops (as CUDA tensors are staged) without torch or a GPU: host
 //! memory stands in for the device (tests/threads).
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod threads;
 
@@ -23,6 +24,9 @@ struct FakeDevice {
     /// The copy that failed, on a held stream's device.
     failed: Option<Event>,
 }
+// SAFETY: the RawBufs are the test's `device` and `host` vectors, which
+// outlive the op that moves the FakeDevice to the engine's threads;
+// they are only touched in the order the engine's staging calls it.
 unsafe impl Send for FakeDevice {}
 
 impl Device for FakeDevice {
@@ -37,6 +41,9 @@ impl Device for FakeDevice {
             }
             return Err(rustc10d::error::Error::io(format!("device copy at {start} failed")));
         }
+        // SAFETY: start + len <= both buffers' lengths (the staging asks for ranges
+        // of its buffer, which both are as long as); the "device" is not the
+        // host buffer, and nothing else touches either during the copy in.
         unsafe { std::ptr::copy_nonoverlapping(self.device.ptr.add(start), self.host.ptr.add(start), len) };
         Ok(start as Event)
     }
@@ -49,6 +56,8 @@ impl Device for FakeDevice {
     }
     fn to_device(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
         self.log.lock().unwrap().push(format!("out {start}+{len}"));
+        // SAFETY: as for the copy in: a range of both buffers, copied back once
+        // the op is done with the host buffer.
         unsafe { std::ptr::copy_nonoverlapping(self.host.ptr.add(start), self.device.ptr.add(start), len) };
         Ok(())
     }
@@ -94,6 +103,10 @@ impl HeldStream {
                 continue;
             }
             if let Some(Queued::Copy { from, to }) = s.queue.pop_front() {
+                // SAFETY: a copy queued by `to_device_held`: both ranges are `len` bytes
+                // of the test's host and device buffers, which outlive the stream's
+                // work (`drained` is checked before they go), and nothing else
+                // touches the device buffer while the stream owns it.
                 unsafe { std::ptr::copy_nonoverlapping(from.ptr, to.ptr, from.len) };
             }
             changed.notify_all();
@@ -127,6 +140,8 @@ impl GateWord for HeldStream {
 impl HeldCopies for FakeDevice {
     fn to_device_held(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
         self.log.lock().unwrap().push(format!("held {start}+{len}"));
+        // SAFETY: start <= the buffers' lengths (ranges the staging asks for); the
+        // pointers are only queued here.
         let (from, to) = unsafe { (self.host.ptr.add(start), self.device.ptr.add(start)) };
         let held = self.held.as_ref().expect("a device with a held stream");
         held.push(Queued::Copy { from: RawBuf::new(from, len), to: RawBuf::new(to, len) });
@@ -134,6 +149,8 @@ impl HeldCopies for FakeDevice {
     }
     fn restore(&mut self, _: usize, start: usize, len: usize) -> rustc10d::error::Result<()> {
         self.log.lock().unwrap().push(format!("restore {start}+{len}"));
+        // SAFETY: as for the copy in: a range of both buffers, restored before
+        // the op completes.
         unsafe { std::ptr::copy_nonoverlapping(self.device.ptr.add(start), self.host.ptr.add(start), len) };
         Ok(())
     }
@@ -235,6 +252,7 @@ fn staged_ops_run_in_pieces() {
         let mut host = vec![f64::NAN; n];
         let (staging, log) = staged(&mut device, &mut host, 2999);
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
+        // SAFETY: `host` and `device` outlive the op, waited for at once.
         wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         let reduce_log = log.lock().unwrap().clone();
 
@@ -242,6 +260,7 @@ fn staged_ops_run_in_pieces() {
         let mut bhost = vec![0xEEu8; 7000];
         let (staging, blog) = staged(&mut bdevice, &mut bhost, 2999);
         let part = Collective::Broadcast { buf: raw(&mut bhost), root: 1 };
+        // SAFETY: `bhost` and `bdevice` outlive the op, waited for at once.
         wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         let bcast_log = blog.lock().unwrap().clone();
         (device, reduce_log, bdevice, bcast_log)
@@ -273,6 +292,7 @@ fn ranks_that_cut_an_op_differently_are_refused() {
         let mut host = vec![1.0f32; 1 << 14];
         let (staging, _) = staged(&mut device, &mut host, if rank == 2 { 1 << 12 } else { 0 });
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
+        // SAFETY: `host` and `device` outlive the op, waited for below in the same closure.
         let h = unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() };
         (h.wait(None), device)
     });
@@ -303,6 +323,7 @@ fn a_stream_holds_the_copy_back_until_the_op_has_succeeded() {
         let mut host = vec![f64::NAN; n];
         let (staging, log) = streamed(&stream, &mut device, &mut host, 2999, true, None);
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
+        // SAFETY: `host` and `device` outlive the op, waited for at once.
         wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         let log = log.lock().unwrap().clone();
         (device, log)
@@ -343,6 +364,8 @@ fn a_failed_op_leaves_the_device_as_it_was_on(streams: Streams) {
                 staging.queue(std::slice::from_ref(&part)).unwrap();
                 let ran = run_in_pieces(&mut staging, &part, 2999, |i, piece| {
                     let Collective::Broadcast { buf, .. } = piece else { unreachable!() };
+                    // SAFETY: the piece's buffer is a range of `host`, alive, and nothing else
+                    // touches it while the piece runs (as an algorithm would).
                     unsafe { std::ptr::write_bytes(buf.ptr, 0xAB, buf.len) };
                     if i == fail_at {
                         return Err(Error::io("piece failed"));
@@ -365,6 +388,8 @@ fn a_failed_op_leaves_the_device_as_it_was_on(streams: Streams) {
     let mut host = vec![0u8; 7000];
     let mut staging = streams.staged(&mut device, &mut host, 0, true, None);
     staging.queue(&[]).unwrap();
+    // SAFETY: `host` is a live Vec of host.len() bytes, which the dropped-unrun
+    // staging does not touch.
     unsafe { std::ptr::write_bytes(host.as_mut_ptr(), 0xAB, host.len()) };
     drop(staging);
     assert!(streams.drained() && device == original, "a dropped op changed the device");
@@ -423,6 +448,7 @@ fn an_injected_fault_leaves_every_device_as_it_was() {
             let mut host = vec![f32::NAN; 4096];
             let staging = streams.staged(&mut device, &mut host, 4000, true, None);
             let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
+            // SAFETY: `host` and `device` outlive the op, waited for at once.
             let waited = unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() }.wait(None);
             (waited, streams.drained() && device == original)
         });
@@ -446,6 +472,7 @@ fn a_gated_op_lands_once_it_has_succeeded() {
         let mut host = vec![f64::NAN; 1001];
         let staging = streams.staged(&mut device, &mut host, 2999, true, None);
         let part = Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F64, ReduceOp::Sum) };
+        // SAFETY: `host` and `device` outlive the op, waited for at once.
         wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         assert!(streams.drained());
         device
@@ -540,6 +567,7 @@ fn gated_ops_from_many_threads_take_tickets_in_run_order() {
                     let staging = Staging::new(vec![buffer], Box::new(GatedOp::new(tagged, gates.clone())), 0);
                     let part =
                         Collective::AllReduce { buf: raw(&mut host), red: Reduction::new(DType::F32, ReduceOp::Sum) };
+                    // SAFETY: this thread's `host` and `device` outlive the op, waited for at once.
                     wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
                 }
             });

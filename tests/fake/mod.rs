@@ -221,10 +221,14 @@ impl Buf {
     }
 
     pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` <= 8 * words.len() (`bytes_of`, the only maker of a
+        // Buf, makes it so), u8 has no alignment, and the bytes are borrowed
+        // with `self`.
         unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.len) }
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; borrowed mutably with `self`.
         unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
     }
 

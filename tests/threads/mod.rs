@@ -85,6 +85,9 @@ pub fn wait_ok(h: OpHandle) {
 }
 
 pub fn run(e: &Engine, part: Collective) -> OpHandle {
+    // SAFETY: test code: every caller of `run` keeps the op's buffers alive and
+    // untouched until it has waited for the handle (the tests do, most
+    // with `wait_ok` on the spot).
     unsafe { e.submit(vec![part], None, None, noop()).unwrap() }
 }
 
