@@ -6,8 +6,9 @@
 use crate::config::{Config, TransportMode};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::arena::Arena;
+use crate::transport::auth::{fill_random, Identity, TOKEN_LEN};
 use crate::transport::conn::read_process;
-use crate::transport::frame::{Hello, PROTOCOL_VERSION, TOKEN_LEN};
+use crate::transport::frame::PROTOCOL_VERSION;
 use crate::transport::mesh::{ArenaRole, Layout, Mesh, PeerAddr, ShmEndpoint};
 use crate::transport::peer_reads::allow_peer_reads;
 use crate::transport::reactor::Reactor;
@@ -209,11 +210,11 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
     let arena = arena_role(cfg, &hosts, with_arenas[hosts[rank]], rank, arena)?;
     let layout = Layout { hosts, single_copy, arena, arena_on_every_host: with_arenas.iter().all(|&a| a) };
 
-    let hello = Hello { version: PROTOCOL_VERSION, rank: rank as u32, size: size as u32, token };
+    let me = Identity::new(rank as u32, size as u32, token);
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };
-    let mesh = Mesh::start(listener, local, hello, addrs, cfg, layout, ring, from, deadline)?;
+    let mesh = Mesh::start(listener, local, me, addrs, cfg, layout, ring, from, deadline)?;
     tracing::debug!("rustc10d: rank {rank}/{size} listening on {addr}");
     Ok(mesh)
 }
@@ -378,11 +379,7 @@ fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration
     let key = keys.token();
     let bytes = if rank == 0 {
         let mut t = [0u8; TOKEN_LEN];
-        // SAFETY: getrandom writes at most TOKEN_LEN bytes into `t`, a live local of that size.
-        let n = unsafe { libc::getrandom(t.as_mut_ptr().cast(), TOKEN_LEN, 0) };
-        if n != TOKEN_LEN as isize {
-            return Err(Error::io("rustc10d: getrandom failed"));
-        }
+        fill_random(&mut t)?;
         store.set(&key, &t)?;
         t.to_vec()
     } else {

@@ -15,7 +15,7 @@
 //! by reading the peer's mapping of the segment; otherwise the rings carry
 //! everything.
 
-use super::fdpass::{drain, notify};
+use super::fdpass::{drain, notify, peer_cred};
 use super::ring::{Ring, Segment, FIRST_WORD};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, TcpStream};
@@ -83,23 +83,9 @@ impl ShmConn {
     /// names it (SO_PEERCRED), and a read of its mapping of the segment
     /// must find the segment's first word.
     fn probe_direct_reads(&self) -> Option<libc::pid_t> {
-        // SAFETY: libc::ucred is plain C data: all zeroes is a valid value.
-        let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-        // SAFETY: getsockopt(SO_PEERCRED) writes at most `len` (the size of a
-        // ucred) bytes into `cred`, a live local, and updates `len`; the socket
-        // is ours and open.
-        let got = unsafe {
-            libc::getsockopt(
-                self.sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_PEERCRED,
-                (&mut cred as *mut libc::ucred).cast(),
-                &mut len,
-            )
-        };
+        let cred = peer_cred(&self.sock).ok()?;
         let base = self.incoming().writer_base();
-        if got != 0 || cred.pid <= 0 || base == 0 {
+        if cred.pid <= 0 || base == 0 {
             return None;
         }
         let mut word = [0u8; 8];

@@ -115,6 +115,42 @@ pub fn recv_fds(sock: &impl AsRawFd, count: std::ops::RangeInclusive<usize>) -> 
     })
 }
 
+/// Who is at the other end of a Unix socket, as the kernel saw it when the
+/// peer connected (or, for the dialling side, when the listener listened).
+pub fn peer_cred(sock: &impl AsRawFd) -> io::Result<libc::ucred> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live locals; `len` says how many bytes the kernel may write to `cred`.
+    let got = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if got != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred)
+}
+
+/// Shared memory goes only to processes of this process's user: a process
+/// of another user gets nothing over a Unix socket, whatever it knows.
+pub fn check_same_user(sock: &impl AsRawFd) -> Result<()> {
+    let cred = peer_cred(sock).map_err(|e| Error::io(format!("cannot tell who the peer is (SO_PEERCRED): {e}")))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let mine = unsafe { libc::geteuid() };
+    if cred.uid != mine {
+        return Err(Error::io(format!(
+            "the process at the other end (pid {}) runs as uid {}, this one as uid {mine}",
+            cred.pid, cred.uid
+        )));
+    }
+    Ok(())
+}
+
 /// A non-blocking eventfd: one rank writes to it to wake the other.
 pub fn eventfd() -> Result<OwnedFd> {
     // SAFETY: eventfd takes a count and flags and touches no memory of ours.
@@ -174,6 +210,14 @@ mod tests {
         assert_eq!(recv_fds(&s2, 2..=3).unwrap().len(), 3, "as many as the range allows");
         (&s1).write_all(&[1]).unwrap();
         assert!(recv_fds(&s2, 1..=1).is_err(), "a plain byte carries none");
+    }
+
+    #[test]
+    fn the_kernel_names_the_peer_of_a_unix_socket() {
+        let (s1, _s2) = UnixStream::pair().unwrap();
+        let cred = peer_cred(&s1).unwrap();
+        assert_eq!(cred.pid as u32, std::process::id());
+        check_same_user(&s1).unwrap();
     }
 
     #[test]

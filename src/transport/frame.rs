@@ -1,6 +1,8 @@
-//! Wire format: a fixed 32-byte frame header before every payload, and a
-//! 32-byte hello exchanged once per connection. Pure encode/decode, no I/O.
+//! Wire format: a fixed 32-byte frame header before every payload, and the
+//! handshake that opens every connection (a hello, a challenge, a proof each
+//! way: see auth.rs). Pure encode/decode, no I/O.
 
+use super::auth::{Nonce, NONCE_LEN};
 use crate::error::{Error, Result};
 
 /// Bumped whenever ranks of two versions could not understand each other
@@ -9,13 +11,16 @@ use crate::error::{Error, Result};
 /// groups on several hosts run hierarchical algorithms, which ranks of v4
 /// would not join; v6: a rank that timed out asks its peer what it waits for;
 /// v7: groups on one host run their collectives and call checks in a shared
-/// arena, handed out with the shared-memory connections to rank 0).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// arena, handed out with the shared-memory connections to rank 0; v8: the
+/// token no longer crosses the wire: ranks prove they know it by a challenge
+/// and response).
+pub const PROTOCOL_VERSION: u32 = 8;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
-const HELLO_MAGIC: u32 = 0x5243_4831; // "RCH1"
+const HELLO_MAGIC: u32 = 0x5243_4832; // "RCH2"
+const CHALLENGE_MAGIC: u32 = 0x5243_4e32; // "RCN2"
 pub const HEADER_LEN: usize = 32;
-pub const HELLO_LEN: usize = 32;
-pub const TOKEN_LEN: usize = 16;
+pub const HELLO_LEN: usize = 20 + NONCE_LEN;
+pub const CHALLENGE_LEN: usize = 4 + NONCE_LEN;
 
 /// Which matching space a message belongs to.
 pub const KIND_COLLECTIVE: u8 = 1;
@@ -134,14 +139,17 @@ impl FrameHeader {
     }
 }
 
-/// First bytes on every connection, both ways: who I am and proof that I
-/// belong to this group (the token comes from the group's Store).
+/// First bytes on every connection, from the rank that opens it: who it is,
+/// whom it means to reach, and its nonce. It proves nothing by itself: the
+/// listener answers a hello that fits with a `Challenge`, then the dialler
+/// proves it knows the group's token (auth.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     pub version: u32,
-    pub rank: u32,
+    pub from: u32,
+    pub to: u32,
     pub size: u32,
-    pub token: [u8; TOKEN_LEN],
+    pub nonce: Nonce,
 }
 
 impl Hello {
@@ -149,9 +157,10 @@ impl Hello {
         let mut b = [0u8; HELLO_LEN];
         b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         b[4..8].copy_from_slice(&self.version.to_le_bytes());
-        b[8..12].copy_from_slice(&self.rank.to_le_bytes());
-        b[12..16].copy_from_slice(&self.size.to_le_bytes());
-        b[16..32].copy_from_slice(&self.token);
+        b[8..12].copy_from_slice(&self.from.to_le_bytes());
+        b[12..16].copy_from_slice(&self.to.to_le_bytes());
+        b[16..20].copy_from_slice(&self.size.to_le_bytes());
+        b[20..].copy_from_slice(&self.nonce);
         b
     }
 
@@ -161,32 +170,54 @@ impl Hello {
         }
         Ok(Hello {
             version: u32::from_le_bytes(b[4..8].try_into().unwrap()),
-            rank: u32::from_le_bytes(b[8..12].try_into().unwrap()),
-            size: u32::from_le_bytes(b[12..16].try_into().unwrap()),
-            token: b[16..32].try_into().unwrap(),
+            from: u32::from_le_bytes(b[8..12].try_into().unwrap()),
+            to: u32::from_le_bytes(b[12..16].try_into().unwrap()),
+            size: u32::from_le_bytes(b[16..20].try_into().unwrap()),
+            nonce: b[20..].try_into().unwrap(),
         })
     }
 
-    /// Check a peer's hello against what this group expects.
-    pub fn verify(&self, expected: &Hello, expected_rank: Option<u32>) -> Result<()> {
-        if self.version != expected.version {
+    /// Whether a dialler's hello fits the group of `size` ranks where this
+    /// rank is `rank` (a hello that fits still has to be proved).
+    pub fn fits(&self, rank: u32, size: u32) -> Result<()> {
+        if self.version != PROTOCOL_VERSION {
             return Err(Error::io(format!(
-                "protocol version mismatch: peer speaks v{}, this rank v{}",
-                self.version, expected.version
+                "protocol version mismatch: peer speaks v{}, this rank v{PROTOCOL_VERSION}",
+                self.version
             )));
         }
-        if self.size != expected.size || self.token != expected.token {
-            return Err(Error::io("peer belongs to a different group (size or token mismatch)"));
+        if self.size != size || self.to != rank {
+            return Err(Error::io(format!(
+                "peer means rank {} of {} ranks, this is rank {rank} of {size}",
+                self.to, self.size
+            )));
         }
-        if self.rank >= expected.size || self.rank == expected.rank {
-            return Err(Error::io(format!("peer claims invalid rank {}", self.rank)));
-        }
-        if let Some(r) = expected_rank {
-            if self.rank != r {
-                return Err(Error::io(format!("expected rank {r}, peer says it is rank {}", self.rank)));
-            }
+        if self.from >= size || self.from == rank {
+            return Err(Error::io(format!("peer claims invalid rank {}", self.from)));
         }
         Ok(())
+    }
+}
+
+/// The listener's answer to a hello that fits: its nonce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Challenge {
+    pub nonce: Nonce,
+}
+
+impl Challenge {
+    pub fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        let mut b = [0u8; CHALLENGE_LEN];
+        b[0..4].copy_from_slice(&CHALLENGE_MAGIC.to_le_bytes());
+        b[4..].copy_from_slice(&self.nonce);
+        b
+    }
+
+    pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Challenge> {
+        if u32::from_le_bytes(b[0..4].try_into().unwrap()) != CHALLENGE_MAGIC {
+            return Err(Error::io("not a rustc10d challenge"));
+        }
+        Ok(Challenge { nonce: b[4..].try_into().unwrap() })
     }
 }
 
@@ -222,26 +253,32 @@ mod tests {
     }
 
     #[test]
-    fn hello_verification() {
-        let me = Hello { version: PROTOCOL_VERSION, rank: 0, size: 4, token: [7; TOKEN_LEN] };
-        let peer = Hello { rank: 2, ..me };
-        assert_eq!(Hello::decode(&peer.encode()).unwrap(), peer);
-        assert!(peer.verify(&me, Some(2)).is_ok());
-        assert!(peer.verify(&me, Some(1)).is_err());
-        assert!(Hello { token: [8; TOKEN_LEN], ..peer }.verify(&me, None).is_err());
-        assert!(Hello { version: 99, ..peer }.verify(&me, None).is_err());
-        assert!(Hello { rank: 4, ..peer }.verify(&me, None).is_err());
-        assert!(Hello { rank: 0, ..peer }.verify(&me, None).is_err(), "a peer cannot be me");
+    fn hello_and_challenge_roundtrip_and_checks() {
+        let hello = Hello { version: PROTOCOL_VERSION, from: 2, to: 0, size: 4, nonce: [9; NONCE_LEN] };
+        assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
+        assert!(hello.fits(0, 4).is_ok());
+        assert!(hello.fits(1, 4).is_err(), "meant for another rank");
+        assert!(hello.fits(0, 5).is_err(), "another group's size");
+        assert!(Hello { version: 7, ..hello }.fits(0, 4).is_err());
+        assert!(Hello { from: 4, ..hello }.fits(0, 4).is_err());
+        assert!(Hello { from: 0, ..hello }.fits(0, 4).is_err(), "a peer cannot be me");
         assert!(Hello::decode(&[0u8; HELLO_LEN]).is_err());
+        let challenge = Challenge { nonce: [3; NONCE_LEN] };
+        assert_eq!(Challenge::decode(&challenge.encode()).unwrap(), challenge);
+        assert!(Challenge::decode(&[0u8; CHALLENGE_LEN]).is_err());
+        let mut as_challenge = [0u8; CHALLENGE_LEN];
+        as_challenge.copy_from_slice(&hello.encode()[..CHALLENGE_LEN]);
+        assert!(Challenge::decode(&as_challenge).is_err(), "a hello is not a challenge");
     }
 
     // The decoders face the network: any bytes must give Ok or Err, never a panic,
     // and whatever encodes must decode to itself.
     proptest::proptest! {
         #[test]
-        fn decoders_take_any_bytes(b in proptest::array::uniform32(proptest::prelude::any::<u8>())) {
-            let _ = FrameHeader::decode(&b);
-            let _ = Hello::decode(&b);
+        fn decoders_take_any_bytes(b in proptest::collection::vec(proptest::prelude::any::<u8>(), HELLO_LEN)) {
+            let _ = FrameHeader::decode(b[..HEADER_LEN].try_into().unwrap());
+            let _ = Hello::decode(b[..].try_into().unwrap());
+            let _ = Challenge::decode(b[..CHALLENGE_LEN].try_into().unwrap());
         }
 
         #[test]

@@ -7,7 +7,8 @@
 
 use super::accept::{Listener, Listening};
 use super::arena::Arena;
-use super::frame::{Hello, Key, ABORT_MAX, KIND_P2P};
+use super::auth::{fill_random, Identity};
+use super::frame::{Key, ABORT_MAX, KIND_P2P};
 use super::link::Link;
 use super::mailbox::{Fold, Mailbox, PostedRecv, RecvBuf};
 use super::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
@@ -23,7 +24,7 @@ use crate::status::{Polling, Status};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixListener;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -79,10 +80,7 @@ impl ShmEndpoint {
     /// The segments this rank creates have rings of `ring_bytes`.
     pub fn bind(ring_bytes: usize) -> Result<(ShmEndpoint, String)> {
         let mut r = [0u8; 16];
-        // SAFETY: getrandom writes at most r.len() bytes into `r`, a live local array.
-        if unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) } != r.len() as isize {
-            return Err(Error::io("rustc10d: getrandom failed"));
-        }
+        fill_random(&mut r)?;
         let name = format!("rustc10d-{}", r.iter().map(|b| format!("{b:02x}")).collect::<String>());
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
             .map_err(|e| Error::io(e.to_string()))?;
@@ -99,7 +97,7 @@ impl Mesh {
     pub fn start(
         listener: TcpListener,
         local: Option<ShmEndpoint>,
-        me: Hello,
+        me: Identity,
         addrs: Vec<PeerAddr>,
         cfg: &Config,
         layout: Layout,
@@ -130,7 +128,6 @@ impl Mesh {
             any: Mutex::default(),
             reactor,
             membership: Mutex::new(Some(membership)),
-            handshakes: AtomicUsize::new(0),
             listeners: Mutex::default(),
             next_conn: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -155,7 +152,7 @@ impl Mesh {
                 Listener::Unix(l) => l.set_nonblocking(true),
             };
             nonblocking.map_err(|e| Error::io(format!("rustc10d: could not listen: {e}")))?;
-            let (fd, source) = (l.fd(), Arc::new(Listening(l, Arc::downgrade(&core))));
+            let (fd, source) = (l.fd(), Arc::new(Listening::new(l, &core)));
             let token = core.reactor.register(fd, READABLE, source.clone())?;
             core.listeners.lock().unwrap().push((token, source));
         }

@@ -5,9 +5,9 @@
 
 use super::accept::Listening;
 use super::arena::Arena;
+use super::auth::Identity;
 use super::conn::Conn;
 use super::dial::Dialler;
-use super::frame::Hello;
 use super::frame::{Key, ANSWER_LEN};
 use super::link::Link;
 use super::mailbox::{AnyPosted, Mailbox};
@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::status::Status;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,7 +33,8 @@ pub const TELL_GRACE: Duration = Duration::from_millis(100);
 
 /// What every part of the mesh shares.
 pub struct Core {
-    pub(super) me: Hello,
+    /// This rank, and the group's token it proves itself with.
+    pub(super) me: Identity,
     pub(super) addrs: Vec<PeerAddr>,
     pub peers: Vec<PeerSlot>,
     /// Receives posted for any peer (recv with src=None).
@@ -41,7 +42,6 @@ pub struct Core {
     pub reactor: Arc<Reactor>,
     /// Keeps the reactor running until this group shuts down.
     pub(super) membership: Mutex<Option<Membership>>,
-    pub handshakes: AtomicUsize,
     pub(super) listeners: Mutex<Vec<(Token, Arc<Listening>)>>,
     pub(super) next_conn: AtomicU64,
     pub(super) stopping: AtomicBool,
@@ -100,7 +100,7 @@ impl Core {
         self.me.rank as usize
     }
 
-    pub fn hello(&self) -> &Hello {
+    pub fn identity(&self) -> &Identity {
         &self.me
     }
 
@@ -218,8 +218,9 @@ impl Core {
             match shm {
                 Some((name, ring_bytes)) => {
                     let lead = self.arena_to_hand_out();
-                    let (conn, arena) =
-                        dialler.shm(name, ring_bytes, self.direct_from, lead.as_ref().and_then(|a| a.fd()))?;
+                    let stopping = || self.stopping.load(Ordering::SeqCst);
+                    let lead_fd = lead.as_ref().and_then(|a| a.fd());
+                    let (conn, arena) = dialler.shm(name, ring_bytes, self.direct_from, lead_fd, stopping)?;
                     if let Some(fd) = arena {
                         self.take_arena(peer, fd)?;
                     }
@@ -402,7 +403,9 @@ impl Core {
         self.abort_arena(&format!("rank {} shut the process group down", self.rank()));
         drop(self.arena.lock().unwrap().take());
         for (token, listening) in self.listeners.lock().unwrap().drain(..) {
-            self.reactor.deregister(token, listening.0.fd());
+            self.reactor.deregister(token, listening.listener.fd());
+            // Strangers' connections close now, not at their timeout.
+            listening.drop_handshakes(self);
         }
         let err = Error::aborted("rustc10d: the process group was shut down");
         for peer in (0..self.peers.len()).filter(|&p| p != self.rank()) {

@@ -5,6 +5,7 @@
 
 mod accept;
 pub mod arena;
+pub mod auth;
 pub mod conn;
 mod dial;
 pub mod fake;
