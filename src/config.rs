@@ -61,6 +61,10 @@ pub struct Config {
     /// where every rank runs on one host (0: no arena).
     pub arena_slot_bytes: usize,
     // This rank's own.
+    /// At Yama's ptrace_scope 1, while a group with single copy has a peer
+    /// on this host, let every process of this user attach to this one
+    /// (PR_SET_PTRACER_ANY), so that the peers can read its memory.
+    pub ptracer_any: bool,
     pub transport: TransportMode,
     /// TCP connections this rank sends to each peer on (`auto`: chosen by
     /// measuring, see `transport::striping`).
@@ -90,6 +94,7 @@ impl Default for Config {
             nsocks: LaneCount::Auto,
             single_copy_bytes: 64 << 10,
             arena_slot_bytes: 1 << 20,
+            ptracer_any: true,
             spin: Duration::from_micros(50),
             socket_ifname: None,
             faults: Arc::default(),
@@ -179,6 +184,16 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| c.arena_slot_bytes.to_string(),
+    },
+    Setting {
+        option: "ptracer_any",
+        env: "RUSTC10D_PTRACER_ANY",
+        shared: false,
+        set: |c, v| {
+            c.ptracer_any = flag(v)?;
+            Ok(())
+        },
+        show: |c| u8::from(c.ptracer_any).to_string(),
     },
     Setting {
         option: "transport",
@@ -423,6 +438,7 @@ mod tests {
             (("RUSTC10D_NSOCKS", "17"), "RUSTC10D_NSOCKS=\"17\": expected auto or a number from 1 to 16"),
             (("RUSTC10D_TRANSPORT", "udp"), "expected auto, shm or tcp"),
             (("RUSTC10D_CUDA", "yes"), "RUSTC10D_CUDA=\"yes\": expected 0 or 1"),
+            (("RUSTC10D_PTRACER_ANY", "any"), "RUSTC10D_PTRACER_ANY=\"any\": expected 0 or 1"),
             (("RUSTC10D_CUDA_WAIT", "later"), "RUSTC10D_CUDA_WAIT=\"later\": expected host or stream"),
             (("RUSTC10D_LOG", "loud"), "expected error, warn"),
             (("RUSTC10D_FAULT", "op=allreduse,action=fail"), "unknown op \"allreduse\""),

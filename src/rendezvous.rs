@@ -10,7 +10,7 @@ use crate::transport::auth::{fill_random, Identity, TOKEN_LEN};
 use crate::transport::conn::read_process;
 use crate::transport::frame::PROTOCOL_VERSION;
 use crate::transport::mesh::{ArenaRole, Layout, Mesh, PeerAddr, ShmEndpoint};
-use crate::transport::peer_reads::allow_peer_reads;
+use crate::transport::peer_reads::let_peers_read;
 use crate::transport::reactor::Reactor;
 use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
@@ -175,12 +175,10 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         None => (None, None),
     };
     let host = fdpass::host_key().unwrap_or_else(|| "unknown".into());
-    // Where Yama lets only ancestors read a process, let the peers read this
-    // one; whatever it says (CAP_SYS_PTRACE may still read), the vote decides.
-    let probe = (cfg.single_copy_bytes > 0 && shm_name.is_some()).then(|| {
-        allow_peer_reads();
-        (std::process::id() as i32, &PROBE as *const u64 as u64)
-    });
+    // Where peers on this host may read this rank's memory (single copy),
+    // they read this word first; whether they can, the vote decides.
+    let probe = (cfg.single_copy_bytes > 0 && shm_name.is_some())
+        .then(|| (std::process::id() as i32, &PROBE as *const u64 as u64));
     let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared(), probe };
     store.set(&keys.addr(rank), mine.encode().as_bytes())?;
     let records = (0..size)
@@ -195,7 +193,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         let shared = matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Aborted);
         settle(store, &keys, size, shared, deadline);
     })?;
-    let addrs = records
+    let addrs: Vec<PeerAddr> = records
         .iter()
         .enumerate()
         .map(|(peer, theirs)| {
@@ -204,11 +202,20 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
             PeerAddr { tcp: theirs.tcp, shm: theirs.shm.clone().filter(|_| same_host && peer != rank) }
         })
         .collect();
+    // Where Yama lets only ancestors read a process, let the peers on this
+    // host read this one, for as long as the group lives (peer_reads.rs),
+    // and say so before any of them reads: only then is the probe readable.
+    let same_host_peer = addrs.iter().any(|a| a.shm.is_some());
+    let peer_reads = (probe.is_some() && same_host_peer && cfg.ptracer_any).then(let_peers_read);
+    if probe.is_some() {
+        store.set(&keys.readable(rank), b"1")?;
+    }
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
     let hosts = number_hosts(&records);
     let with_arenas = hosts_with_arenas(cfg, &records, &hosts);
     let arena = arena_role(cfg, &hosts, with_arenas[hosts[rank]], rank, arena)?;
-    let layout = Layout { hosts, single_copy, arena, arena_on_every_host: with_arenas.iter().all(|&a| a) };
+    let arena_on_every_host = with_arenas.iter().all(|&a| a);
+    let layout = Layout { hosts, single_copy, arena, arena_on_every_host, peer_reads };
 
     let me = Identity::new(rank as u32, size as u32, token);
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
@@ -287,11 +294,15 @@ fn single_copy_group(
     if !candidates || host == "unknown" {
         return Ok(false);
     }
-    let reads_all = records.iter().enumerate().filter(|&(p, _)| p != rank).all(|(_, r)| {
+    let mut reads_all = true;
+    for (peer, r) in records.iter().enumerate().filter(|&(p, _)| p != rank) {
+        // Only once the peer has let its peers read it (at Yama scope 1).
+        let what = format!("rank {rank} was waiting for rank {peer} to let its peers read its memory");
+        wait_for(store, &keys.readable(peer), timeout, &what)?;
         let (pid, addr) = r.probe.expect("candidates publish a probe");
         let mut word = [0u8; 8];
-        read_process(pid, addr, &mut word).is_ok() && u64::from_ne_bytes(word) == PROBE
-    });
+        reads_all &= read_process(pid, addr, &mut word).is_ok() && u64::from_ne_bytes(word) == PROBE;
+    }
     store.set(&keys.vote(rank), if reads_all { b"1" } else { b"0" })?;
     let mut all = true;
     for peer in 0..records.len() {
@@ -361,6 +372,9 @@ impl Keys {
     }
     fn token(&self) -> String {
         format!("rustc10d/{}/token", self.0)
+    }
+    fn readable(&self, rank: usize) -> String {
+        format!("rustc10d/{}/readable/{rank}", self.0)
     }
     fn vote(&self, rank: usize) -> String {
         format!("rustc10d/{}/single-copy/{rank}", self.0)

@@ -76,8 +76,7 @@ class Options:
     stage_piece_bytes: int | None = None
     #: Messages of at least this many bytes to a rank on this host are read by it straight from
     #: this rank's memory where the kernel allows it, one copy instead of two, and collectives of
-    #: blocks that large take one or two steps where every rank can. Above 0, at Yama
-    #: ptrace_scope 1, the process lets its user's processes read it (PR_SET_PTRACER_ANY); 0:
+    #: blocks that large take one or two steps where every rank can (see ptracer_any); 0:
     #: never (RUSTC10D_SINGLE_COPY_BYTES; 64 KiB). Shared.
     single_copy_bytes: int | None = None
     #: Bytes of each of a rank's two slots in the shared arena of a group whose ranks all run
@@ -91,6 +90,11 @@ class Options:
     nsocks: int | str | None = None
     #: Microseconds a waiter polls before it sleeps (RUSTC10D_SPIN_US; 50).
     spin_us: int | None = None
+    #: At Yama ptrace_scope 1, while a group with single copy has a peer on this host, let every
+    #: process of this user ptrace-attach to this one (PR_SET_PTRACER_ANY: read and write its
+    #: memory and registers), so that the peers can read it; undone with the last such group.
+    #: False: never, and single copy only where Yama already allows it (RUSTC10D_PTRACER_ANY; True).
+    ptracer_any: bool | None = None
     #: The interface whose address this rank advertises (RUSTC10D_SOCKET_IFNAME).
     socket_ifname: str | None = None
     #: Fault injection rules (RUSTC10D_FAULT; see the README).

@@ -13,6 +13,7 @@ use super::link::Link;
 use super::mailbox::{Fold, Mailbox, PostedRecv, RecvBuf};
 use super::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
 use super::peer::Peer;
+use super::peer_reads::PeerReadsGrant;
 use super::reactor::{Reactor, READABLE};
 use super::striping::Striping;
 use super::waits::Wait;
@@ -50,6 +51,8 @@ pub struct Layout {
     pub arena: ArenaRole,
     /// The ranks of every host share an arena of their own (`arena` on each).
     pub arena_on_every_host: bool,
+    /// Peers on this host may read this rank's memory while the group lives.
+    pub peer_reads: Option<PeerReadsGrant>,
 }
 
 /// This rank's part in a shared arena (arena.rs): the group's, or its host's.
@@ -142,6 +145,7 @@ impl Mesh {
             arena: Mutex::new(arena.map(Arc::new)),
             arena_members,
             arena_on_every_host: layout.arena_on_every_host,
+            peer_reads: Mutex::new(layout.peer_reads),
         });
         let mesh = Mesh { core: core.clone() };
         let mut listeners = vec![Listener::Tcp(listener)];

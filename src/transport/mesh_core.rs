@@ -14,6 +14,7 @@ use super::mailbox::{AnyPosted, Mailbox};
 use super::mailbox::{PostedRecv, RecvBuf};
 use super::mesh::PeerAddr;
 use super::peer::{Action, ConnId, Event, Peer};
+use super::peer_reads::PeerReadsGrant;
 use super::reactor::{Membership, Reactor, Token};
 use super::striping::Striping;
 use super::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
@@ -68,6 +69,8 @@ pub struct Core {
     pub(super) arena_members: Vec<usize>,
     /// Every host's ranks share an arena (`Transport::arena_on_every_host`).
     pub(super) arena_on_every_host: bool,
+    /// Lets peers on this host read this process's memory until shutdown.
+    pub(super) peer_reads: Mutex<Option<PeerReadsGrant>>,
 }
 
 pub struct PeerSlot {
@@ -412,5 +415,7 @@ impl Core {
             self.give_up(peer, &err);
         }
         drop(self.membership.lock().unwrap().take());
+        // The last group that needed it closes this process to its user's other processes.
+        drop(self.peer_reads.lock().unwrap().take());
     }
 }
