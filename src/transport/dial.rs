@@ -366,15 +366,22 @@ mod tests {
         }
         let tag: String = nonce().unwrap()[..8].iter().map(|b| format!("{b:02x}")).collect();
         let name = format!("rustc10d-test-{tag}");
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "transport::dial::tests::foreign_listener_role", "--nocapture", "--test-threads=1"])
             .env(FOREIGN_LISTENER, &name)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .uid(65534)
             .gid(65534)
-            .spawn()
-            .expect("run the listener as uid 65534");
+            .spawn();
+        let mut child = match child {
+            Ok(child) => child,
+            // A test binary under a directory only root may enter (a private temporary clone, say).
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                return eprintln!("skipped: uid 65534 cannot run this test binary: {e}");
+            }
+            Err(e) => panic!("run the listener as uid 65534: {e}"),
+        };
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         assert_eq!(said(&mut out, "listening"), "listening", "the listener role started");
         let me = Identity::new(0, 2, TOKEN);
