@@ -23,6 +23,9 @@ int64_t to_ms(milliseconds t) {
   std::rethrow_exception(error_of(kind, msg));
 }
 
+static_assert(static_cast<int>(at::ScalarType::NumOptions) + static_cast<int>(DType::Opaque) < 255,
+              "a dtype code of a type the engine only moves must fit below the call check's NONE");
+
 DType dtype_of(at::ScalarType type) {
   switch (type) {
     case at::kFloat: return DType::Float32;
@@ -35,7 +38,9 @@ DType dtype_of(at::ScalarType type) {
     case at::kInt: return DType::Int32;
     case at::kLong: return DType::Int64;
     case at::kBool: return DType::Bool;
-    default: return DType::Opaque;
+    // A type the engine only moves: Opaque plus torch's ScalarType, so that
+    // ranks passing complex64 and float8 still disagree (dtype::TypeCode).
+    default: return static_cast<DType>(static_cast<uint8_t>(DType::Opaque) + static_cast<uint8_t>(type));
   }
 }
 
@@ -55,7 +60,13 @@ std::vector<TensorDesc> split_desc(const TensorDesc& whole, size_t n, const char
 // Blocks of a contiguous tensor cut along dim 0 by `splits` (rows); empty: equal.
 std::vector<TensorDesc> split_rows(const at::Tensor& t, const TensorDesc& whole, const std::vector<int64_t>& splits,
                                    size_t world, const char* op) {
-  if (splits.empty()) return split_desc(whole, world, op);
+  if (splits.empty()) {
+    // Equal blocks of whole rows: blocks cut mid-row would be garbage.
+    int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    TORCH_CHECK(rows % static_cast<int64_t>(world) == 0, "rustc10d: ", op, ": without split sizes, dim 0 (",
+                rows, " rows) must divide into ", world, " equal blocks, one per rank");
+    return split_desc(whole, world, op);
+  }
   TORCH_CHECK(splits.size() == world, "rustc10d: ", op, ": expected ", world, " split sizes, got ", splits.size());
   int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   int64_t total = 0;

@@ -69,6 +69,27 @@ impl DType {
     }
 }
 
+/// The element type of a buffer an op may only move: a `DType` code, or
+/// `OPAQUE_BASE` plus torch's ScalarType for a type the engine never
+/// reduces (complex, unsigned 16-64 bits, float8, ...), which ranks must
+/// still agree on.
+pub type TypeCode = u8;
+
+/// The type code of plain bytes (uint8), for ops on untyped buffers.
+pub const BYTES: TypeCode = DType::U8 as TypeCode;
+
+/// Where the codes of types the engine only moves start (see `TypeCode`).
+pub const OPAQUE_BASE: u8 = 64;
+
+/// "torch.float32"; for a type the engine only moves, torch's ScalarType number.
+pub fn type_name(code: TypeCode) -> String {
+    match DType::from_code(code) {
+        Ok(d) => d.torch_name().to_string(),
+        Err(_) if code >= OPAQUE_BASE => format!("torch ScalarType {}", code - OPAQUE_BASE),
+        Err(_) => format!("code {code}"),
+    }
+}
+
 /// Reduce operation; discriminants follow `c10d::ReduceOp::RedOpType`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

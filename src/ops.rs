@@ -3,7 +3,7 @@
 //! before anything is sent. No I/O.
 
 use crate::algorithms::RawBuf;
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{DType, ReduceOp, TypeCode};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -193,26 +193,33 @@ pub enum Collective {
         root: usize,
         red: Reduction,
     },
+    /// `dtype` (like every data-moving op's) is the tensors' element type
+    /// (`dtype::TypeCode`): bytes move as they are, but ranks must agree on
+    /// what they mean.
     Broadcast {
         buf: RawBuf,
         root: usize,
+        dtype: TypeCode,
     },
     /// `outputs[i]` receives rank i's input; sizes may differ per rank.
     AllGather {
         input: RawBuf,
         outputs: Vec<RawBuf>,
+        dtype: TypeCode,
     },
     /// `outputs` only at the root.
     Gather {
         input: RawBuf,
         outputs: Vec<RawBuf>,
         root: usize,
+        dtype: TypeCode,
     },
     /// `inputs` only at the root.
     Scatter {
         inputs: Vec<RawBuf>,
         output: RawBuf,
         root: usize,
+        dtype: TypeCode,
     },
     /// `inputs[i]` is this rank's contribution to rank i's `output`.
     ReduceScatter {
@@ -224,6 +231,7 @@ pub enum Collective {
     AllToAll {
         inputs: Vec<RawBuf>,
         outputs: Vec<RawBuf>,
+        dtype: TypeCode,
     },
     Barrier,
     /// `timeout`: how long rank 0 waits for the others (None: the op's).
@@ -320,7 +328,7 @@ impl Collective {
                 whole(buf, red)
             }
             Collective::Broadcast { root, .. } => root_ok(*root),
-            Collective::AllGather { input, outputs } => {
+            Collective::AllGather { input, outputs, .. } => {
                 // Blocks may differ per rank (all-gather-v); ours must fit our input.
                 if outputs.len() != world {
                     return bad(format!("expected {world} outputs (one per rank), got {}", outputs.len()));
@@ -333,7 +341,7 @@ impl Collective {
                 }
                 Ok(())
             }
-            Collective::Gather { input, outputs, root } => {
+            Collective::Gather { input, outputs, root, .. } => {
                 root_ok(*root)?;
                 if rank == *root {
                     blocks("outputs", outputs, input.len)
@@ -341,7 +349,7 @@ impl Collective {
                     Ok(())
                 }
             }
-            Collective::Scatter { inputs, output, root } => {
+            Collective::Scatter { inputs, output, root, .. } => {
                 root_ok(*root)?;
                 if rank == *root {
                     blocks("inputs", inputs, output.len)
@@ -354,12 +362,19 @@ impl Collective {
                 whole(output, red)?;
                 blocks("inputs", inputs, output.len)
             }
-            Collective::AllToAll { inputs, outputs } => {
+            Collective::AllToAll { inputs, outputs, .. } => {
                 if inputs.len() != world || outputs.len() != world {
                     return bad(format!(
                         "expected {world} input and output blocks, got {} and {}",
                         inputs.len(),
                         outputs.len()
+                    ));
+                }
+                // The block a rank sends itself: both ends are here.
+                if inputs[rank].len != outputs[rank].len {
+                    return bad(format!(
+                        "this rank sends itself {} bytes (input block {rank}) into an output block of {}",
+                        inputs[rank].len, outputs[rank].len
                     ));
                 }
                 Ok(())

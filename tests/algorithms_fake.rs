@@ -110,7 +110,10 @@ fn broadcast_from_every_root() {
                                 Buf::filled(len, 0xEE)
                             };
                             let before = rk.t.sent();
-                            ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
+                            ok(
+                                rk.run(Collective::Broadcast { buf: b.raw(), root, dtype: rustc10d::dtype::BYTES }),
+                                "broadcast",
+                            );
                             (len, b, rk.t.sent() - before)
                         })
                         .to_vec()
@@ -129,10 +132,9 @@ fn broadcast_from_every_root() {
                             let want = if rank == root { 2 * (world - 1) } else { world - 1 };
                             assert_eq!(sent, want as u64, "{at}: not the single-copy broadcast");
                         } else if small == DIRECT && world > 2 && !kind.hosts() {
-                            // The tree: a fingerprint to the next rank (from 4 ranks, to every
-                            // rank), and the root its buffer to every rank.
-                            let check = if world <= 3 { 1 } else { world - 1 };
-                            let want = check + if rank == root { world - 1 } else { 0 };
+                            // The tree: a fingerprint to every rank, and the root its
+                            // buffer to every rank.
+                            let want = world - 1 + if rank == root { world - 1 } else { 0 };
                             assert_eq!(sent, want as u64, "{at}: not the tree broadcast");
                         }
                     }
@@ -155,7 +157,11 @@ fn all_gather_with_blocks_of_different_sizes() {
                     .map(|len| {
                         let mut input = Buf::bytes_of(&pattern(r, 0, len(r)));
                         let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(len(p), 0xEE)).collect();
-                        let part = Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) };
+                        let part = Collective::AllGather {
+                            input: input.raw(),
+                            outputs: raws(&mut outputs),
+                            dtype: rustc10d::dtype::BYTES,
+                        };
                         let before = rk.t.sent();
                         ok(rk.run(part), "all_gather");
                         (input, outputs, rk.t.sent() - before)
@@ -199,13 +205,23 @@ fn gather_and_scatter_with_every_root() {
                         .map(|len| {
                             let mut input = Buf::bytes_of(&pattern(r, len, len));
                             let mut gathered: Vec<Buf> = (0..at_root(world)).map(|_| Buf::filled(len, 0xEE)).collect();
-                            let part = Collective::Gather { input: input.raw(), outputs: raws(&mut gathered), root };
+                            let part = Collective::Gather {
+                                input: input.raw(),
+                                outputs: raws(&mut gathered),
+                                root,
+                                dtype: rustc10d::dtype::BYTES,
+                            };
                             let before = rk.t.sent();
                             ok(rk.run(part), "gather");
                             let mut blocks: Vec<Buf> =
                                 (0..at_root(world)).map(|p| Buf::bytes_of(&pattern(p, 7, len))).collect();
                             let mut output = Buf::filled(len, 0xEE);
-                            let part = Collective::Scatter { inputs: raws(&mut blocks), output: output.raw(), root };
+                            let part = Collective::Scatter {
+                                inputs: raws(&mut blocks),
+                                output: output.raw(),
+                                root,
+                                dtype: rustc10d::dtype::BYTES,
+                            };
                             ok(rk.run(part), "scatter");
                             (len, gathered, output, rk.t.sent() - before)
                         })
@@ -294,7 +310,11 @@ fn all_to_all_with_uneven_blocks() {
                     let r = rk.rank();
                     let mut inputs: Vec<Buf> = (0..world).map(|q| Buf::bytes_of(&pattern(r, q, len(r, q)))).collect();
                     let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(len(p, r), 0xEE)).collect();
-                    let part = Collective::AllToAll { inputs: raws(&mut inputs), outputs: raws(&mut outputs) };
+                    let part = Collective::AllToAll {
+                        inputs: raws(&mut inputs),
+                        outputs: raws(&mut outputs),
+                        dtype: rustc10d::dtype::BYTES,
+                    };
                     let before = rk.t.sent();
                     ok(rk.run(part), "all_to_all");
                     (outputs, rk.t.sent() - before)
@@ -305,9 +325,10 @@ fn all_to_all_with_uneven_blocks() {
                         assert_eq!(b.bytes(), pattern(p, q, len(p, q)), "{at}: rank {q}'s block from {p}");
                     }
                     if kind.arena() {
-                        // Pairs exchange directly only where every block goes as its address.
+                        // Pairs exchange directly only where every block goes as its
+                        // address, after telling each other their block sizes.
                         let direct = world > 1 && scale == 0 && kind.single_copy().is_some_and(|from| 300 >= from);
-                        let want = if direct { world as u64 - 1 } else { 0 };
+                        let want = if direct { 2 * (world as u64 - 1) } else { 0 };
                         assert_eq!(sent, want, "{at}: rank {q} sent {sent} messages");
                     }
                 }
@@ -357,8 +378,12 @@ fn sends_held_behind_a_busy_link_still_carry_what_was_sent() {
                 let mut outputs: Vec<Buf> = (0..world).map(|_| Buf::filled(200, 0xEE)).collect();
                 let parts = [
                     Collective::AllReduce { buf: red_buf.raw(), red: sum.reduction() },
-                    Collective::Broadcast { buf: bcast.raw(), root: 0 },
-                    Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) },
+                    Collective::Broadcast { buf: bcast.raw(), root: 0, dtype: rustc10d::dtype::BYTES },
+                    Collective::AllGather {
+                        input: input.raw(),
+                        outputs: raws(&mut outputs),
+                        dtype: rustc10d::dtype::BYTES,
+                    },
                 ];
                 for part in parts {
                     let kind = part.kind().name();

@@ -15,20 +15,12 @@ use threads::*;
 const W: usize = 3;
 /// Bytes per rank block: whole 64 KiB segments, each sent as its address.
 const BLOCK: usize = 256 << 10;
-/// The call check of each collective (small: always through the rings): a
-/// 32-byte fingerprint sent to the right neighbour and one received from the
-/// left; the single-copy algorithms and the small all-reduce, one to and
-/// from every peer.
-const RING_CHECK: usize = 2 * 32;
-const CHECK_WITH_ALL: usize = 2 * 32 * (W - 1);
-
-fn check_bytes(single_copy: bool) -> usize {
-    if single_copy {
-        CHECK_WITH_ALL
-    } else {
-        RING_CHECK
-    }
-}
+/// The call check of each collective: a 32-byte fingerprint sent to and
+/// received from every peer, each copied once at either end.
+const CHECK: usize = 2 * 32 * (W - 1);
+/// An all-to-all's block sizes (`alltoall::agree_on_block_sizes`): W sent
+/// and W expected, 8 bytes each, to and from every peer.
+const BLOCK_SIZES: usize = 2 * 16 * W * (W - 1);
 
 /// A group on one host, with single-copy reads of a peer's memory or not,
 /// with a shared arena or not.
@@ -99,14 +91,14 @@ const SMALL: usize = 4096;
 fn each_collective(engines: &[Engine]) -> Costs {
     let broadcast = cost_of(engines, OpKind::Broadcast, |rank, e| {
         let mut buf = vec![rank as u8; N];
-        wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0 }));
+        wait_ok(run(e, Collective::Broadcast { buf: raw(&mut buf), root: 0, dtype: rustc10d::dtype::BYTES }));
         assert!(buf.iter().all(|&b| b == 0));
     });
     let all_gather = cost_of(engines, OpKind::AllGather, |rank, e| {
         let mut input = vec![rank as u8 + 1; BLOCK];
         let mut out = vec![vec![0u8; BLOCK]; W];
         let outputs = out.iter_mut().map(|o| raw(o)).collect();
-        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs }));
+        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs, dtype: rustc10d::dtype::BYTES }));
         assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
     });
     let sum_of = |bytes: usize| {
@@ -135,21 +127,21 @@ fn each_collective(engines: &[Engine]) -> Costs {
         let mut ins: Vec<Vec<u8>> = (0..W).map(|p| vec![(rank * W + p) as u8; BLOCK]).collect();
         let mut outs = vec![vec![0u8; BLOCK]; W];
         let (inputs, outputs) = (ins.iter_mut().map(|i| raw(i)).collect(), outs.iter_mut().map(|o| raw(o)).collect());
-        wait_ok(run(e, Collective::AllToAll { inputs, outputs }));
+        wait_ok(run(e, Collective::AllToAll { inputs, outputs, dtype: rustc10d::dtype::BYTES }));
         assert!(outs.iter().enumerate().all(|(p, o)| o.iter().all(|&b| b == (p * W + rank) as u8)));
     });
     let gather = cost_of(engines, OpKind::Gather, |rank, e| {
         let mut input = vec![rank as u8 + 1; BLOCK];
         let mut out = vec![vec![0u8; BLOCK]; if rank == 0 { W } else { 0 }];
         let outputs = out.iter_mut().map(|o| raw(o)).collect();
-        wait_ok(run(e, Collective::Gather { input: raw(&mut input), outputs, root: 0 }));
+        wait_ok(run(e, Collective::Gather { input: raw(&mut input), outputs, root: 0, dtype: rustc10d::dtype::BYTES }));
         assert!(out.iter().enumerate().all(|(i, o)| o.iter().all(|&b| b == i as u8 + 1)));
     });
     let scatter = cost_of(engines, OpKind::Scatter, |rank, e| {
         let mut ins: Vec<Vec<u8>> = (0..if rank == 0 { W } else { 0 }).map(|p| vec![p as u8 + 1; BLOCK]).collect();
         let mut out = vec![0u8; BLOCK];
         let inputs = ins.iter_mut().map(|i| raw(i)).collect();
-        wait_ok(run(e, Collective::Scatter { inputs, output: raw(&mut out), root: 0 }));
+        wait_ok(run(e, Collective::Scatter { inputs, output: raw(&mut out), root: 0, dtype: rustc10d::dtype::BYTES }));
         assert!(out.iter().all(|&b| b == rank as u8 + 1));
     });
     let small_all_reduce = cost_of(engines, OpKind::AllReduce, sum_of(SMALL));
@@ -166,48 +158,46 @@ fn counts_match_each_algorithm(single_copy: bool) {
 
     // Through the rings the root sends, and each other rank receives and,
     // but the last, forwards; with single copy every rank reads the root's.
-    assert_copied(&format!("broadcast, {tag}"), check_bytes(single_copy), &c.broadcast, |rank| match rank {
+    assert_copied(&format!("broadcast, {tag}"), CHECK, &c.broadcast, |rank| match rank {
         0 => send * n,
         r if r == W - 1 => n,
         _ => n + send * n,
     });
     // Its own block copied, W-1 blocks received and W-1 sent.
-    assert_copied(&format!("all_gather, {tag}"), check_bytes(single_copy), &c.all_gather, |_| {
+    assert_copied(&format!("all_gather, {tag}"), CHECK, &c.all_gather, |_| {
         BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
     });
     // W-1 folded receives (read and fold) and W-1 plain ones, of n/W each; 2(W-1) sends.
-    assert_copied(&format!("all_reduce, {tag}"), check_bytes(single_copy), &c.all_reduce, |_| {
+    assert_copied(&format!("all_reduce, {tag}"), CHECK, &c.all_reduce, |_| {
         (W - 1) * 2 * chunk + (W - 1) * chunk + send * 2 * (W - 1) * chunk
     });
     // Its own block copied; W-1 steps each receive and fold a block; W-1 sends.
-    assert_copied(&format!("reduce_scatter, {tag}"), check_bytes(single_copy), &c.reduce_scatter, |_| {
+    assert_copied(&format!("reduce_scatter, {tag}"), CHECK, &c.reduce_scatter, |_| {
         BLOCK + 2 * (W - 1) * BLOCK + send * (W - 1) * BLOCK
     });
     // Reduce to rank 0 goes along the chain 1, 2, 0: rank 1 sends, rank 2
     // receives, folds in its own and sends on, the root receives and folds.
-    assert_copied(&format!("reduce, {tag}"), RING_CHECK, &c.reduce, |rank| match rank {
+    assert_copied(&format!("reduce, {tag}"), CHECK, &c.reduce, |rank| match rank {
         1 => send * n,
         2 => 2 * n + send * n,
         _ => 2 * n,
     });
     // All-to-all: its own block copied, W-1 received, W-1 sent.
-    assert_copied(&format!("all_to_all, {tag}"), RING_CHECK, &c.all_to_all, |_| {
+    assert_copied(&format!("all_to_all, {tag}"), CHECK + BLOCK_SIZES, &c.all_to_all, |_| {
         BLOCK + (W - 1) * BLOCK + send * (W - 1) * BLOCK
     });
     // Gather to rank 0: the root copies its own block and W-1 received; the others send theirs.
-    assert_copied(&format!("gather, {tag}"), RING_CHECK, &c.gather, |rank| match rank {
+    assert_copied(&format!("gather, {tag}"), CHECK, &c.gather, |rank| match rank {
         0 => W * BLOCK,
         _ => send * BLOCK,
     });
     // Scatter from rank 0: the root copies its own block and sends W-1; the others receive one.
-    assert_copied(&format!("scatter, {tag}"), RING_CHECK, &c.scatter, |rank| match rank {
+    assert_copied(&format!("scatter, {tag}"), CHECK, &c.scatter, |rank| match rank {
         0 => BLOCK + send * (W - 1) * BLOCK,
         _ => BLOCK,
     });
     // A small all-reduce: one exchange of whole buffers, through the rings.
-    assert_copied(&format!("small all_reduce, {tag}"), CHECK_WITH_ALL, &c.small_all_reduce, |_| {
-        2 * SMALL + 3 * (W - 1) * SMALL
-    });
+    assert_copied(&format!("small all_reduce, {tag}"), CHECK, &c.small_all_reduce, |_| 2 * SMALL + 3 * (W - 1) * SMALL);
 
     // Point to point, the receive posted first (so nothing arrives early):
     // the receiver copies once; the sender once more without single copy.

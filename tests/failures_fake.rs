@@ -134,12 +134,12 @@ fn in_the_arena_mismatched_calls_fail_on_every_rank_and_touch_no_buffer() {
     }
 }
 
-/// An all-to-all whose pairs disagree on a block's size fails on every rank
-/// in the arena, before a byte moves, naming the pair.
+/// An all-to-all whose pairs disagree on a block's size fails on every rank,
+/// in the arena or not, before a byte moves, naming the pair.
 #[test]
-fn in_the_arena_an_all_to_all_whose_sizes_disagree_fails_everywhere() {
-    for world in 2..=4 {
-        let net = FakeNet::with_arena(world, 4096, None);
+fn an_all_to_all_whose_sizes_disagree_fails_everywhere() {
+    for (world, arena) in (2..=4).flat_map(|w| [(w, true), (w, false)]) {
+        let net = if arena { FakeNet::with_arena(world, 4096, None) } else { FakeNet::new(world) };
         let t0 = Instant::now();
         let out = on_net(&net, RING, |rk| {
             let r = rk.rank();
@@ -148,13 +148,18 @@ fn in_the_arena_an_all_to_all_whose_sizes_disagree_fails_everywhere() {
             let mut inputs: Vec<Buf> = (0..world).map(|q| Buf::bytes_of(&pattern(r, q, 8))).collect();
             let mut outputs: Vec<Buf> = (0..world).map(|p| Buf::filled(want(p), 0xEE)).collect();
             let kept = outputs.clone();
-            let res = rk.run(Collective::AllToAll { inputs: raws(&mut inputs), outputs: raws(&mut outputs) });
+            let res = rk.run(Collective::AllToAll {
+                inputs: raws(&mut inputs),
+                outputs: raws(&mut outputs),
+                dtype: rustc10d::dtype::BYTES,
+            });
             (res, outputs == kept)
         });
         for (rank, (r, untouched)) in out.into_iter().enumerate() {
             let e = r.expect_err("a size mismatch");
             assert!(e.message.contains("rank 0 sends 8 bytes to rank 1, which expects 9"), "{}", e.message);
-            assert!(untouched, "world {world}: rank {rank}'s outputs changed");
+            assert_eq!(e.kind, ErrorKind::Mismatch, "{}", e.message);
+            assert!(untouched, "world {world}, arena {arena}: rank {rank}'s outputs changed");
         }
         assert!(t0.elapsed() < PROMPT);
     }

@@ -183,6 +183,7 @@ fn lazy_connections_get_through_a_flood_on(transport: TransportMode) {
                 let part = Collective::AllToAll {
                     inputs: inputs.iter_mut().map(|v| RawBuf::new(v.as_mut_ptr(), block)).collect(),
                     outputs: outputs.iter_mut().map(|v| RawBuf::new(v.as_mut_ptr(), block)).collect(),
+                    dtype: rustc10d::dtype::BYTES,
                 };
                 let h = unsafe { e.submit(vec![part], None, None, Box::new(|_| Ok(()))).unwrap() };
                 assert_eq!(h.wait(None), Waited::Done, "rank {rank}: all_to_all");

@@ -165,7 +165,14 @@ fn reduce_scatter_and_all_gather_cross_each_link_h_minus_1_over_h_of_the_data() 
             let r = rk.rank();
             let mut input = Buf::bytes_of(&pattern(r, 1, BLOCK * ES as usize));
             let mut outputs: Vec<Buf> = (0..w).map(|_| Buf::filled(BLOCK * ES as usize, 0xEE)).collect();
-            ok(rk.run(Collective::AllGather { input: input.raw(), outputs: raws(&mut outputs) }), "all_gather");
+            ok(
+                rk.run(Collective::AllGather {
+                    input: input.raw(),
+                    outputs: raws(&mut outputs),
+                    dtype: rustc10d::dtype::BYTES,
+                }),
+                "all_gather",
+            );
             outputs
         });
         for (rank, outputs) in out.iter().enumerate() {
@@ -196,7 +203,10 @@ fn broadcast_and_reduce_cross_each_link_once_from_every_root() {
                     let mut b =
                         if rk.rank() == root { Buf::bytes_of(&pattern(root, 2, len)) } else { Buf::filled(len, 0) };
                     let before = rk.t.sent();
-                    ok(rk.run(Collective::Broadcast { buf: b.raw(), root }), "broadcast");
+                    ok(
+                        rk.run(Collective::Broadcast { buf: b.raw(), root, dtype: rustc10d::dtype::BYTES }),
+                        "broadcast",
+                    );
                     (b, rk.t.sent() - before)
                 });
                 let at = format!("{name}, {path}: broadcast from {root}");
@@ -429,8 +439,14 @@ fn hierarchical_ops_move_nothing_between_a_hosts_ranks_through_the_links() {
                             output: output.raw(),
                             red: red.reduction(),
                         },
-                        "all_gather" => Collective::AllGather { input: input.raw(), outputs: raws(&mut gathered) },
-                        "small broadcast" => Collective::Broadcast { buf: b.raw(), root },
+                        "all_gather" => Collective::AllGather {
+                            input: input.raw(),
+                            outputs: raws(&mut gathered),
+                            dtype: rustc10d::dtype::BYTES,
+                        },
+                        "small broadcast" => {
+                            Collective::Broadcast { buf: b.raw(), root, dtype: rustc10d::dtype::BYTES }
+                        }
                         "small reduce" => Collective::Reduce { buf: b.raw(), root, red: red.reduction() },
                         _ => Collective::Barrier,
                     };

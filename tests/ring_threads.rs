@@ -42,7 +42,7 @@ fn avg_broadcast_barrier_and_many_in_flight() {
         let mut avg = vec![rank as f64 * 3.0; 5];
         let h1 = all_reduce(e, raw(&mut avg), DType::F64, ReduceOp::Avg);
         let mut b = if rank == 2 { vec![7u8, 8, 9] } else { vec![0u8; 3] };
-        let h2 = run(e, Collective::Broadcast { buf: raw(&mut b), root: 2 });
+        let h2 = run(e, Collective::Broadcast { buf: raw(&mut b), root: 2, dtype: rustc10d::dtype::BYTES });
         let mut many: Vec<Vec<i32>> = (0..8).map(|k| vec![k + rank as i32; 33]).collect();
         let hs: Vec<_> = many.iter_mut().map(|v| all_reduce(e, raw(v), DType::I32, ReduceOp::Sum)).collect();
         wait_ok(run(e, Collective::Barrier));
@@ -67,7 +67,7 @@ fn empty_tensors_without_storage() {
     on_all(&engines, |rank, e| {
         let empty = || RawBuf::new(std::ptr::null_mut(), 0);
         wait_ok(all_reduce(e, empty(), DType::F32, ReduceOp::Sum));
-        wait_ok(run(e, Collective::Broadcast { buf: empty(), root: 1 }));
+        wait_ok(run(e, Collective::Broadcast { buf: empty(), root: 1, dtype: rustc10d::dtype::BYTES }));
         let h = if rank == 0 {
             // SAFETY: an empty buffer (len 0): nothing to keep alive.
             unsafe { e.send(empty(), 1, 3, None, None, noop()).unwrap() }
@@ -88,11 +88,18 @@ fn bad_input_is_refused_before_the_wire() {
     // `short` are never touched by the engine.
     let bad = |part| unsafe { e.submit(vec![part], None, None, noop()) }.is_err();
     assert!(bad(Collective::AllReduce { buf: raw(&mut v), red: Reduction::new(DType::F32, ReduceOp::BXor) }));
-    assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5 }));
-    assert!(bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)] }), "one output per rank");
+    assert!(bad(Collective::Broadcast { buf: raw(&mut v), root: 5, dtype: rustc10d::dtype::BYTES }));
+    assert!(
+        bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut v)], dtype: rustc10d::dtype::BYTES }),
+        "one output per rank"
+    );
     let mut short = vec![0f32; 2];
     assert!(
-        bad(Collective::AllGather { input: raw(&mut v), outputs: vec![raw(&mut short), raw(&mut v)] }),
+        bad(Collective::AllGather {
+            input: raw(&mut v),
+            outputs: vec![raw(&mut short), raw(&mut v)],
+            dtype: rustc10d::dtype::BYTES
+        }),
         "own block must fit"
     );
     // SAFETY: refused at once (send to self), so `v` is never touched.
@@ -116,22 +123,31 @@ fn data_movement_collectives_on(mode: TransportMode) {
             // all-gather into one buffer
             let mut gathered = vec![0u32; n * world];
             let slots: Vec<RawBuf> = gathered.chunks_mut(n).map(raw).collect();
-            wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs: slots }));
+            wait_ok(run(
+                e,
+                Collective::AllGather { input: raw(&mut input), outputs: slots, dtype: rustc10d::dtype::BYTES },
+            ));
             // gather to the last rank, scatter from rank 0
             let root = world - 1;
             let mut at_root = vec![0u32; if rank == root { n * world } else { 0 }];
             let outs: Vec<RawBuf> = at_root.chunks_mut(n.max(1)).map(raw).collect();
-            wait_ok(run(e, Collective::Gather { input: raw(&mut input), outputs: outs, root }));
+            wait_ok(run(
+                e,
+                Collective::Gather { input: raw(&mut input), outputs: outs, root, dtype: rustc10d::dtype::BYTES },
+            ));
             let mut pieces: Vec<Vec<u32>> = (0..world).map(|p| vec![p as u32 * 7; 5]).collect();
             let ins: Vec<RawBuf> = if rank == 0 { pieces.iter_mut().map(|v| raw(v)).collect() } else { vec![] };
             let mut mine = vec![0u32; 5];
-            wait_ok(run(e, Collective::Scatter { inputs: ins, output: raw(&mut mine), root: 0 }));
+            wait_ok(run(
+                e,
+                Collective::Scatter { inputs: ins, output: raw(&mut mine), root: 0, dtype: rustc10d::dtype::BYTES },
+            ));
             // all-to-all with uneven (and zero) blocks: rank r sends r + p elements to p
             let mut send: Vec<Vec<u16>> = (0..world).map(|p| vec![(rank * 10 + p) as u16; rank + p]).collect();
             let mut recv: Vec<Vec<u16>> = (0..world).map(|p| vec![0u16; p + rank]).collect();
             let (si, ro): (Vec<RawBuf>, Vec<RawBuf>) =
                 (send.iter_mut().map(|v| raw(v)).collect(), recv.iter_mut().map(|v| raw(v)).collect());
-            wait_ok(run(e, Collective::AllToAll { inputs: si, outputs: ro }));
+            wait_ok(run(e, Collective::AllToAll { inputs: si, outputs: ro, dtype: rustc10d::dtype::BYTES }));
             (gathered, at_root, mine, recv)
         });
         for (rank, (gathered, at_root, mine, recv)) in out.into_iter().enumerate() {
@@ -207,7 +223,10 @@ fn allgather_with_blocks_of_different_sizes() {
         let mut input: Vec<u8> = (0..len(rank)).map(|i| (i + rank) as u8).collect();
         let mut outs: Vec<Vec<u8>> = (0..3).map(|r| vec![0u8; len(r)]).collect();
         let slots = outs.iter_mut().map(|v| raw(v)).collect();
-        wait_ok(run(e, Collective::AllGather { input: raw(&mut input), outputs: slots }));
+        wait_ok(run(
+            e,
+            Collective::AllGather { input: raw(&mut input), outputs: slots, dtype: rustc10d::dtype::BYTES },
+        ));
         outs
     });
     for outs in out {

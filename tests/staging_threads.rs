@@ -259,7 +259,7 @@ fn staged_ops_run_in_pieces() {
         let mut bdevice: Vec<u8> = if rank == 1 { (0..=255).cycle().take(7000).collect() } else { vec![0; 7000] };
         let mut bhost = vec![0xEEu8; 7000];
         let (staging, blog) = staged(&mut bdevice, &mut bhost, 2999);
-        let part = Collective::Broadcast { buf: raw(&mut bhost), root: 1 };
+        let part = Collective::Broadcast { buf: raw(&mut bhost), root: 1, dtype: rustc10d::dtype::BYTES };
         // SAFETY: `bhost` and `bdevice` outlive the op, waited for at once.
         wait_ok(unsafe { e.submit(vec![part], None, Some(staging), noop()).unwrap() });
         let bcast_log = blog.lock().unwrap().clone();
@@ -350,7 +350,7 @@ fn a_failed_op_leaves_the_device_as_it_was() {
 fn a_failed_op_leaves_the_device_as_it_was_on(streams: Streams) {
     let original: Vec<u8> = (0..7000u32).map(|i| (i % 251) as u8).collect();
     let ranges = [(0, 2999), (2999, 2999), (5998, 1002)];
-    let part_of = |host: &mut [u8]| Collective::Broadcast { buf: raw(host), root: 0 };
+    let part_of = |host: &mut [u8]| Collective::Broadcast { buf: raw(host), root: 0, dtype: rustc10d::dtype::BYTES };
     for contiguous in [true, false] {
         for fail_at in 0..=ranges.len() {
             for copy_fails in [false, true] {

@@ -2,11 +2,12 @@
 //! first sends a fingerprint of how it was called (op, dtype, reduce op,
 //! root, size) and compares those it receives. A rank that starts has seen
 //! every rank's call match its own, so a mismatch anywhere fails every rank
-//! before any buffer changes: up to 3 ranks, a rank's left neighbour's is
-//! enough (every rank that passes has a neighbour that fails, and it hears
-//! from nobody else); from 4, every rank's (around a ring, ranks 1 and 2
-//! could agree with their neighbours and fold each other's data before the
-//! abort from rank 3's mismatch reached them). The ranks of a host that
+//! before any buffer changes: at 2 ranks, from the one peer; from 3, from
+//! every rank (with only its left neighbour's, a rank whose neighbour
+//! matched went on: at 3 ranks a reduce's sender returned success, and an
+//! all-gather wrote a matching peer's block before the abort from the third
+//! reached it; around a larger ring, ranks 1 and 2 could fold each other's
+//! data). The ranks of a host that
 //! share an arena compare there, in one round, and by message only with
 //! the other hosts' ranks; where every host holds as many ranks, each with
 //! an arena, only with their counterparts there, before that round (H - 1
@@ -29,7 +30,7 @@ use crate::transport::{Key, TransferId, Transfers};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint {
     pub op: OpKind,
-    /// DType code, or NONE where the op does not interpret data.
+    /// DType code, or NONE where the op has no data (barriers).
     pub dtype: u8,
     /// ReduceOp code (PREMUL_SUM as 8), or NONE.
     pub reduce: u8,
@@ -56,13 +57,16 @@ impl Fingerprint {
         let (dtype, op, root, bytes) = match call {
             Collective::AllReduce { buf, red } => (red.dtype as u8, reduce(red), None, buf.len as u64),
             Collective::Reduce { buf, root, red } => (red.dtype as u8, reduce(red), Some(*root), buf.len as u64),
-            Collective::Broadcast { buf, root } => (NONE, NONE, Some(*root), buf.len as u64),
-            Collective::AllGather { outputs, .. } => (NONE, NONE, None, total(outputs)),
-            Collective::Gather { input, root, .. } => (NONE, NONE, Some(*root), input.len as u64),
-            Collective::Scatter { output, root, .. } => (NONE, NONE, Some(*root), output.len as u64),
+            // Ops that only move bytes still compare the dtype: the same bytes
+            // read as another type are garbage, not an error.
+            Collective::Broadcast { buf, root, dtype } => (*dtype, NONE, Some(*root), buf.len as u64),
+            Collective::AllGather { outputs, dtype, .. } => (*dtype, NONE, None, total(outputs)),
+            Collective::Gather { input, root, dtype, .. } => (*dtype, NONE, Some(*root), input.len as u64),
+            Collective::Scatter { output, root, dtype, .. } => (*dtype, NONE, Some(*root), output.len as u64),
             Collective::ReduceScatter { output, red, .. } => (red.dtype as u8, reduce(red), None, output.len as u64),
-            // Block sizes legitimately differ per rank.
-            Collective::AllToAll { .. } => (NONE, NONE, None, 0),
+            // Block sizes legitimately differ per rank: each pair's are
+            // compared by the algorithm (`alltoall::agree_on_block_sizes`).
+            Collective::AllToAll { dtype, .. } => (*dtype, NONE, None, 0),
             Collective::Barrier | Collective::MonitoredBarrier { .. } => (NONE, NONE, None, 0),
             // Rows differ per rank; the tensor's shape, and so the size of a row of values, may not.
             Collective::AllReduceSparse { dtype, shape: s, .. } => {
@@ -104,8 +108,7 @@ impl Fingerprint {
         let per = if self.op == OpKind::AllReduceSparse { " per row" } else { "" };
         let mut parts = vec![format!("{} bytes{per}", self.bytes)];
         if self.dtype != Self::NONE {
-            let name = crate::dtype::DType::from_code(self.dtype).map(|d| d.torch_name()).unwrap_or("?");
-            parts.push(format!("dtype {name}"));
+            parts.push(format!("dtype {}", crate::dtype::type_name(self.dtype)));
         }
         if self.reduce != Self::NONE {
             let name = crate::dtype::ReduceOp::from_code(self.reduce).map(|o| o.name()).unwrap_or("PREMUL_SUM");
@@ -132,13 +135,13 @@ const AT_ONCE_MAX: usize = 16;
 
 /// Check the call against every rank's before the op starts (see the top
 /// of this file): in the group's shared arena, where it has one; else with
-/// the left neighbour, up to 3 ranks; else with every rank. Fail if one differs.
+/// every rank. Fail if one differs.
 pub fn agree(ctx: &OpCtx, mine: &Fingerprint) -> Result<()> {
     if let Some(arena) = ctx.transport.arena() {
         return in_arena::agree(ctx, &arena, mine);
     }
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    if world <= 3 {
+    if world <= 2 {
         return agree_with(ctx, Agreement::new(mine, false), || Ok(()));
     }
     let everyone = || (0..world).collect::<Vec<_>>();
@@ -205,7 +208,8 @@ fn agree_in_rounds(ctx: &OpCtx, mine: &Fingerprint, members: &[usize], me: usize
         let id = tr.recv_owned(from, key, Fingerprint::LEN)?;
         tr.send_copy(to, key, &out)?;
         tr.wait(id)?;
-        let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))?;
+        let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))
+            .map_err(|e| unreadable(ctx, from, mine, e))?;
         if theirs != *mine {
             return Err(mismatch(ctx, from, mine.describe(), theirs.describe()));
         }
@@ -314,7 +318,8 @@ impl Agreement {
     pub fn check(&self, ctx: &OpCtx, tr: &Transfers) -> Result<()> {
         for &(peer, id) in &self.theirs {
             tr.wait(id)?;
-            let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))?;
+            let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))
+                .map_err(|e| unreadable(ctx, peer, &self.mine, e))?;
             if theirs != self.mine {
                 return Err(mismatch(ctx, peer, self.mine.describe(), theirs.describe()));
             }
@@ -326,10 +331,20 @@ impl Agreement {
 /// The error of a call on this rank that does not match `peer`'s.
 pub(super) fn mismatch(ctx: &OpCtx, peer: usize, mine: String, theirs: String) -> Error {
     let rank = ctx.transport.rank();
-    Error::new(
-        ErrorKind::Mismatch,
-        format!("rustc10d: {} does not match the call on rank {peer}: rank {rank} called {mine}, rank {peer} called {theirs}", ctx.what),
-    )
+    mismatch_across(ctx, peer, format!("rank {rank} called {mine}, rank {peer} called {theirs}"))
+}
+
+/// The error of calls that do not fit together across ranks, as `what`
+/// (every rank that sees it says the same), naming `peer`, a rank involved.
+pub(super) fn mismatch_across(ctx: &OpCtx, peer: usize, what: String) -> Error {
+    Error::new(ErrorKind::Mismatch, format!("rustc10d: {} does not match the call on rank {peer}: {what}", ctx.what))
+}
+
+/// The error of a fingerprint from `peer` that does not decode (an op code
+/// this rank does not know): a mismatch like any other, naming the peer, and
+/// not a bare "unknown op code" that says nothing of where it came from.
+fn unreadable(ctx: &OpCtx, peer: usize, mine: &Fingerprint, e: Error) -> Error {
+    mismatch(ctx, peer, mine.describe(), format!("something this rank cannot read ({})", e.message))
 }
 
 #[cfg(test)]
@@ -354,5 +369,38 @@ mod tests {
             shape: 0,
         };
         assert_eq!(b.describe(), "barrier(0 bytes)");
+    }
+
+    // A fingerprint is a peer's word: any 32 bytes decode or are refused
+    // (an op code that does not exist), never panic, and describe
+    // themselves whatever their dtype or reduce op; what decodes re-encodes
+    // to the bytes it came from (but byte 3, which no field uses), and
+    // every fingerprint round-trips.
+    proptest::proptest! {
+        #[test]
+        fn fingerprints_take_any_bytes(b in proptest::prelude::any::<[u8; Fingerprint::LEN]>()) {
+            match Fingerprint::decode(&b) {
+                Ok(f) => {
+                    proptest::prop_assert_eq!(f.op.code(), b[0]);
+                    let mut unused_cleared = b;
+                    unused_cleared[3] = 0;
+                    proptest::prop_assert_eq!(f.encode(), unused_cleared);
+                    proptest::prop_assert!(f.describe().starts_with(f.op.name()));
+                }
+                Err(e) => {
+                    proptest::prop_assert!(OpKind::from_code(b[0]).is_none());
+                    let says = format!("unknown op code {}", b[0]);
+                    proptest::prop_assert!(e.message.contains(&says), "{}", e.message);
+                }
+            }
+        }
+
+        #[test]
+        fn fingerprints_roundtrip(op in 0..OpKind::ALL.len(), dtype in proptest::prelude::any::<u8>(),
+                                  reduce in proptest::prelude::any::<u8>(), root in proptest::prelude::any::<u32>(),
+                                  words in proptest::prelude::any::<[u64; 3]>()) {
+            let f = Fingerprint { op: OpKind::ALL[op], dtype, reduce, root, bytes: words[0], piece: words[1], shape: words[2] };
+            proptest::prop_assert_eq!(Fingerprint::decode(&f.encode()).unwrap(), f);
+        }
     }
 }

@@ -78,14 +78,14 @@ fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, fp: &Fingerprint)
     match part {
         Collective::AllReduce { buf, red } => arena_allreduce(ctx, arena, *buf, &reducing(red, None), fp),
         Collective::Reduce { buf, root, red } => arena_allreduce(ctx, arena, *buf, &reducing(red, Some(*root)), fp),
-        Collective::Broadcast { buf, root } => arena_broadcast(ctx, arena, *buf, *root, fp),
-        Collective::AllGather { input, outputs } => arena_allgather(ctx, arena, *input, outputs, fp),
+        Collective::Broadcast { buf, root, .. } => arena_broadcast(ctx, arena, *buf, *root, fp),
+        Collective::AllGather { input, outputs, .. } => arena_allgather(ctx, arena, *input, outputs, fp),
         Collective::ReduceScatter { inputs, output, red } => {
             arena_reduce_scatter(ctx, arena, inputs, *output, &reducing(red, None), fp)
         }
-        Collective::AllToAll { inputs, outputs } => arena_alltoall::arena_alltoall(ctx, arena, inputs, outputs, fp),
-        Collective::Gather { input, outputs, root } => arena_gather(ctx, arena, *input, outputs, *root, fp),
-        Collective::Scatter { inputs, output, root } => arena_scatter(ctx, arena, inputs, *output, *root, fp),
+        Collective::AllToAll { inputs, outputs, .. } => arena_alltoall::arena_alltoall(ctx, arena, inputs, outputs, fp),
+        Collective::Gather { input, outputs, root, .. } => arena_gather(ctx, arena, *input, outputs, *root, fp),
+        Collective::Scatter { inputs, output, root, .. } => arena_scatter(ctx, arena, inputs, *output, *root, fp),
         // A barrier: one stage with nothing in it.
         _ => in_arena::agree(ctx, arena, fp),
     }
@@ -150,18 +150,18 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
                 chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input, root, red.dtype, op))
             }
         }
-        Collective::Broadcast { buf, root } => match check.filter(|_| single_copy(ctx, part)) {
+        Collective::Broadcast { buf, root, .. } => match check.filter(|_| single_copy(ctx, part)) {
             Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
             _ if small_tree(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart, fp),
             _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
         },
-        Collective::AllGather { input, outputs } => match (check.filter(|_| single_copy(ctx, part)), apart) {
+        Collective::AllGather { input, outputs, .. } => match (check.filter(|_| single_copy(ctx, part)), apart) {
             (Some(check), _) => single_copy_allgather(ctx, *input, outputs, check),
             (None, Some(hosts)) => hierarchical_allgather(ctx, *input, outputs, hosts, fp),
             _ => ring_allgather(ctx, *input, outputs),
         },
-        Collective::Gather { input, outputs, root } => direct_gather(ctx, *input, outputs, *root),
-        Collective::Scatter { inputs, output, root } => direct_scatter(ctx, inputs, *output, *root),
+        Collective::Gather { input, outputs, root, .. } => direct_gather(ctx, *input, outputs, *root),
+        Collective::Scatter { inputs, output, root, .. } => direct_scatter(ctx, inputs, *output, *root),
         Collective::ReduceScatter { inputs, output, red } => {
             let mut copy = Scratch::new(0);
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
@@ -171,7 +171,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
                 _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
             }
         }
-        Collective::AllToAll { inputs, outputs } => pairwise_alltoall(ctx, inputs, outputs),
+        Collective::AllToAll { inputs, outputs, .. } => pairwise_alltoall(ctx, inputs, outputs),
         // An all-reduce of one byte: nobody finishes before everybody has arrived.
         Collective::Barrier => {
             let mut one = Scratch::new(1);

@@ -201,7 +201,9 @@ pub fn piece_of(part: &Collective, start: usize, len: usize) -> Collective {
     };
     match part {
         Collective::AllReduce { buf, red } => Collective::AllReduce { buf: sub(buf), red: *red },
-        Collective::Broadcast { buf, root } => Collective::Broadcast { buf: sub(buf), root: *root },
+        Collective::Broadcast { buf, root, dtype } => {
+            Collective::Broadcast { buf: sub(buf), root: *root, dtype: *dtype }
+        }
         _ => unreachable!("only elementwise ops run in pieces"),
     }
 }

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 #[cxx::bridge(namespace = "rustc10d")]
 pub mod bridge {
-    /// Element type; `Opaque`: one an op only moves (never reduces).
+    /// Element type; from `Opaque` on, one an op only moves (never
+    /// reduces): `Opaque` plus torch's ScalarType (`dtype::TypeCode`).
     #[repr(u8)]
     enum DType {
         Float32,
@@ -29,7 +30,7 @@ pub mod bridge {
         Int32,
         Int64,
         Bool,
-        Opaque = 255,
+        Opaque = 64,
     }
 
     /// c10d's RedOpType, same values.

@@ -3,6 +3,7 @@
 //! device primitives as the engine's `Device`.
 
 use super::bridge::{self, Call, OpKind, ReduceOpCode};
+use crate::algorithms::call_check::Fingerprint;
 use crate::algorithms::RawBuf;
 use crate::dtype;
 use crate::engine::{Device, Event, HeldCopies, Staging};
@@ -49,19 +50,35 @@ pub(super) fn reduction(t: &bridge::TensorDesc, call: &Call) -> Result<Reduction
     Ok(Reduction::new(dtype, dtype::ReduceOp::from_code(call.reduce.repr)?))
 }
 
-/// Cut a flat list into `parts` equal groups (one per coalesced tensor).
-pub(super) fn per_part(ts: &[bridge::TensorDesc], parts: usize) -> Result<Vec<Vec<RawBuf>>> {
-    if parts == 0 || !ts.len().is_multiple_of(parts) {
-        return Err(Error::invalid(format!("rustc10d: {} tensors do not split into {parts} calls", ts.len())));
+/// Cut a flat list of `what` into `parts` equal groups (one per coalesced
+/// tensor), none empty.
+pub(super) fn per_part(
+    kind: ops::OpKind,
+    what: &str,
+    ts: &[bridge::TensorDesc],
+    parts: usize,
+) -> Result<Vec<Vec<RawBuf>>> {
+    if parts == 0 || ts.len() < parts || !ts.len().is_multiple_of(parts) {
+        let calls = if parts == 1 { String::new() } else { format!(" for {parts} tensors") };
+        return Err(Error::invalid(format!(
+            "rustc10d: {}: a list of {} {what}{calls} does not give each tensor one per rank",
+            kind.name(),
+            ts.len()
+        )));
     }
     Ok(ts.chunks(ts.len() / parts).map(bufs).collect())
 }
+
+// The shim's dtype codes are `dtype::TypeCode`s: those of types the engine
+// only moves start where ours say.
+const _: () = assert!(bridge::DType::Opaque.repr == dtype::OPAQUE_BASE);
 
 pub(super) fn first(ts: &[bridge::TensorDesc], what: &str) -> Result<RawBuf> {
     ts.first().map(buf).ok_or_else(|| Error::invalid(format!("rustc10d: the call has no {what} tensor")))
 }
 
-/// A reduction reduces tensors of one dtype.
+/// An op's tensors have one dtype: a reduction reduces them together, and
+/// the bytes an op moves from one into another must mean the same there.
 pub(super) fn same_dtype(kind: ops::OpKind, ts: impl IntoIterator<Item = bridge::DType>) -> Result<()> {
     let mut ts = ts.into_iter();
     let first = ts.next();
@@ -76,9 +93,11 @@ pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> R
     let (ins, outs) = (&call.inputs[..], &call.outputs[..]);
     let root = || rank(call.root, "root");
     let kind = op_kind(call.kind)?;
-    if matches!(kind, ops::OpKind::AllReduce | ops::OpKind::ReduceScatter) {
+    if kind != ops::OpKind::AllReduceSparse {
         same_dtype(kind, ins.iter().chain(outs).map(|t| t.dtype))?;
     }
+    // The dtype of every tensor of the call (none for barriers).
+    let dtype = ins.iter().chain(outs).next().map_or(Fingerprint::NONE, |t| t.dtype.repr);
     Ok(match kind {
         ops::OpKind::AllReduce => outs
             .iter()
@@ -88,24 +107,24 @@ pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> R
             let t = outs.first().ok_or_else(|| Error::invalid("rustc10d: reduce takes one tensor"))?;
             vec![Collective::Reduce { buf: buf(t), root: root()?, red: reduction(t, call)? }]
         }
-        ops::OpKind::Broadcast => vec![Collective::Broadcast { buf: first(outs, "output")?, root: root()? }],
+        ops::OpKind::Broadcast => vec![Collective::Broadcast { buf: first(outs, "output")?, root: root()?, dtype }],
         ops::OpKind::AllGather => ins
             .iter()
-            .zip(per_part(outs, ins.len())?)
-            .map(|(i, outputs)| Collective::AllGather { input: buf(i), outputs })
+            .zip(per_part(kind, "outputs", outs, ins.len())?)
+            .map(|(i, outputs)| Collective::AllGather { input: buf(i), outputs, dtype })
             .collect(),
         ops::OpKind::Gather => {
-            vec![Collective::Gather { input: first(ins, "input")?, outputs: bufs(outs), root: root()? }]
+            vec![Collective::Gather { input: first(ins, "input")?, outputs: bufs(outs), root: root()?, dtype }]
         }
         ops::OpKind::Scatter => {
-            vec![Collective::Scatter { inputs: bufs(ins), output: first(outs, "output")?, root: root()? }]
+            vec![Collective::Scatter { inputs: bufs(ins), output: first(outs, "output")?, root: root()?, dtype }]
         }
         ops::OpKind::ReduceScatter => outs
             .iter()
-            .zip(per_part(ins, outs.len())?)
+            .zip(per_part(kind, "inputs", ins, outs.len())?)
             .map(|(o, inputs)| Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, call)? }))
             .collect::<Result<_>>()?,
-        ops::OpKind::AllToAll => vec![Collective::AllToAll { inputs: bufs(ins), outputs: bufs(outs) }],
+        ops::OpKind::AllToAll => vec![Collective::AllToAll { inputs: bufs(ins), outputs: bufs(outs), dtype }],
         ops::OpKind::Barrier => vec![Collective::Barrier],
         ops::OpKind::MonitoredBarrier => {
             vec![Collective::MonitoredBarrier { wait_all: call.wait_all, timeout: timeout(call.timeout_ms) }]

@@ -321,7 +321,8 @@ pub fn mismatched_call(rk: &mut Rank, odd: usize, case: &str) -> (Result<()>, bo
         let root = usize::from(r == odd);
         let mut outputs: Vec<Buf> =
             (0..if r == root { rk.t.size() } else { 0 }).map(|_| Buf::filled(64, 0xEE)).collect();
-        let part = Collective::Gather { input: b.raw(), outputs: raws(&mut outputs), root };
+        let part =
+            Collective::Gather { input: b.raw(), outputs: raws(&mut outputs), root, dtype: rustc10d::dtype::BYTES };
         return (rk.run(part), outputs.iter().all(|o| o == &Buf::filled(64, 0xEE)));
     }
     let red = Reduction::new(DType::I64, ReduceOp::Sum);
