@@ -84,7 +84,16 @@ fn create_backend(
             let engine = Engine::new(mesh.clone(), &cfg, member.timeout)?;
             Ok::<_, Error>((engine, Arc::downgrade(&mesh), cfg))
         })
-        .map_err(|e| to_py(py, e))?;
+        // A peer's loss during rendezvous comes as the transport says it
+        // ("rank 3 ... closed its connection"): say whose group it was.
+        .map_err(|e| {
+            let e = if e.message.starts_with("rustc10d") {
+                e
+            } else {
+                e.context(format_args!("rustc10d: rank {rank} could not join the process group"))
+            };
+            to_py(py, e)
+        })?;
     let mut groups = GROUPS.lock().unwrap();
     groups.retain(|_, g| g.stats.strong_count() > 0);
     groups.insert(group_name, Watched { stats: Arc::downgrade(&engine.stats()), transport });

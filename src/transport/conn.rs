@@ -135,6 +135,12 @@ impl Conn {
         }
     }
 
+    /// Whether the peer may send messages as their address here: this side
+    /// reads its memory, and said so (`ShmConn::new`); never over TCP.
+    pub fn takes_addresses(&self) -> bool {
+        matches!(self, Conn::Shm(ShmConn { peer_pid: Some(_), .. }))
+    }
+
     /// Read `buf.len()` bytes at `addr` in the peer's memory (a message it
     /// sent as its address).
     pub fn read_peer(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {

@@ -73,7 +73,16 @@ impl Dialler<'_> {
     pub fn tcp(&self, addr: SocketAddr, stopping: impl Fn() -> bool) -> Result<Conn> {
         let what = self.name.clone();
         self.with_retries(&what, stopping, || {
-            let stream = TcpStream::connect_timeout(&addr, self.step_limit()).map_err(retry("connect"))?;
+            let stream = TcpStream::connect_timeout(&addr, self.step_limit()).map_err(|e| match e.kind() {
+                // A rank listens before it publishes its address, and a full
+                // backlog drops a connection rather than refuse it: nothing
+                // listens there any more, and another attempt would not
+                // change that (the peer has left the group, or exited).
+                io::ErrorKind::ConnectionRefused => {
+                    Attempt::Fail(format!("connect: {e}: the rank no longer listens (it has left the group or exited)"))
+                }
+                _ => retry("connect")(e),
+            })?;
             stream.set_nodelay(true).map_err(fail)?;
             self.handshake(&stream)?;
             stream.set_nonblocking(true).map_err(fail)?;

@@ -17,8 +17,8 @@ use super::writer::{finish_written, Flushed, Outbox, SendReq};
 use crate::error::{Error, Result};
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 pub struct Link {
@@ -263,6 +263,13 @@ impl Link {
         let progressed = reader.reads != before;
         let asked = std::mem::take(&mut reader.asked);
         drop(reader);
+        // Closed while this thread read: `close` may have found the reader
+        // busy. The fence pairs with `close`'s: either this sees the link
+        // ended, or `close` finds the reader let go.
+        fence(Ordering::SeqCst);
+        if self.ended.load(Ordering::Acquire) {
+            self.abandon_reading();
+        }
         for depth in asked {
             core.answer(self.peer, depth);
         }
@@ -424,18 +431,43 @@ impl Link {
         }
     }
 
-    /// Close the connection and stop watching it; queued and later sends fail with `why`.
+    /// Close the connection and stop watching it; queued and later sends
+    /// fail with `why`, and so does the receive being read, if any.
     pub fn close(&self, why: &Error) {
-        self.conn.shutdown();
-        self.end();
         let queued = {
             let mut outbox = self.outbox.lock().unwrap();
             self.closed.lock().unwrap().get_or_insert_with(|| why.clone());
             outbox.take_all()
         };
+        self.end();
+        // Pairs with the fence in `read_with` (see there). Before the
+        // shutdown, which a reader would take for the peer's end and fail
+        // the receive with that instead of `why`.
+        fence(Ordering::SeqCst);
+        self.abandon_reading();
+        // Before the sends finish: a shared-memory peer reading one from
+        // this process's memory learns first that it may be freed (conn.rs).
+        self.conn.shutdown();
         for req in queued {
             req.status.finish(Err(why.clone()));
         }
+    }
+
+    /// The link is read no more: fail the receive its reader was filling (a
+    /// peer that stalled within a message, or announced more than it sent),
+    /// which nothing else would finish, so that the op waiting for it ends.
+    /// A thread reading now does it once it has let go of the reader (see
+    /// `read_with`): this one must not wait for the reader, which it may be
+    /// holding itself (a receive's completion can close the link it came on).
+    fn abandon_reading(&self) {
+        let mut reader = match self.reader.try_lock() {
+            Ok(reader) => reader,
+            // A panic while reading: what it left must still be failed.
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return,
+        };
+        let why = self.closed.lock().unwrap().clone();
+        reader.abandon(&why.unwrap_or_else(|| Error::peer_lost("the connection was closed")));
     }
 
     fn end(&self) {

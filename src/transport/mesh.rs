@@ -25,7 +25,7 @@ use crate::status::{Polling, Status};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixListener;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -122,6 +122,7 @@ impl Mesh {
                 linked: Condvar::new(),
                 links: Mutex::default(),
                 striping: Mutex::new(Striping::new(cfg.nsocks)),
+                answering: AtomicUsize::new(0),
             })
             .collect();
         let core = Arc::new(Core {

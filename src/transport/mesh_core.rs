@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::status::Status;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,12 +81,42 @@ pub struct PeerSlot {
     pub(super) links: Mutex<Vec<Arc<Link>>>,
     /// How many TCP connections to send on, and its measurement.
     pub(super) striping: Mutex<Striping>,
+    /// Answers to the peer's questions being made now, each on a thread.
+    pub(super) answering: AtomicUsize,
 }
 
 impl PeerSlot {
     /// Bytes this rank's TCP connections to the peer hold, not yet delivered.
     pub(super) fn unsent(&self) -> u64 {
         self.links.lock().unwrap().iter().map(|l| l.conn.unsent()).sum()
+    }
+}
+
+/// The most answers to one peer's questions made at once. A rank asks a
+/// peer once per wait that timed out, so more at once is a flood (32
+/// bytes a question, and a thread each): the questions beyond go
+/// unanswered, which an asker allows for.
+const ANSWERS_AT_ONCE: usize = 4;
+
+/// One answer being made for a peer, counted in its slot while it lives
+/// (on the answer's thread, or dropped with it if none could start).
+struct Answering {
+    core: Arc<Core>,
+    peer: usize,
+}
+
+impl Answering {
+    /// None if `ANSWERS_AT_ONCE` are being made for `peer` already.
+    fn start(core: &Arc<Core>, peer: usize) -> Option<Answering> {
+        let before = core.peers.get(peer)?.answering.fetch_add(1, Ordering::SeqCst);
+        let this = Answering { core: core.clone(), peer };
+        (before < ANSWERS_AT_ONCE).then_some(this)
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.core.peers[self.peer].answering.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -115,8 +145,11 @@ impl Core {
     /// waits for, and what the rank it waits for says in turn. On a thread
     /// of its own: asking and finding the connection take time.
     pub fn answer(self: &Arc<Self>, peer: usize, depth: u64) {
-        let core = self.clone();
+        let Some(answering) = Answering::start(self, peer) else {
+            return tracing::debug!("rustc10d: rank {}: too many questions from {}", self.rank(), self.describe(peer));
+        };
         let answered = std::thread::Builder::new().name("rustc10d-answer".into()).spawn(move || {
+            let core = &answering.core;
             let (text, next) = {
                 let waits = core.waits.lock().unwrap();
                 (waits.answer(|p| core.describe(p)), waits.waiting_for())
@@ -218,12 +251,20 @@ impl Core {
                 lanes.len()
             };
             let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
+            // No more attempts once the group is shutting down, this rank has
+            // given up on it, or the peer is known lost: the op has failed.
+            let lost = || slot.state.lock().unwrap().lost().cloned();
+            let stopping =
+                || self.stopping.load(Ordering::SeqCst) || self.gave_up.lock().unwrap().is_some() || lost().is_some();
+            // A peer lost meanwhile (it gave up, and said why on a connection
+            // it had dialled) is why the dial failed: say that, not the dial's error.
+            let why = |e: Error| lost().unwrap_or(e);
             match shm {
                 Some((name, ring_bytes)) => {
                     let lead = self.arena_to_hand_out();
-                    let stopping = || self.stopping.load(Ordering::SeqCst);
                     let lead_fd = lead.as_ref().and_then(|a| a.fd());
-                    let (conn, arena) = dialler.shm(name, ring_bytes, self.direct_from, lead_fd, stopping)?;
+                    let (conn, arena) =
+                        dialler.shm(name, ring_bytes, self.direct_from, lead_fd, stopping).map_err(why)?;
                     if let Some(fd) = arena {
                         self.take_arena(peer, fd)?;
                     }
@@ -231,7 +272,7 @@ impl Core {
                 }
                 None => {
                     for _ in have..want.max(1) {
-                        let conn = dialler.tcp(self.addrs[peer].tcp, || self.stopping.load(Ordering::SeqCst))?;
+                        let conn = dialler.tcp(self.addrs[peer].tcp, stopping).map_err(why)?;
                         self.adopt(peer, conn);
                     }
                 }
@@ -331,8 +372,10 @@ impl Core {
                     }
                 }
                 Action::Close(conn) => {
+                    // Shut down by `Link::close` below, once the receive it
+                    // may be filling has failed with the reason: a reader
+                    // that saw the shutdown first would fail it with "end of file".
                     if let Some(link) = take(conn) {
-                        link.conn.shutdown();
                         closed.push(link);
                     }
                 }

@@ -73,6 +73,11 @@ enum State {
         buf: Vec<u8>,
         got: usize,
     },
+    /// The connection failed (or was closed) here: every later read says
+    /// so again. Were it to start over, a thread reading next (a waiter
+    /// polls) would take the end of a stream that broke within a frame
+    /// for an end between frames, before the first told of the failure.
+    Failed(io::ErrorKind, String),
 }
 
 enum Into {
@@ -80,7 +85,8 @@ enum Into {
     /// Bytes not yet folded wait in the bounce buffer (`pending` of them).
     Folded(PostedRecv, usize),
     Early(Key, Vec<u8>),
-    Drain(PostedRecv),
+    /// Nowhere: its receive expects another length and has failed already.
+    Drain,
 }
 
 /// Why a pump stopped.
@@ -117,14 +123,23 @@ impl Reader {
                 Ok(Some(stop)) => return Ok(stop),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Stop::Drained),
                 Err(e) => {
-                    if let State::Body { into: Into::Posted(p) | Into::Folded(p, _) | Into::Drain(p), .. } =
-                        std::mem::take(&mut self.state)
-                    {
-                        p.status.finish(Err(Error::peer_lost(e.to_string())));
-                    }
+                    self.abandon(&Error::peer_lost(format!("lost connection to rank {peer}: {e}")));
+                    self.state = State::Failed(e.kind(), e.to_string());
                     return Err(e);
                 }
             }
+        }
+    }
+
+    /// The connection will not be read again (it failed, or was closed):
+    /// fail the receive being filled, if any, with `why`. Nothing else
+    /// would ever finish it, and its op would wait for it forever.
+    pub fn abandon(&mut self, why: &Error) {
+        let failed = State::Failed(io::ErrorKind::NotConnected, why.message.clone());
+        if let State::Body { into: Into::Posted(p) | Into::Folded(p, _), .. } =
+            std::mem::replace(&mut self.state, failed)
+        {
+            p.status.finish(Err(why.clone()));
         }
     }
 
@@ -164,6 +179,15 @@ impl Reader {
                     return Ok(None);
                 }
                 let header = header.expect("read");
+                // Only a peer this side lets read its memory sends addresses
+                // (conn.rs); anywhere else the address is refused before any
+                // receive is matched with it, whatever its length.
+                if header.remote && !conn.takes_addresses() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "a message sent as its address, on a connection that does not take them",
+                    ));
+                }
                 if header.key.kind == KIND_ASK {
                     if header.len != 0 {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "a question with a payload"));
@@ -187,7 +211,12 @@ impl Reader {
                 let into = match mailbox.lock().unwrap().on_header(key, len, any) {
                     Delivery::Direct(p) if p.buf.fold.is_some() => Into::Folded(p, 0),
                     Delivery::Direct(p) => Into::Posted(p),
-                    Delivery::Mismatch(p) => Into::Drain(p),
+                    // Failed now: the header says it all, and the announced
+                    // length is the peer's word (it may never send that much).
+                    Delivery::Mismatch(p) => {
+                        fail_mismatch(p, len, peer);
+                        Into::Drain
+                    }
                     Delivery::Stash => {
                         let waited = since.elapsed();
                         if (len >= EARLY_GRACE_MIN_BYTES || remote.is_some()) && waited < EARLY_GRACE {
@@ -225,9 +254,10 @@ impl Reader {
                         p.complete(len as usize, peer);
                     }
                     Into::Early(key, data) => mailbox.lock().unwrap().stash(key, data, any),
-                    Into::Drain(p) => fail_mismatch(p, len, peer),
+                    Into::Drain => {}
                 }
             }
+            State::Failed(kind, why) => return Err(io::Error::new(*kind, why.clone())),
             State::Reason { buf, got } => {
                 if *got < buf.len() {
                     let n = read_some(conn, &mut buf[*got..])?;
@@ -285,8 +315,8 @@ fn fill(
             n
         }
         // Nothing to read of a message left where it is.
-        Into::Drain(_) if remote.is_some() => Ok(left),
-        Into::Drain(_) => {
+        Into::Drain if remote.is_some() => Ok(left),
+        Into::Drain => {
             let mut sink = [0u8; 64 << 10];
             read_some(conn, &mut sink[..left.min(64 << 10)])
         }
@@ -386,5 +416,178 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
         assert!(status.result().unwrap().is_err(), "the receive fails");
         assert_eq!(a.acked(), 0, "nothing acknowledged");
+    }
+
+    /// A connected pair over loopback TCP: the writing end, and the
+    /// reading end as a non-blocking `Conn`.
+    fn tcp_pair() -> (std::net::TcpStream, Conn) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let writer = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let read_end = listener.accept().unwrap().0;
+        read_end.set_nonblocking(true).unwrap();
+        (writer, Conn::Tcp(read_end))
+    }
+
+    /// A message nobody has posted a receive for is read into memory as it
+    /// comes. Its header's length is the peer's word: the reader reserves
+    /// at most EARLY_RESERVE_MAX ahead for it, never what the header
+    /// says (2^62 bytes here, of which 1000 come).
+    #[test]
+    fn an_early_message_reserves_a_bounded_amount_whatever_its_header_says() {
+        let (mut writer, conn) = tcp_pair();
+        let header = FrameHeader { key: Key::p2p(99), len: 1 << 62, remote: false }.encode();
+        std::io::Write::write_all(&mut writer, &[&header[..], &[7u8; 1000]].concat()).unwrap();
+        let (mailbox, any) = (Mutex::new(Mailbox::new(1)), Mutex::default());
+        let mut reader = Reader::default();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match reader.pump(&conn, 1, &mailbox, &any).unwrap() {
+                Stop::Early(wait) => std::thread::sleep(wait),
+                _ => std::thread::sleep(Duration::from_millis(1)),
+            }
+            if let State::Body { got: 1000, into: Into::Early(key, data), .. } = &reader.state {
+                assert_eq!(*key, Key::p2p(99));
+                assert!(data.capacity() as u64 <= EARLY_RESERVE_MAX, "reserved {} bytes", data.capacity());
+                assert_eq!(data.len(), 1000);
+                break;
+            }
+            assert!(Instant::now() < deadline, "the 1000 bytes were never read");
+        }
+    }
+
+    /// One frame as a peer may send it, right or wrong: its header's kind
+    /// (in range or not), tag, whether it says an address follows, the
+    /// length it announces, and how many bytes of body really follow.
+    #[derive(Debug, Clone)]
+    struct Sent {
+        kind: u8,
+        tag: i64,
+        remote: bool,
+        len: u64,
+        body: usize,
+    }
+
+    fn sent() -> impl proptest::strategy::Strategy<Value = Sent> {
+        use proptest::prelude::*;
+        let kind = prop_oneof![4 => Just(super::super::frame::KIND_P2P), 1 => 0u8..8];
+        let len = prop_oneof![
+            3 => Just(64u64),
+            3 => 0u64..130,
+            1 => Just(ABORT_MAX + 1),
+            1 => Just(EARLY_GRACE_MIN_BYTES),
+            1 => Just(1u64 << 62),
+            1 => any::<u64>()
+        ];
+        let remote = prop_oneof![9 => Just(false), 1 => Just(true)];
+        (kind, prop_oneof![Just(7i64), Just(8)], remote, len, 0usize..200)
+            .prop_map(|(kind, tag, remote, len, body)| Sent { kind, tag, remote, len, body })
+    }
+
+    /// What a receive of 64 bytes for tag 7 must come to.
+    #[derive(Debug, PartialEq)]
+    enum Outcome {
+        Filled(Vec<u8>),
+        Mismatch(u64),
+        /// The stream broke while its message was being read into it.
+        Broken,
+        /// No message for it was read before the stream broke or ended.
+        Pending,
+    }
+
+    /// The outcome the protocol says `stream` comes to over TCP, read as
+    /// the bytes go (a frame whose body is shorter than announced takes
+    /// the next frame's bytes as the rest of its body).
+    fn expected(stream: &[u8]) -> Outcome {
+        let mut at = 0;
+        loop {
+            let Some(h) = stream.get(at..at + HEADER_LEN) else { return Outcome::Pending };
+            let Ok(h) = FrameHeader::decode(h.try_into().unwrap()) else { return Outcome::Pending };
+            // Over TCP no address is taken; a question has no payload; a reason is short.
+            if h.remote || (h.key.kind == KIND_ASK && h.len != 0) || (h.key.kind == KIND_ABORT && h.len > ABORT_MAX) {
+                return Outcome::Pending;
+            }
+            at += HEADER_LEN;
+            let complete = (stream.len() - at) as u64 >= h.len;
+            if h.key == Key::p2p(7) {
+                return match (h.len, complete) {
+                    (64, true) => Outcome::Filled(stream[at..at + 64].to_vec()),
+                    (64, false) => Outcome::Broken,
+                    (len, _) => Outcome::Mismatch(len),
+                };
+            }
+            if !complete {
+                return Outcome::Pending;
+            }
+            at += h.len as usize;
+        }
+    }
+
+    // Whatever a peer writes, however it lies about lengths, kinds and
+    // addresses, and wherever it stops: reading never panics, never writes
+    // outside the posted receive, and the receive comes to what the
+    // protocol says (filled with the bytes of its message, failed with a
+    // size mismatch as soon as the header says so, failed if the stream
+    // breaks within its message, or left for the link to fail).
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+        #[test]
+        fn any_stream_of_frames_is_read_safely(frames in proptest::collection::vec(sent(), 0..6),
+                                               cut in proptest::option::of(0usize..1000)) {
+            let mut stream = Vec::new();
+            for (i, f) in frames.iter().enumerate() {
+                let mut h = FrameHeader { key: Key::p2p(f.tag), len: f.len, remote: false }.encode();
+                h[4] = f.kind;
+                h[5] = f.remote as u8;
+                stream.extend_from_slice(&h);
+                if f.remote {
+                    stream.extend_from_slice(&Remote { addr: 0x1000, id: 1 }.encode());
+                }
+                let body = (f.body as u64).min(f.len) as usize;
+                stream.extend((0..body).map(|j| (i * 64 + j) as u8));
+            }
+            if let Some(cut) = cut {
+                stream.truncate(cut);
+            }
+            let want = expected(&stream);
+
+            let (mut writer, conn) = tcp_pair();
+            std::io::Write::write_all(&mut writer, &stream).unwrap();
+            writer.shutdown(std::net::Shutdown::Write).unwrap();
+
+            // The receive's 64 bytes, between guards that nothing may touch.
+            let mut buf = [0xC5u8; 16 + 64 + 16];
+            let mailbox = Mutex::new(Mailbox::new(1));
+            let status = Status::new();
+            let recv = RecvBuf { ptr: buf[16..].as_mut_ptr(), len: 64, fold: None };
+            mailbox.lock().unwrap().post(Key::p2p(7), PostedRecv { buf: recv, status: status.clone(), any_source: false });
+            let any = Mutex::default();
+            let mut reader = Reader::default();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                proptest::prop_assert!(Instant::now() < deadline, "the stream was never read to its end");
+                match reader.pump(&conn, 1, &mailbox, &any) {
+                    Ok(Stop::Drained) => std::thread::sleep(Duration::from_millis(1)),
+                    Ok(Stop::Early(wait)) => std::thread::sleep(wait),
+                    Ok(Stop::Reason(_)) => {}
+                    Ok(Stop::End) | Err(_) => break,
+                }
+            }
+            let got = status.result();
+            // What the link does once the reader stops: close the mailbox.
+            mailbox.lock().unwrap().close(Error::peer_lost("closed"));
+            reader.abandon(&Error::peer_lost("closed"));
+            proptest::prop_assert!(buf[..16].iter().chain(&buf[80..]).all(|&b| b == 0xC5), "written outside the receive");
+            match (&want, got) {
+                (Outcome::Filled(bytes), Some(Ok(64))) => proptest::prop_assert_eq!(&buf[16..80], &bytes[..]),
+                (Outcome::Mismatch(len), Some(Err(e))) => {
+                    proptest::prop_assert!(e.message.contains(&format!("but rank 1 sent {len}")), "{}", e.message)
+                }
+                (Outcome::Broken, Some(Err(e))) => {
+                    proptest::prop_assert!(e.message.contains("lost connection to rank 1"), "{}", e.message)
+                }
+                (Outcome::Pending, None) => proptest::prop_assert!(status.is_done(), "the link's close finishes it"),
+                (want, got) => proptest::prop_assert!(false, "expected {:?}, got {:?}", want, got),
+            }
+        }
     }
 }

@@ -106,7 +106,8 @@ pub fn in_turn(said: String, theirs: Option<String>) -> String {
 /// Whom a rank asked at `depth` by `asker` asks in turn: the rank it waits
 /// for, unless that is the asker or the chain is as deep as it goes.
 pub fn ask_next(waiting_for: Option<usize>, asker: usize, depth: u64) -> Option<usize> {
-    waiting_for.filter(|&q| q != asker && depth + 1 < MAX_DEPTH)
+    // `depth` is the asker's word (any u64): compared, never added to.
+    waiting_for.filter(|&q| q != asker && depth < MAX_DEPTH - 1)
 }
 
 /// The answer as it crosses: UTF-8, cut to `ANSWER_LEN` bytes (at a
@@ -157,5 +158,26 @@ mod tests {
         let enc = encode_answer(&long);
         assert_eq!(enc.len(), super::super::frame::ANSWER_LEN);
         assert_eq!(decode_answer(&enc), "é".repeat(super::super::frame::ANSWER_LEN / 2));
+    }
+
+    // A question's depth and an answer's bytes are a peer's word: at any
+    // depth, whom to ask next is decided without overflow (u64::MAX panicked
+    // in `depth + 1`, killing the thread that was to answer), never beyond
+    // MAX_DEPTH; any bytes decode to some text; text without NULs that fits
+    // crosses unchanged.
+    proptest::proptest! {
+        #[test]
+        fn questions_at_any_depth_and_answers_of_any_bytes(depth in proptest::prop_oneof![0u64..5, proptest::prelude::any::<u64>()],
+                                                         waiting in proptest::option::of(0usize..4), asker in 0usize..4,
+                                                         bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+                                                         text in "[^\\x00]{0,100}") {
+            let next = ask_next(waiting, asker, depth);
+            proptest::prop_assert_eq!(next.is_some(), waiting.is_some_and(|q| q != asker) && u128::from(depth) + 1 < u128::from(MAX_DEPTH));
+            let _ = grace_at(depth);
+            let _ = decode_answer(&bytes);
+            if text.len() <= super::super::frame::ANSWER_LEN {
+                proptest::prop_assert_eq!(decode_answer(&encode_answer(&text)), text);
+            }
+        }
     }
 }

@@ -1,7 +1,12 @@
-//! What the tests of strangers share: a group of threads over real sockets
-//! (with the Store it met through, which holds its token), a check that it
-//! still works, and a stranger's end of a handshake.
+//! What the tests of strangers and impostors share: a group of threads over
+//! real sockets (with the Store it met through, which holds its token), a
+//! check that it still works, and a stranger's end of a handshake. An
+//! impostor, a member played by a script, is in `impostor`; the honest
+//! ranks' ops against it in `honest`.
 #![allow(dead_code, unused_imports)]
+
+pub mod honest;
+pub mod impostor;
 
 pub use rustc10d::algorithms::RawBuf;
 pub use rustc10d::config::{Config, TransportMode};
