@@ -23,7 +23,7 @@ pub fn sparse_allreduce(
     rows: usize,
     shape: &SparseShape,
 ) -> Result<SparseGathered> {
-    let world = ctx.transport.size();
+    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let round = |piece: u64| OpCtx { piece, what: format!("{} (sparse round {piece})", ctx.what), ..*ctx };
     let mut counts = vec![0u64; world];
     let mine = [rows as u64];
@@ -33,7 +33,10 @@ pub fn sparse_allreduce(
     let layout = RowLayout::of(&counts, shape).map_err(|e| bad_peer(ctx, e))?;
 
     let gather = |piece: u64, input: RawBuf, row: usize| -> Result<Vec<u8>> {
-        let mut all = vec![0u8; layout.total * row];
+        // The counts fit the shape, which may still be far more than memory
+        // holds: an allocation that fails fails the op (`vec!` would abort
+        // the process), blaming the rank that sent the most rows.
+        let mut all = zeroed(layout.total * row).ok_or_else(|| bad_peer(ctx, layout.too_many(&counts, rank, row)))?;
         let base = all.as_mut_ptr();
         let blocks: Vec<RawBuf> = layout
             .starts
@@ -104,6 +107,39 @@ impl RowLayout {
     }
 }
 
+impl RowLayout {
+    /// The rank (other than `me`) that sent the most rows, when all ranks'
+    /// rows of `row` bytes cannot be allocated.
+    fn too_many(&self, counts: &[u64], me: usize, row: usize) -> BadRows {
+        // Another rank first (this rank's own rows are in memory already).
+        let (peer, &n) = counts.iter().enumerate().max_by_key(|&(p, &n)| (p != me, n)).unwrap_or((me, &0));
+        let bytes = self.total as u128 * row as u128;
+        BadRows {
+            peer,
+            why: format!("sent a count of {n} rows: this rank cannot allocate the {bytes} bytes of all ranks' rows"),
+        }
+    }
+}
+
+/// `bytes` zeroed bytes, or None if the allocator refuses them. Zeroed by
+/// the allocator as `vec!` does it (pages that are never written are never
+/// touched), but without aborting the process when they cannot be had.
+fn zeroed(bytes: usize) -> Option<Vec<u8>> {
+    if bytes == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(bytes).ok()?;
+    // SAFETY: `layout` has a size above zero (checked above), as alloc_zeroed requires.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` comes from the global allocator with `layout`: `bytes`
+    // bytes at alignment 1, a u8's, all zero (so initialised); length and
+    // capacity are both that size, as from_raw_parts requires.
+    Some(unsafe { Vec::from_raw_parts(ptr, bytes, bytes) })
+}
+
 fn bad_peer(ctx: &OpCtx, bad: BadRows) -> Error {
     Error::io(format!("rustc10d: {}: rank {} {}", ctx.what, bad.peer, bad.why))
 }
@@ -147,5 +183,69 @@ mod tests {
         assert_eq!(s.index_out_of_range(&rows(&[0, 0, 3, 3])), Some((1, 3)));
         assert_eq!(s.index_out_of_range(&rows(&[4, 0])), Some((0, 4)));
         assert_eq!(s.index_out_of_range(&rows(&[1, -1])), Some((0, -1)));
+    }
+
+    #[test]
+    fn zeroed_memory_or_none_never_an_abort() {
+        assert_eq!(zeroed(0), Some(vec![]));
+        assert_eq!(zeroed(4096), Some(vec![0u8; 4096]));
+        // More than any machine has: refused, not aborted.
+        assert_eq!(zeroed(1 << 62), None);
+        assert_eq!(zeroed(usize::MAX), None);
+    }
+
+    /// A count: small ones, those near the limits a shape sets, any.
+    fn count() -> impl proptest::strategy::Strategy<Value = u64> {
+        use proptest::prelude::*;
+        prop_oneof![0u64..8, (0u32..64).prop_map(|k| 1u64 << k), (0u32..64).prop_map(|k| (1u64 << k) - 1), any::<u64>()]
+    }
+
+    // Row counts and indices are peers' words. Whatever they are, laying
+    // the rows out never panics: either every count fits the shape and all
+    // of them lie end to end within `total` rows whose bytes fit memory's
+    // address space, or the first count that does not is named, with its
+    // rank. Finding an index outside the sizes never panics either, and
+    // finds the first one.
+    proptest::proptest! {
+        #[test]
+        fn row_layouts_take_any_counts(counts in proptest::collection::vec(count(), 0..6),
+                                       sizes in proptest::collection::vec(count(), 0..4),
+                                       value_row in proptest::prop_oneof![0usize..64, proptest::prelude::any::<usize>()]) {
+            let s = shape(&sizes, value_row);
+            let row = s.index_row().max(s.value_row).max(1);
+            match RowLayout::of(&counts, &s) {
+                Ok(l) => {
+                    let mut at = 0usize;
+                    for (&start, &n) in l.starts.iter().zip(&counts) {
+                        proptest::prop_assert!(n <= s.max_rows());
+                        proptest::prop_assert_eq!(start, at);
+                        at += n as usize;
+                    }
+                    proptest::prop_assert_eq!(l.starts.len(), counts.len());
+                    proptest::prop_assert_eq!(l.total, at);
+                    proptest::prop_assert!(l.total.checked_mul(row).is_some_and(|b| b <= isize::MAX as usize));
+                }
+                Err(bad) => {
+                    proptest::prop_assert!(bad.peer < counts.len());
+                    proptest::prop_assert!(RowLayout::of(&counts[..bad.peer], &s).is_ok(), "the first bad count is named");
+                    proptest::prop_assert!(bad.why.contains(&format!("a count of {} rows", counts[bad.peer])), "{}", bad.why);
+                }
+            }
+        }
+
+        #[test]
+        fn indices_out_of_range_are_found_in_any_bytes(sizes in proptest::collection::vec(count(), 0..4),
+                                                       indices in proptest::collection::vec(proptest::prelude::any::<i64>(), 0..12),
+                                                       small in proptest::prelude::any::<bool>()) {
+            // Small indices too, that fall inside small sizes.
+            let indices: Vec<i64> = if small { indices.iter().map(|i| i % 5).collect() } else { indices };
+            let s = shape(&sizes, 8);
+            let bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_ne_bytes()).collect();
+            let outside = |i: usize| indices[i] < 0 || indices[i] as u64 >= sizes[i % sizes.len()];
+            let first = if sizes.is_empty() { None } else { (0..indices.len()).find(|&i| outside(i)) };
+            proptest::prop_assert_eq!(s.index_out_of_range(&bytes), first.map(|i| (i / sizes.len(), indices[i])));
+            // A ragged end (a peer's short message) is no panic either.
+            let _ = s.index_out_of_range(&bytes[..bytes.len().saturating_sub(3)]);
+        }
     }
 }
