@@ -6,6 +6,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -106,6 +108,16 @@ at::Tensor bytes_of(const at::Tensor& t, size_t start, size_t len) {
   return t.reshape({-1}).view(at::kByte).narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(len));
 }
 
+// Copy into `dst` from any thread. A tensor made under torch.inference_mode()
+// may only be written in that mode, which is per thread: the engine's and the
+// staging threads enter it for such a tensor, not the caller's mode (grad
+// mode is per thread the same way: the shim writes detached aliases).
+void copy_into(const at::Tensor& dst, const at::Tensor& src, bool non_blocking = false) {
+  std::optional<c10::InferenceMode> inference;
+  if (dst.is_inference()) inference.emplace();
+  dst.copy_(src, non_blocking);
+}
+
 }  // namespace
 
 Completion::~Completion() = default;
@@ -125,12 +137,12 @@ uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len
   TORCH_CHECK(buffer < d.staged.size(), "rustc10d: no staged buffer ", buffer);
   auto& [device, host] = d.staged[buffer];
   if (!d.cuda) {
-    bytes_of(host, start, len).copy_(bytes_of(device, start, len));
+    copy_into(bytes_of(host, start, len), bytes_of(device, start, len));
     return 0;
   }
   c10::StreamGuard guard(d.cuda->stream);
   d.cuda->ready.block(d.cuda->stream);
-  bytes_of(host, start, len).copy_(bytes_of(device, start, len), /*non_blocking=*/true);
+  copy_into(bytes_of(host, start, len), bytes_of(device, start, len), /*non_blocking=*/true);
   d.cuda->record_use(device);
   d.events.emplace_back(c10::DeviceType::CUDA);
   d.events.back().record(d.cuda->stream);
@@ -149,11 +161,11 @@ void to_device(const Completion& done, size_t buffer, size_t start, size_t len) 
   TORCH_CHECK(buffer < d.staged.size(), "rustc10d: no staged buffer ", buffer);
   auto& [device, host] = d.staged[buffer];
   if (!d.cuda) {
-    bytes_of(device, start, len).copy_(bytes_of(host, start, len));
+    copy_into(bytes_of(device, start, len), bytes_of(host, start, len));
     return;
   }
   c10::StreamGuard guard(d.cuda->stream);
-  bytes_of(device, start, len).copy_(bytes_of(host, start, len), /*non_blocking=*/true);
+  copy_into(bytes_of(device, start, len), bytes_of(host, start, len), /*non_blocking=*/true);
   d.cuda->record_use(device);
 }
 
@@ -193,7 +205,7 @@ void to_device_held(const Completion& done, size_t held, size_t side, size_t buf
   }
   auto& [device, host] = done.impl->staged[buffer];
   c10::StreamGuard guard(*sync.held);
-  bytes_of(device, start, len).copy_(bytes_of(host, start, len), /*non_blocking=*/true);
+  copy_into(bytes_of(device, start, len), bytes_of(host, start, len), /*non_blocking=*/true);
   sync.record_use(device, *sync.held);
   sync.done.record(*sync.held);
 }
@@ -206,7 +218,7 @@ void restore(const Completion& done, size_t side, size_t buffer, size_t start, s
   auto& [device, host] = done.impl->staged[buffer];
   c10::StreamGuard guard(s);
   sync.ready.block(s);
-  bytes_of(host, start, len).copy_(bytes_of(device, start, len), /*non_blocking=*/true);
+  copy_into(bytes_of(host, start, len), bytes_of(device, start, len), /*non_blocking=*/true);
   sync.record_use(device, s);
   c10::Event restored(c10::DeviceType::CUDA);
   restored.record(s);
@@ -222,7 +234,7 @@ void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error)
       d.future->setError(error_of(kind, std::string(error)));
       return;
     }
-    for (auto& [user, copy] : d.copy_back) user.copy_(copy);
+    for (auto& [user, copy] : d.copy_back) copy_into(user, copy);
     // A CUDA future's value is usable on a stream once our stream's copies
     // back are done: its events are recorded on the current stream. Held
     // copies were queued at issue: the side stream waits for them, so that
@@ -265,7 +277,7 @@ rust::String complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const
                 "rustc10d: a sparse all-reduce gathered rows of the wrong size");
     if (!indices.empty()) std::memcpy(idx.data_ptr(), indices.data(), indices.size());
     if (!values.empty()) std::memcpy(val.data_ptr(), values.data(), values.size());
-    t.copy_(at::sparse_coo_tensor(idx.t(), val, t.sizes()).coalesce());
+    copy_into(t, at::sparse_coo_tensor(idx.t(), val, t.sizes()).coalesce());
   } catch (const std::exception& e) {
     failed = std::string("rustc10d: allreduce_sparse could not build its result: ") + e.what();
   }
