@@ -5,6 +5,9 @@ TCP and staged like CUDA tensors, at every world size. Each docstring says what 
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -106,3 +109,236 @@ def parameters_are_reduced_and_broadcast_under_no_grad(ctx: Ctx):
     if not (p.requires_grad and p.is_leaf):
         ctx.errors.append("the parameter no longer requires grad or is no longer a leaf")
     check_group_usable(ctx, "after ops on parameters")
+
+
+@check("collectives")
+def every_op_writes_tensors_that_require_grad_under_no_grad_and_inference_mode(ctx: Ctx):
+    """Issue 29, every op that writes into a tensor the caller passes: into parameters, a view
+    of one and a parameter with a hook, under torch.no_grad() and torch.inference_mode(). Staged
+    like CUDA tensors the first of these failed and broke the group. The results must be those
+    of plain tensors, and the autograd state unchanged: leaves that require grad, no hook run."""
+    w, r = ctx.world, ctx.rank
+    total = float(w * (w + 1) // 2)
+    fired = []
+
+    def param(n, value=None):
+        return torch.nn.Parameter(torch.full((n,), float(r + 1 if value is None else value)))
+
+    for name, mode in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
+        hooked, big = param(4), param(12)
+        hooked.register_hook(fired.append)
+        cast, reduced, gathered, scattered_out, exchanged, scattered, received = (
+            param(5), param(3), param(3 * w, -1), param(3, -1), param(2 * w, -1), param(3, -1), param(4, -1))
+        with mode():
+            dist.all_reduce(hooked)
+            dist.all_reduce(big[4:8])  # a view of a parameter
+            dist.broadcast(cast, 0)
+            dist.reduce(reduced, 0)
+            dist.all_gather_into_tensor(gathered, torch.full((3,), float(r)))
+            dist.reduce_scatter_tensor(scattered_out, torch.full((3 * w,), float(r + 1)))
+            dist.all_to_all_single(exchanged, torch.full((2 * w,), float(r)))
+            dist.scatter(scattered, [torch.full((3,), float(j)) for j in range(w)] if r == 0 else None, 0)
+            if r == 0:
+                dist.send(torch.full((4,), 7.0), 1)
+            elif r == 1:
+                dist.recv(received, 0)
+        at = f"under {name}"
+        blocks = torch.arange(w, dtype=torch.float32)
+        ctx.expect_equal(hooked.detach(), torch.full((4,), total), f"all_reduce of a hooked parameter {at}")
+        want = torch.full((12,), float(r + 1))
+        want[4:8] = total
+        ctx.expect_equal(big.detach(), want, f"all_reduce of a view of a parameter {at}")
+        ctx.expect_equal(cast.detach(), torch.full((5,), 1.0), f"broadcast into a parameter {at}")
+        if r == 0:
+            ctx.expect_equal(reduced.detach(), torch.full((3,), total), f"reduce into a parameter {at}")
+        ctx.expect_equal(gathered.detach(), blocks.repeat_interleave(3), f"all_gather_into_tensor {at}")
+        ctx.expect_equal(scattered_out.detach(), torch.full((3,), total), f"reduce_scatter_tensor {at}")
+        ctx.expect_equal(exchanged.detach(), blocks.repeat_interleave(2), f"all_to_all_single {at}")
+        ctx.expect_equal(scattered.detach(), torch.full((3,), float(r)), f"scatter into a parameter {at}")
+        if r == 1:
+            ctx.expect_equal(received.detach(), torch.full((4,), 7.0), f"recv into a parameter {at}")
+        for p in (hooked, big, cast, reduced, gathered, scattered_out, exchanged, scattered, received):
+            if not (p.requires_grad and p.is_leaf and p.grad is None):
+                ctx.errors.append(f"a parameter {at} no longer requires grad, is no longer a leaf, or has a grad")
+    if fired:
+        ctx.errors.append(f"a parameter's hook ran {len(fired)} times")
+    check_group_usable(ctx, "after ops on parameters")
+
+
+# ----------------------------------------------------------------------------- found by the differential suite
+# (tests/checks_differential.py); each names its call there.
+
+
+def _raised(ctx: Ctx, what: str, call, watched: dict[str, torch.Tensor]) -> RuntimeError | None:
+    """Run call(), which must raise a RuntimeError (returned) and change none of `watched`."""
+    before = {name: t.clone() for name, t in watched.items()}
+    raised = None
+    try:
+        call()
+    except RuntimeError as e:
+        raised = e
+    else:
+        ctx.errors.append(f"{what}: rank {ctx.rank} did not raise")
+    for name, t in watched.items():
+        if not torch.equal(t, before[name]):
+            ctx.errors.append(f"{what}: rank {ctx.rank}'s {name} changed")
+    return raised
+
+
+def _refused_at_issue(ctx: Ctx, what: str, call, watched: dict[str, torch.Tensor]):
+    """call(group) must raise a RuntimeError naming rustc10d before anything leaves the rank
+    (not a group failure) and change none of `watched`; the group must work afterwards. On a
+    group of its own: while the bug is there, the call breaks its group, and the main job's
+    later checks must not pay for that."""
+    group = new_group()
+    e = _raised(ctx, what, lambda: call(group), watched)
+    if isinstance(e, (dist.DistBackendError, dist.DistNetworkError)):
+        ctx.errors.append(f"{what}: failed as a group, not refused at issue: {e}")
+    elif e is not None and ctx.backend == "rustc10d" and "rustc10d" not in str(e):
+        ctx.errors.append(f"{what}: the error does not name rustc10d: {e}")
+    try:
+        probe = torch.ones(3)
+        dist.all_reduce(probe, group=group)
+        ctx.expect_equal(probe, torch.full((3,), float(ctx.world)), f"an all_reduce on the group after {what}")
+    except RuntimeError as e:
+        ctx.errors.append(f"the group is not usable after {what}: {e}")
+    check_group_usable(ctx, f"after {what} on another group")
+
+
+@check("collectives", skip_on={"gloo": "rustc10d's refusals"})
+def all_to_all_single_even_split_of_rows_the_group_does_not_divide_is_refused(ctx: Ctx):
+    """all_to_all_single without split sizes of a tensor whose dim 0 (W+1 rows) W does not
+    divide returned success with garbage where W divides its bytes: at W=2 the 12 bytes of
+    3 float32 were cut into blocks of 6 bytes, rows torn apart (at W=3, 16 bytes, it was
+    refused). Gloo: "Tensor's dim 0 does not divide equally across group size".
+    (Differential call: local all_to_all_single, sizes_do_not_fit, rows_not_divisible.)"""
+    rows = ctx.world + 1
+    x, out = torch.arange(rows, dtype=torch.float32) + 100 * ctx.rank, torch.full((rows,), -1.0)
+    _refused_at_issue(ctx, "an even all_to_all_single of W+1 rows",
+                      lambda g: dist.all_to_all_single(out, x, group=g), {"input": x, "output": out})
+
+
+@check("collectives", skip_on={"gloo": "rustc10d's refusals"})
+def all_to_all_single_even_split_into_a_smaller_output_is_refused(ctx: Ctx):
+    """all_to_all_single without split sizes, input 2W rows, output W: every rank can see the
+    blocks do not fit, but the call went on the wire and broke the group: in the shared arena
+    "does not match the calls of its peers: rank 0 sends 8 bytes to rank 0, which expects 4",
+    over TCP or without the arena a panic on the engine thread ("hit an internal error:
+    assertion `left == right` failed: copy_buf: length mismatch"). (Differential call: local
+    all_to_all_single, sizes_do_not_fit, output_smaller.)"""
+    x, out = torch.ones(2 * ctx.world), torch.zeros(ctx.world)
+    _refused_at_issue(ctx, "an even all_to_all_single into a smaller output",
+                      lambda g: dist.all_to_all_single(out, x, group=g), {"input": x, "output": out})
+
+
+@check("collectives", skip_on={"gloo": "rustc10d's refusals"})
+def all_gather_into_tensor_of_another_dtype_is_refused(ctx: Ctx):
+    """all_gather_into_tensor into an int32 output from a float32 input (the same bytes)
+    copied the bytes: the output held 1065353216 for 1.0. reduce_scatter_tensor refuses the
+    same call ("all tensors must have the same dtype"), as Gloo does both. (Differential
+    call: local all_gather_into_tensor, dtypes_differ.)"""
+    x, out = torch.ones(3), torch.zeros(3 * ctx.world, dtype=torch.int32)
+    _refused_at_issue(ctx, "an all_gather_into_tensor of float32 into int32",
+                      lambda g: dist.all_gather_into_tensor(out, x, group=g), {"input": x, "output": out})
+
+
+def _expect_mismatch(ctx: Ctx, what: str, call, watched: dict[str, torch.Tensor]):
+    """On a group of its own (a matching all_reduce first, so every rank has joined it): call()
+    must raise "does not match" on every rank and change none of `watched`."""
+    group = new_group()
+    dist.all_reduce(torch.ones(1), group=group)
+    e = _raised(ctx, what, lambda: call(group), watched)
+    if e is not None and "does not match" not in str(e):
+        ctx.errors.append(f"{what}: expected a mismatch, got {type(e).__name__}: {e}")
+    dist.destroy_process_group(group)
+
+
+@check("collectives", skip_on={"gloo": "Gloo does not check calls against each other"})
+def ranks_that_disagree_on_the_dtype_are_a_mismatch(ctx: Ctx):
+    """A broadcast whose root passes float32 and whose other ranks pass int32 (or float64
+    against int64: the same bytes) went through: the receivers held the root's bytes as
+    integers, and nobody raised. all_gather_into_tensor the same. The README says the call
+    check compares the dtype. (Differential calls: mismatch broadcast / all_gather_into_tensor,
+    dtype.)"""
+    dtype = torch.float32 if ctx.rank == 0 else torch.int32
+    t = torch.full((5,), 3, dtype=dtype)
+    _expect_mismatch(ctx, "broadcast, float32 at the root, int32 elsewhere",
+                     lambda g: dist.broadcast(t, src=0, group=g), {"tensor": t})
+    dtype = torch.float64 if ctx.rank == ctx.world - 1 else torch.int64
+    x, out = torch.full((300,), 7, dtype=dtype), torch.zeros(300 * ctx.world, dtype=dtype)
+    _expect_mismatch(ctx, "all_gather_into_tensor, float64 on the last rank, int64 elsewhere",
+                     lambda g: dist.all_gather_into_tensor(out, x, group=g), {"output": out})
+    check_group_usable(ctx, "after the mismatches on other groups")
+
+
+@check("collectives", skip_on={"gloo": "Gloo does not check calls against each other"})
+def all_to_all_single_splits_that_disagree_are_a_mismatch_on_every_rank(ctx: Ctx):
+    """Rank 0 sends rank 1 one row more than rank 1's output splits expect. Over TCP and
+    without the arena only rank 1 raised, and not as a mismatch ("size mismatch: the receive
+    expects 28 bytes but the peer sent 32"), its output already partly written; the other
+    ranks, rank 0 among them, returned success. (Differential call: mismatch
+    all_to_all_single, all_to_all_rows.)"""
+    n, w = 7, ctx.world
+    in_splits = [n + (ctx.rank == 0 and r == 1) for r in range(w)]
+    x, out = torch.ones(sum(in_splits)), torch.zeros(n * w)
+    _expect_mismatch(ctx, "all_to_all_single, rank 0 sends rank 1 a row more",
+                     lambda g: dist.all_to_all_single(out, x, [n] * w, in_splits, group=g), {"output": out})
+    check_group_usable(ctx, "after the mismatch on another group")
+
+
+@check("collectives", worlds=(3,), skip_on={"gloo": "Gloo does not check calls against each other"})
+def a_mismatch_at_three_ranks_raises_on_every_rank_and_changes_nothing(ctx: Ctx):
+    """At W=3 without the arena (TCP; shm with RUSTC10D_ARENA_SLOT_BYTES=0) a rank checks only
+    its left neighbour's call: rank 2 passes a larger tensor, rank 1 (whose neighbour rank 0
+    matches) went on. A reduce to rank 0 returned success on rank 1; an all_gather_into_tensor
+    raised on rank 1 only after writing rank 0's block into its output. The README: "a
+    difference raises ... on every rank, and no tensor changes". (Differential calls:
+    mismatch reduce / all_gather_into_tensor / all_gather, size and root.)"""
+    n = 5000 + (ctx.rank == 2)
+    t = torch.ones(n, dtype=torch.bfloat16)
+    _expect_mismatch(ctx, "reduce, rank 2 with one element more", lambda g: dist.reduce(t, dst=0, group=g),
+                     {"tensor": t} if ctx.rank else {})
+    x, out = torch.ones(n), torch.zeros(3 * n)
+    _expect_mismatch(ctx, "all_gather_into_tensor, rank 2 with one element more",
+                     lambda g: dist.all_gather_into_tensor(out, x, group=g), {"output": out})
+    check_group_usable(ctx, "after the mismatches on other groups")
+
+
+@check("collectives", worlds=(2,), job="regression-empty-lists", skip_on={"gloo": "rustc10d's refusals"})
+def empty_output_or_input_lists_are_refused(ctx: Ctx):
+    """all_gather with an empty output list, and reduce_scatter with an empty input list,
+    aborted the process: a Rust panic in src/ffi/translate.rs per_part ("chunk size must be
+    non-zero", ts.chunks(0)) crossed the FFI ("panic in ffi function ... Group::submit,
+    aborting"). Gloo refuses both ("invalid output tensor list at index 0 (expected length 2,
+    got 0)"). A job of its own: while the bug is there the process dies, and the main job's
+    later checks must not die with it. (Differential call: local all_gather / reduce_scatter,
+    wrong_list_length, length 0.)"""
+    x = torch.ones(3)
+    _refused_at_issue(ctx, "an all_gather into an empty list", lambda g: dist.all_gather([], x, group=g), {"input": x})
+    out = torch.zeros(3)
+    _refused_at_issue(ctx, "a reduce_scatter of an empty list", lambda g: dist.reduce_scatter(out, [], group=g),
+                      {"output": out})
+
+
+@check("collectives", worlds=(4,), job="regression-first-op-mismatch",
+       skip_on={"gloo": "Gloo does not check calls against each other"})
+def a_mismatch_as_a_new_groups_first_op_ends_within_the_timeout(ctx: Ctx):
+    """Mismatched calls as the first op of a group just made, without the shared arena, W=4:
+    now and then a rank never returned, past the group's timeout. In the differential suite's
+    noarena W=4 job (seed 1, calls 46 and 48 as first ops): ranks 0-2 all_reduce 70001
+    float16, rank 3 broadcasts them from rank 0; ranks 0-2 raised, rank 3 still waited in
+    broadcast after 75 s with a 30 s timeout (about one run in four; and once rank 0, the root
+    of call 46's reduce, to which rank 1 passed one element more). Every rank must raise within
+    the timeout (any error: one may come from new_group itself, the slower members still
+    joining): the check's deadline (75 s) ends a rank that does not. Those two calls, ten
+    times, through the differential suite's runner, in a job of its own: its groups are made
+    without the arena, and a hung rank ends its job."""
+    import checks_differential
+    import diff_calls
+
+    os.environ["RUSTC10D_ARENA_SLOT_BYTES"] = "0"  # read by every group made from here on
+    runner = checks_differential.Runner(ctx, checks_differential.Groups(ctx.world))
+    for _ in range(10):
+        for index in (46, 48):
+            call = diff_calls.generate(1, ctx.world, index)
+            runner.run(dataclasses.replace(call, params=call.params + (("first_op", True),)))
