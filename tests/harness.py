@@ -115,11 +115,13 @@ class Job:
     """Every check of one job (checks.Check.job) for one world size, run once; `verify(name)`
     reports one check's outcome."""
 
-    def __init__(self, world: int, log_dir: Path, job: str = "main", transport: str = "auto"):
+    def __init__(self, world: int, log_dir: Path, job: str = "main", transport: str = "auto",
+                 extra_env: dict[str, str] | None = None):
         self.world, self.log_dir = world, log_dir
-        env = worker_env(VARIANTS.get(transport, {"RUSTC10D_TRANSPORT": transport}))
+        env = worker_env({**VARIANTS, **EXTRA_VARIANTS}.get(transport, {"RUSTC10D_TRANSPORT": transport}))
+        env.update(extra_env or {})
         self.procs = launch_ranks(world, ["job", "--job", job, "--out", str(log_dir)],
-                                  timeout=JOB_TIMEOUT, log_dir=log_dir, env=env)
+                                  timeout=checks.JOB_TIMEOUTS.get(job, JOB_TIMEOUT), log_dir=log_dir, env=env)
         self.results = [self._load(r) for r in range(world)]
 
     def _load(self, rank) -> dict:
@@ -146,6 +148,11 @@ class Job:
         for rank, proc in enumerate(self.procs):
             if not (proc.returncode == 0 and self.results[rank].get("finished")):
                 pytest.fail(f"world size {self.world}, rank {rank}: {self.why_stopped(rank)}", pytrace=False)
+
+    def died_before(self, name: str) -> bool:
+        """A rank ended (crashed, or killed at a deadline) before it started check `name`."""
+        return any(not res.get("finished") and res["checks"].get(name) is None and res.get("current") != name
+                   for res in self.results)
 
     def why_stopped(self, rank: int) -> str:
         res = self.results[rank]
@@ -183,12 +190,18 @@ TRANSPORTS = ("shm", "tcp") if checks.BACKEND == "rustc10d" else ("auto",)
 # pieces (of 3000 bytes: not a whole number of complex128 elements, so the cut is rounded).
 VARIANTS = {"staged": {"RUSTC10D_TEST_STAGING": "1", "RUSTC10D_STAGE_PIECE_BYTES": "3000"}}
 JOB_VARIANTS = TRANSPORTS + (tuple(VARIANTS) if checks.BACKEND == "rustc10d" else ())
+# Variants only some suites run (the differential one): "noarena" runs a one-host group's
+# collectives without its shared arena (the rings, the direct exchange and single copy), as
+# over shared memory where the arena is turned off.
+EXTRA_VARIANTS = {"noarena": {"RUSTC10D_ARENA_SLOT_BYTES": "0"}}
 
 
-def transport_check_params(suite: str) -> list:
-    """check_params, once per transport and variant: (world, check name, transport or variant)."""
+def transport_check_params(suite: str, extra_variants: tuple[str, ...] = ()) -> list:
+    """check_params, once per transport and variant (and per extra variant, on rustc10d):
+    (world, check name, transport or variant)."""
+    variants = JOB_VARIANTS + (extra_variants if checks.BACKEND == "rustc10d" else ())
     return [pytest.param(*p.values, t, id=f"{t}-{p.id}" if t != "auto" else p.id, marks=p.marks)
-            for t in JOB_VARIANTS for p in check_params(suite)]
+            for t in variants for p in check_params(suite)]
 
 
 def check_params(suite: str) -> list:
