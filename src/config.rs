@@ -79,6 +79,9 @@ pub struct Config {
     pub cuda_wait: CudaWait,
     /// Tests only: CPU tensors are staged as CUDA tensors are (host memory as the device).
     pub test_staging: bool,
+    /// Tests only: this rank pauses in its join, after its own dials and
+    /// before it waits for its peers', as a rank the scheduler holds back.
+    pub test_join_pause: Duration,
     pub log: LogLevel,
 }
 
@@ -101,6 +104,7 @@ impl Default for Config {
             cuda: true,
             cuda_wait: CudaWait::Host,
             test_staging: false,
+            test_join_pause: Duration::ZERO,
             log: LogLevel::Warn,
         }
     }
@@ -292,6 +296,16 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| u8::from(c.test_staging).to_string(),
+    },
+    Setting {
+        option: "test_join_pause_ms",
+        env: "RUSTC10D_TEST_JOIN_PAUSE_MS",
+        shared: false,
+        set: |c, v| {
+            c.test_join_pause = Duration::from_millis(number(v, 0, 60_000)?);
+            Ok(())
+        },
+        show: |c| c.test_join_pause.as_millis().to_string(),
     },
     Setting {
         option: "log",

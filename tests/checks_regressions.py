@@ -342,3 +342,29 @@ def a_mismatch_as_a_new_groups_first_op_ends_within_the_timeout(ctx: Ctx):
         for index in (46, 48):
             call = diff_calls.generate(1, ctx.world, index)
             runner.run(dataclasses.replace(call, params=call.params + (("first_op", True),)))
+
+
+@check("collectives", worlds=(3, 4), job="regression-join-after-give-up",
+       skip_on={"gloo": "rustc10d's join and call check"})
+def a_rank_still_joining_when_its_peers_give_up_joins_and_raises_with_them(ctx: Ctx):
+    """A new group's first op is a mismatch, which the other ranks find while rank 1 is still
+    joining (RUSTC10D_TEST_JOIN_PAUSE_MS holds it back in its join, as a busy machine can: CI
+    saw it at W=4 over TCP). Rank 1's new_group raised "could not join the process group: rank
+    0 ... gave up on the group", so it had no group where its peers had one, and every later
+    check of the job failed. Now it joins, its op raises the mismatch too, and the ranks stay
+    in step. (Over shared memory the arena's call check waits for every rank, so there the
+    pause only delays the mismatch.)"""
+    pause = "RUSTC10D_TEST_JOIN_PAUSE_MS"
+    if ctx.rank == 1:
+        os.environ[pause] = "1500"
+    try:
+        group = new_group()
+    finally:
+        os.environ.pop(pause, None)
+    t = torch.ones(8, dtype=torch.float64 if ctx.rank == 0 else torch.float32)
+    e = _raised(ctx, "an all_reduce of float64 on rank 0, float32 elsewhere", lambda: dist.all_reduce(t, group=group),
+                {"tensor": t})
+    if e is not None and "does not match" not in str(e):
+        ctx.errors.append(f"expected a mismatch, got {type(e).__name__}: {e}")
+    dist.destroy_process_group(group)
+    check_group_usable(ctx, "after a mismatch on a group that a rank joined late")

@@ -430,6 +430,26 @@ impl Core {
         Ok(())
     }
 
+    /// `failed`, the error of a step of this rank's join that needed `peer`,
+    /// unless the peer said why it gave up on the group: then it had joined
+    /// (a rank gives up only in an op), and this rank joins too, with the
+    /// peer lost. The group is broken on every rank alike, and this rank's
+    /// first op that needs the peer fails with its reason, as the peers' ops
+    /// did; failing the join instead would leave this rank without a group
+    /// that its peers have, out of step with them from then on.
+    pub(super) fn unless_it_joined_and_gave_up(&self, peer: usize, failed: Error) -> Result<()> {
+        if self.peers[peer].state.lock().unwrap().said_why() {
+            tracing::debug!(
+                "rustc10d: rank {} joins a group {} gave up on: {}",
+                self.rank(),
+                self.describe(peer),
+                failed
+            );
+            return Ok(());
+        }
+        Err(failed)
+    }
+
     /// Go on reading a peer's connections that wait for a receive.
     pub(super) fn resume(&self, peer: usize) {
         let paused: Vec<_> = self.peers[peer].links.lock().unwrap().iter().filter(|l| l.is_paused()).cloned().collect();

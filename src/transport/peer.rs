@@ -67,6 +67,12 @@ impl Peer {
         self.lost.as_ref()
     }
 
+    /// Whether the peer said why it gave up on the group: it had joined the
+    /// group then (a rank gives up only in an op, once it has joined).
+    pub fn said_why(&self) -> bool {
+        self.why.is_some()
+    }
+
     /// The connections this rank sends on, in order (p2p takes the first).
     pub fn lanes(&self) -> &[ConnId] {
         &self.lanes
