@@ -246,7 +246,9 @@ class OpBuilder {
     return {std::move(done_), std::move(state)};
   }
 
-  Call call;
+  // Value-initialised: the fields an op does not set are zero or empty,
+  // never indeterminate (Rust reads the whole struct).
+  Call call{};
 
  private:
   enum class Access { kRead, kReadWrite, kWrite };
@@ -386,6 +388,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     for (int64_t d = 1; d < values.dim(); ++d) per_row *= values.size(d);
     b.call.value_row = static_cast<size_t>(per_row * values.element_size());
     b.call.timeout_ms = to_ms(opts.timeout);
+    b.call.sync_op = !opts.asyncOp;
     return submit(b, OpType::_ALLREDUCE_SPARSE);
   }
 
@@ -394,7 +397,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("reduce", OpKind::Reduce, {t});
     b.call.outputs = rvec({b.output(t)});
     b.reduce_op(opts.reduceOp);
-    return rooted(b, opts.rootRank, opts.timeout, OpType::REDUCE);
+    return rooted(b, opts, OpType::REDUCE);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -402,7 +405,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto& t = single(tensors, "broadcast");
     auto b = builder("broadcast", OpKind::Broadcast, {t});
     b.call.outputs = rvec({b.output(t)});
-    return rooted(b, opts.rootRank, opts.timeout, OpType::BROADCAST);
+    return rooted(b, opts, OpType::BROADCAST);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -413,7 +416,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("allgather", OpKind::AllGather, outputs[0]);
     b.call.inputs = rvec({b.input(in)});
     b.call.outputs = rvec(b.results(outputs[0]));
-    return timed(b, opts.timeout, OpType::ALLGATHER);
+    return timed(b, opts, OpType::ALLGATHER);
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -421,7 +424,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("all_gather_into_tensor", OpKind::AllGather, {output});
     b.call.inputs = rvec({b.input(input)});
     b.call.outputs = rvec(split_desc(b.result(output), getSize(), b.name()));
-    return timed(b, opts.timeout, OpType::_ALLGATHER_BASE);
+    return timed(b, opts, OpType::_ALLGATHER_BASE);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -441,7 +444,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("allgather_coalesced", OpKind::AllGather, flatten(outputs));
     b.call.inputs = rvec(b.inputs(inputs));
     b.call.outputs = rvec(b.results(by_input));
-    return timed(b, opts.timeout, OpType::ALLGATHER_COALESCED);
+    return timed(b, opts, OpType::ALLGATHER_COALESCED);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -455,7 +458,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
       os.insert(os.end(), blocks.begin(), blocks.end());
     }
     b.call.outputs = rvec(os);
-    return timed(b, opts.timeout, compat::kAllgatherIntoTensorCoalesced);
+    return timed(b, opts, compat::kAllgatherIntoTensorCoalesced);
   }
 
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -467,7 +470,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("gather", OpKind::Gather, results);
     b.call.inputs = rvec({b.input(in)});
     b.call.outputs = rvec(b.results(results));
-    return rooted(b, opts.rootRank, opts.timeout, OpType::GATHER);
+    return rooted(b, opts, OpType::GATHER);
   }
 
   // torch's gather_into_tensor, where it has one (see compat::Backend).
@@ -476,7 +479,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("gather_into_tensor", OpKind::Gather, root ? std::vector<at::Tensor>{output} : std::vector<at::Tensor>{});
     b.call.inputs = rvec({b.input(input)});
     if (root) b.call.outputs = rvec(split_desc(b.result(output), getSize(), b.name()));
-    return rooted(b, opts.rootRank, opts.timeout, OpType::GATHER);
+    return rooted(b, opts, OpType::GATHER);
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
@@ -487,7 +490,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("scatter", OpKind::Scatter, {out});
     if (root && !inputs.empty()) b.call.inputs = rvec(b.inputs(inputs[0]));
     b.call.outputs = rvec({b.result(out)});
-    return rooted(b, opts.rootRank, opts.timeout, OpType::SCATTER);
+    return rooted(b, opts, OpType::SCATTER);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -499,7 +502,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     b.call.inputs = rvec(b.inputs(inputs[0]));
     b.call.outputs = rvec({b.result(out)});
     b.reduce_op(opts.reduceOp);
-    return timed(b, opts.timeout, OpType::REDUCE_SCATTER);
+    return timed(b, opts, OpType::REDUCE_SCATTER);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -508,7 +511,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     b.call.inputs = rvec(split_desc(b.input(input), getSize(), b.name()));
     b.call.outputs = rvec({b.result(output)});
     b.reduce_op(opts.reduceOp);
-    return timed(b, opts.timeout, OpType::_REDUCE_SCATTER_BASE);
+    return timed(b, opts, OpType::_REDUCE_SCATTER_BASE);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -523,7 +526,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     b.call.inputs = rvec(is);
     b.call.outputs = rvec(b.results(outputs));
     b.reduce_op(opts.reduceOp);
-    return timed(b, opts.timeout, compat::kReduceScatterTensorCoalesced);
+    return timed(b, opts, compat::kReduceScatterTensorCoalesced);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -534,7 +537,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     size_t w = getSize();
     b.call.inputs = rvec(split_rows(input, b.input(input), inputSplits, w, b.name()));
     b.call.outputs = rvec(split_rows(output, b.result(output), outputSplits, w, b.name()));
-    return timed(b, opts.timeout, OpType::ALLTOALL_BASE);
+    return timed(b, opts, OpType::ALLTOALL_BASE);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -542,18 +545,18 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto b = builder("all_to_all", OpKind::AllToAll, outputs);
     b.call.inputs = rvec(b.inputs(inputs));
     b.call.outputs = rvec(b.results(outputs));
-    return timed(b, opts.timeout, OpType::ALLTOALL);
+    return timed(b, opts, OpType::ALLTOALL);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     auto b = builder("barrier", OpKind::Barrier, {});
-    return timed(b, opts.timeout, OpType::BARRIER);
+    return timed(b, opts, OpType::BARRIER);
   }
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
     auto b = builder("monitored_barrier", OpKind::MonitoredBarrier, {});
     b.call.wait_all = waitAllRanks;
-    timed(b, opts.timeout, OpType::BARRIER)->wait();
+    timed(b, opts, OpType::BARRIER)->wait();
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
@@ -595,17 +598,23 @@ class RustBackend final : public compat::Backend<RustBackend> {
     for (auto& t : tensors) ds.push_back(b.output(t));
     b.call.outputs = rvec(ds);
     b.reduce_op(opts.reduceOp);
-    return timed(b, opts.timeout, type);
+    return timed(b, opts, type);
   }
 
-  c10::intrusive_ptr<c10d::Work> timed(OpBuilder& b, milliseconds timeout, OpType type) {
-    b.call.timeout_ms = to_ms(timeout);
+  // A collective with torch's options: its timeout, and whether its caller
+  // waits for it at once (async_op=False), which lets the engine run it on
+  // the caller's thread.
+  template <typename Options>
+  c10::intrusive_ptr<c10d::Work> timed(OpBuilder& b, const Options& opts, OpType type) {
+    b.call.timeout_ms = to_ms(opts.timeout);
+    b.call.sync_op = !opts.asyncOp;
     return submit(b, type);
   }
 
-  c10::intrusive_ptr<c10d::Work> rooted(OpBuilder& b, int64_t root, milliseconds timeout, OpType type) {
-    b.call.root = root;
-    return timed(b, timeout, type);
+  template <typename Options>
+  c10::intrusive_ptr<c10d::Work> rooted(OpBuilder& b, const Options& opts, OpType type) {
+    b.call.root = opts.rootRank;
+    return timed(b, opts, type);
   }
 
   c10::intrusive_ptr<c10d::Work> p2p(OpBuilder& b, int peer, int tag, OpType type) {

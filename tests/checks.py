@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import os
+import threading
 import time
 import zlib
 from datetime import timedelta
@@ -727,6 +728,67 @@ def async_ops_in_flight(ctx: Ctx):
         assert work.is_completed() and work.is_success(), f"op {i}: Work not done after wait()"
         assert work_exception(work) is None, f"op {i}: {work_exception(work)}"
         ctx.expect_reduced(t, inputs, op, f"op {i} ({t.dtype} {op} {tuple(t.shape)})")
+
+
+@check("collectives")
+def sync_ops_run_after_the_async_ones_issued_before_them(ctx: Ctx):
+    """rustc10d runs an op whose caller waits at once (async_op=False) on the caller's thread
+    when nothing else is pending, else after what was issued before it: async all_reduces, then
+    sync ones, a sync broadcast and barrier; every async op is done when the sync ones return."""
+    pending = []
+    for i in range(4):
+        inputs = [ctx.input(r, (513 * (i + 1),), torch.float32, "SUM", salt=i) for r in range(ctx.world)]
+        t = inputs[ctx.rank].clone()
+        pending.append((i, t, inputs, dist.all_reduce(t, async_op=True)))
+    inputs = [ctx.input(r, (100,), torch.int64, "SUM", salt="sync") for r in range(ctx.world)]
+    t = inputs[ctx.rank].clone()
+    dist.all_reduce(t)
+    ctx.expect_reduced(t, inputs, "SUM", "the sync all_reduce after 4 async ones")
+    b = torch.arange(10, dtype=torch.float64) if ctx.rank == ctx.world - 1 else torch.zeros(10, dtype=torch.float64)
+    dist.broadcast(b, src=ctx.world - 1)
+    ctx.expect_equal(b, torch.arange(10, dtype=torch.float64), "the sync broadcast")
+    dist.barrier()
+    for i, t, inputs, work in pending:
+        assert work.is_completed(), f"async op {i} not done after the sync ops issued after it"
+        work.wait()
+        ctx.expect_reduced(t, inputs, "SUM", f"async op {i}")
+    for i in range(3):  # back to back, as a tensor-parallel layer does them
+        x = torch.full((16,), float(ctx.rank + i))
+        dist.all_reduce(x)
+        want = float(sum(range(ctx.world)) + ctx.world * i)
+        assert x.tolist() == [want] * 16, f"back-to-back sync all_reduce {i}: {x.tolist()}"
+
+
+@check("collectives")
+def python_threads_run_while_a_sync_op_waits(ctx: Ctx):
+    """A sync op that waits for a late peer (on the caller's thread, where rustc10d runs it)
+    lets the process's other Python threads run: the GIL is not held while it waits."""
+    late = 0.6
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    dist.barrier()
+    counter = threading.Thread(target=tick, daemon=True)
+    counter.start()
+    try:
+        if ctx.rank == 0:
+            time.sleep(late)
+        before = ticks[0]
+        t0 = time.monotonic()
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        waited, during = time.monotonic() - t0, ticks[0] - before
+    finally:
+        stop.set()
+        counter.join(timeout=5)
+    assert x.tolist() == [float(ctx.world)] * 4, x.tolist()
+    if ctx.rank != 0:
+        assert waited > late / 2, f"all_reduce returned after {waited:.2f} s, before rank 0 arrived"
+        assert during >= 10, f"another Python thread ran {during} times in the {waited:.2f} s the op waited"
 
 
 @check("collectives")

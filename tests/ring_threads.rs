@@ -318,3 +318,50 @@ fn back_to_back_large_allreduces_never_stall() {
         assert!(t0.elapsed() < Duration::from_secs(25), "{mode:?}: {:?}", t0.elapsed());
     }
 }
+
+/// An op whose caller waits for it at once (`run_now`) runs on the caller's
+/// thread when the engine is idle, finished when `run_now` returns; behind
+/// ops queued before it, it queues, and runs after them. Values right either
+/// way.
+fn ops_run_now_on_the_callers_thread_when_idle_and_in_order_behind_queued_ones_on(mode: TransportMode) {
+    let engines = group_via(mode, 3, Duration::from_secs(10));
+    let sum = |v: &mut Vec<i32>| Collective::AllReduce { buf: raw(v), red: Reduction::new(DType::I32, ReduceOp::Sum) };
+    on_all(&engines, |rank, e| {
+        let ran_on = Arc::new(Mutex::new(None));
+        let noted = ran_on.clone();
+        let done: rustc10d::status::Finisher = Box::new(move |_| {
+            *noted.lock().unwrap() = Some(std::thread::current().id());
+            Ok(())
+        });
+        let mut v = vec![rank as i32; 100];
+        // SAFETY: `v` outlives the op, which is finished when run_now returns (asserted).
+        let h = unsafe { e.run_now(vec![sum(&mut v)], None, None, done).unwrap() };
+        assert!(h.is_done(), "rank {rank}: an op run now is finished when run_now returns");
+        assert_eq!(
+            *ran_on.lock().unwrap(),
+            Some(std::thread::current().id()),
+            "rank {rank}: ran on the caller's thread"
+        );
+        wait_ok(h);
+        assert_eq!(v, vec![3; 100]);
+
+        let mut queued: Vec<Vec<i32>> = (0..8).map(|k| vec![k + rank as i32; 33]).collect();
+        let hs: Vec<_> = queued.iter_mut().map(|v| all_reduce(e, raw(v), DType::I32, ReduceOp::Sum)).collect();
+        let mut last = vec![10 * rank as i32; 5];
+        // SAFETY: `last` outlives the op, waited for at once.
+        wait_ok(unsafe { e.run_now(vec![sum(&mut last)], None, None, noop()).unwrap() });
+        for h in hs {
+            assert!(h.is_done(), "rank {rank}: ops queued before an op run now are done when it is");
+            wait_ok(h);
+        }
+        for (k, v) in queued.iter().enumerate() {
+            assert_eq!(v, &vec![3 * k as i32 + 3; 33], "rank {rank}: queued op {k}");
+        }
+        assert_eq!(last, vec![30; 5]);
+    });
+}
+
+#[test]
+fn ops_run_now_on_the_callers_thread_when_idle_and_in_order_behind_queued_ones() {
+    BOTH.into_iter().for_each(ops_run_now_on_the_callers_thread_when_idle_and_in_order_behind_queued_ones_on);
+}

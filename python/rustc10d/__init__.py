@@ -90,6 +90,9 @@ class Options:
     nsocks: int | str | None = None
     #: Microseconds a waiter polls before it sleeps (RUSTC10D_SPIN_US; 50).
     spin_us: int | None = None
+    #: Microseconds an op run on its caller's thread (async_op=False) polls for its peers before
+    #: it sleeps (RUSTC10D_SYNC_SPIN_US; 1000).
+    sync_spin_us: int | None = None
     #: At Yama ptrace_scope 1, while a group with single copy has a peer on this host, let every
     #: process of this user ptrace-attach to this one (PR_SET_PTRACER_ANY: read and write its
     #: memory and registers), so that the peers can read it; undone with the last such group.

@@ -22,6 +22,8 @@ pub(super) struct Job {
     pub timeout: Duration,
     pub staging: Option<Staging>,
     pub status: Arc<Status>,
+    /// How long its waits poll before they sleep.
+    pub spin: Duration,
 }
 
 impl Job {
@@ -55,7 +57,7 @@ impl Shared {
             (Some(bytes), Some(staging)) => {
                 let part = &job.parts[0];
                 let fingerprint = Fingerprint { piece: bytes as u64, ..Fingerprint::of(part) };
-                self.run_part(job.first_seq, part, job.timeout, fingerprint, |ctx| {
+                self.run_part(job.first_seq, part, job.timeout, job.spin, fingerprint, |ctx| {
                     // Checked once for all pieces (the piece size is part of the call).
                     algorithms::call_check::agree(ctx, &fingerprint)?;
                     let deadline = Instant::now() + ctx.timeout;
@@ -75,7 +77,7 @@ impl Shared {
                 for (i, part) in job.parts.iter().enumerate() {
                     let seq = job.first_seq + i as u64;
                     let fingerprint = Fingerprint::of(part);
-                    self.run_part(seq, part, job.timeout, fingerprint, |ctx| {
+                    self.run_part(seq, part, job.timeout, job.spin, fingerprint, |ctx| {
                         // The smallest all-reduces and barriers check the call
                         // alongside their one exchange; the rest before they start.
                         let inline = algorithms::checks_inline(ctx, part);
@@ -98,6 +100,7 @@ impl Shared {
         seq: u64,
         part: &Collective,
         timeout: Duration,
+        spin: Duration,
         fingerprint: Fingerprint,
         body: impl FnOnce(&OpCtx) -> Result<()>,
     ) -> Result<()> {
@@ -126,7 +129,7 @@ impl Shared {
             segment_bytes: self.segment_bytes,
             small_allreduce_bytes: self.small_allreduce_bytes,
             pool: &self.pool,
-            spin: self.spin,
+            spin,
             piece: 0,
             phase: 0,
             cost: &cost,

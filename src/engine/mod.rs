@@ -1,6 +1,9 @@
 //! The progress engine of one process group: it orders ops and owns them
-//! until they finish. Collectives run one at a time on a worker thread in
-//! issue order (the same order on every rank; job.rs); point-to-point ops go
+//! until they finish. Collectives run one at a time in issue order (the same
+//! order on every rank; job.rs): on the group's worker thread, or, for an op
+//! whose caller waits for it at once and finds the engine idle, on the
+//! caller's own thread (`run_now`: no hand-off to a thread and back, which
+//! is most of a small op's time); point-to-point ops go
 //! straight to the transport, so they never queue behind collectives
 //! (p2p.rs). A handle only observes its op (handle.rs). Which algorithm runs
 //! a collective is `algorithms::run`'s business, moving device tensors in
@@ -48,8 +51,15 @@ struct Shared {
     segment_bytes: usize,
     small_allreduce_bytes: usize,
     spin: Duration,
+    sync_spin: Duration,
     next_seq: AtomicU64,
     stopping: AtomicBool,
+    /// Jobs handed to the worker and not yet finished.
+    queued: AtomicU64,
+    /// Held by whoever runs a job, the worker or a caller (`run_now`), so
+    /// that jobs run one at a time. Lock order: `Engine::queue` before it,
+    /// and then only `try_lock` (a job's completion may issue the next op).
+    running: Mutex<()>,
     /// Set by the first collective that fails: later ones fail at once with it,
     /// since the ranks can no longer be assumed to agree on the sequence.
     broken: Mutex<Option<Error>>,
@@ -69,7 +79,10 @@ impl Engine {
             segment_bytes: cfg.segment_bytes,
             small_allreduce_bytes: cfg.small_allreduce_bytes,
             spin: cfg.spin,
+            sync_spin: cfg.sync_spin,
             next_seq: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            running: Mutex::new(()),
             stopping: AtomicBool::new(false),
             broken: Mutex::new(None),
             faults: cfg.faults.clone(),
@@ -84,17 +97,12 @@ impl Engine {
             .name("rustc10d-engine".into())
             .spawn(move || {
                 for job in rx {
-                    // Each collective's panics are contained where it runs
-                    // (`run_part`); one around the rest of the job (staging,
-                    // finishing) fails the job and breaks the group rather
-                    // than end the thread with every later op waiting on it.
-                    let (status, seq) = (job.status.clone(), job.first_seq);
-                    if let Err(e) =
-                        panics::contain(format_args!("op #{seq} on rank {}", s.transport.rank()), || s.run(job))
-                    {
-                        s.break_group(&e);
-                        status.finish(Err(e));
-                    }
+                    let running = s.running.lock().unwrap_or_else(|e| e.into_inner());
+                    s.run_contained(job);
+                    drop(running);
+                    // After `running` is let go: while a job is counted here,
+                    // `run_now` queues rather than wait for the worker.
+                    s.queued.fetch_sub(1, Ordering::SeqCst);
                 }
             })
             .map_err(|e| Error::resource(format!("rustc10d: could not start the engine thread: {e}")))?;
@@ -141,6 +149,40 @@ impl Engine {
         staging: Option<Staging>,
         done: Finisher,
     ) -> Result<OpHandle> {
+        // SAFETY: the caller keeps `submit`'s contract, which is `issue`'s.
+        unsafe { self.issue(parts, timeout, staging, done, false) }
+    }
+
+    /// `submit` for a caller that waits for the op at once (torch's
+    /// `async_op=False`): where nothing else is queued or running, the op
+    /// runs on this thread before this returns, finished (no hand-off to the
+    /// worker and back); else it queues as `submit`'s does. Staged ops always
+    /// queue (their copies are ordered with other threads' streams), and so
+    /// do ops of an open coalescing batch, which the caller waits for later.
+    ///
+    /// # Safety
+    /// As for `submit`.
+    pub unsafe fn run_now(
+        &self,
+        parts: Vec<Collective>,
+        timeout: Option<Duration>,
+        staging: Option<Staging>,
+        done: Finisher,
+    ) -> Result<OpHandle> {
+        // SAFETY: the caller keeps `submit`'s contract, which is `issue`'s.
+        unsafe { self.issue(parts, timeout, staging, done, true) }
+    }
+
+    /// # Safety
+    /// As for `submit`.
+    unsafe fn issue(
+        &self,
+        parts: Vec<Collective>,
+        timeout: Option<Duration>,
+        staging: Option<Staging>,
+        done: Finisher,
+        now: bool,
+    ) -> Result<OpHandle> {
         let (rank, world) = (self.rank(), self.size());
         let mut staging = staging;
         let checked = parts.iter().try_for_each(|p| p.check(rank, world));
@@ -163,11 +205,27 @@ impl Engine {
         let first_seq = self.shared.next_seq.fetch_add(parts.len().max(1) as u64, Ordering::SeqCst);
         let status = self.issued(Status::with_callback(done));
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());
-        let job = Job { first_seq, parts, timeout, staging, status: status.clone() };
+        let spin = self.shared.spin;
+        let mut job = Job { first_seq, parts, timeout, staging, status: status.clone(), spin };
+        let handle = OpHandle { status, seq: first_seq, source_rank: -1, expiry: None, spin };
+        let here =
+            now && job.staging.is_none() && !self.is_coalescing() && self.shared.queued.load(Ordering::SeqCst) == 0;
+        // Taken under the queue's lock, so that no later op can run before
+        // this one; never waited for there (see `running`).
+        if let Some(running) = here.then(|| self.shared.running.try_lock().ok()).flatten() {
+            drop(queue);
+            // Its caller waits anyway: polling longer costs nobody's compute.
+            job.spin = self.shared.sync_spin;
+            self.shared.run_contained(job);
+            drop(running);
+            return Ok(handle);
+        }
+        self.shared.queued.fetch_add(1, Ordering::SeqCst);
         if let Err(e) = tx.send(job) {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             e.0.fail(Error::aborted("rustc10d: the engine has stopped"));
         }
-        Ok(OpHandle { status, seq: first_seq, source_rank: -1, expiry: None, spin: self.shared.spin })
+        Ok(handle)
     }
 
     /// Ops issued from now on are also waited for by `end_coalescing`'s op.
@@ -247,6 +305,18 @@ impl Drop for Engine {
 }
 
 impl Shared {
+    /// Run a job, wherever it runs. Each collective's panics are contained
+    /// where it runs (`run_part`); one around the rest of the job (staging,
+    /// finishing) fails the job and breaks the group, rather than end the
+    /// worker with every later op waiting on it or unwind into the caller.
+    fn run_contained(&self, job: Job) {
+        let (status, seq) = (job.status.clone(), job.first_seq);
+        if let Err(e) = panics::contain(format_args!("op #{seq} on rank {}", self.transport.rank()), || self.run(job)) {
+            self.break_group(&e);
+            status.finish(Err(e));
+        }
+    }
+
     fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::SeqCst))
     }

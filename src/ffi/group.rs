@@ -137,7 +137,13 @@ impl Group {
                 // the Completion owns, which `done` frees only when the op has
                 // finished; torch's caller leaves inputs unchanged and outputs
                 // unread until then.
-                unsafe { e.submit(parts, op_timeout, staging, done) }
+                unsafe {
+                    if call.sync_op {
+                        e.run_now(parts, op_timeout, staging, done)
+                    } else {
+                        e.submit(parts, op_timeout, staging, done)
+                    }
+                }
             }
         }
     }

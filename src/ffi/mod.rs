@@ -130,6 +130,9 @@ pub mod bridge {
         /// Negative: the group's timeout. A monitored barrier's is rank 0's wait.
         timeout_ms: i64,
         staged: Vec<StagedDesc>,
+        /// The caller waits for the op as soon as it is issued (torch's
+        /// `async_op=False`): it may run on the caller's thread.
+        sync_op: bool,
     }
 
     extern "Rust" {
