@@ -89,3 +89,26 @@ def test_hosts_bench_counts_link_bytes(tmp_path):
                     assert link["per_byte"] > 1.4, f"{where}: {link}"
                 else:
                     assert 1.0 <= link["per_byte"] < 1.1, f"{where}: {link}"
+
+
+@pytest.mark.timeout(150)
+def test_latency_bench(tmp_path):
+    """`bench --latency` at W=2, two sizes, few ops, DeepSpeed left out (CI does not install it):
+    it runs to the end, every series has a median per mode and size, and every op was checked."""
+    report_path = tmp_path / "latency.json"
+    cmd = [sys.executable, "-m", "rustc10d.bench", "--latency", "--worlds", "2", "--sizes", "8,64K",
+           "--iters", "20", "--rounds", "2", "--no-deepspeed", "--json", str(report_path), "--timeout", "100"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=130, stdin=subprocess.DEVNULL)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"bench --latency exited {proc.returncode}; output tail:\n{output[-4000:]}"
+    assert "every op's result checked against arithmetic: OK" in output, output[-4000:]
+    report = json.loads(report_path.read_text())
+    assert report["ok"] and not report["failures"], report["failures"]
+    assert report["meta"]["deepspeed"] == "left out (--no-deepspeed)", report["meta"]
+    assert {(e["dtype"], e["bytes"]) for e in report["results"]} == {
+        (d, b) for d in ("float32", "bfloat16") for b in (8, 64 << 10)}, report["results"]
+    for e in report["results"]:
+        assert set(e["series"]) == {f"{s}|{m}" for s in ("rustc10d", "gloo") for m in ("back_to_back", "after_idle")}
+        for key, cell in e["series"].items():
+            assert cell["ops"] == 20 and 0 < cell["median_us"] <= cell["p90_us"], (e["dtype"], e["bytes"], key, cell)
+    assert 0 <= report["idle_cpu_fraction"]["2"] < 1, report["idle_cpu_fraction"]

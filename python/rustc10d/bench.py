@@ -2,6 +2,8 @@
 
     python -m rustc10d.bench                 # W = 2 and 4, 8 B .. 256 MiB (minutes)
     python -m rustc10d.bench --quick         # W = 2, 8 B .. 4 MiB (about 2 minutes)
+    python -m rustc10d.bench --latency       # small all_reduces, per op, with DeepSpeed's if installed
+                                             # (rustc10d.bench_latency; --latency --help)
 
 For each world size W this process hosts a TCPStore on a port the OS picks (no free-port race)
 and starts W ranks (`python -m rustc10d.bench --worker ...`) that each hold the default Gloo group
@@ -457,9 +459,9 @@ def host_of(world: int, hosts: int, interleave: bool) -> list[int]:
 
 
 def run_world(world: int, cfg: dict, workdir: Path, on_result,
-              hosts: Hosts | None = None) -> tuple[list[dict], str | None]:
-    """Start `world` ranks (inside `hosts`' namespaces, if given) and wait for them; returns
-    their results and, if the job failed, why."""
+              hosts: Hosts | None = None, module: str = MODULE) -> tuple[list[dict], str | None]:
+    """Start `world` ranks of `module` (`python -m module --worker ...`; inside `hosts'`
+    namespaces, if given) and wait for them; returns their results and, if the job failed, why."""
     results = workdir / f"w{world}.jsonl"
     results.touch()
     env = dict(os.environ)
@@ -481,7 +483,7 @@ def run_world(world: int, cfg: dict, workdir: Path, on_result,
     for rank in range(world):
         log = workdir / f"w{world}-rank{rank}.log"
         logs.append(log)
-        argv = [sys.executable, "-m", MODULE, "--worker", str(rank), str(world), str(port)]
+        argv = [sys.executable, "-m", module, "--worker", str(rank), str(world), str(port)]
         with open(log, "wb") as f:
             procs.append(subprocess.Popen(argv if hosts is None else hosts.command(where[rank], argv),
                                           env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
@@ -881,6 +883,9 @@ def print_hosts_header(args: argparse.Namespace, hosts: Hosts, reference: dict):
 
 
 def main(argv=None) -> int:
+    if "--latency" in (sys.argv[1:] if argv is None else argv):
+        from rustc10d import bench_latency  # its own options; see there
+        return bench_latency.main(argv)
     args = parse_args(argv)
     if args.worker:
         return worker_main(*args.worker)
