@@ -215,6 +215,27 @@ mod tests {
         assert_eq!(lost_with(&actions), Some(why.message));
     }
 
+    /// A peer that said why it gave up had joined the group (a join only
+    /// fails for a peer lost without a reason: `Core::unless_it_joined_and_gave_up`).
+    #[test]
+    fn only_a_peer_that_said_why_counts_as_having_given_up() {
+        let mut closed = Peer::default();
+        closed.on(Event::Adopted { conn: 1, lanes: 1 }, false);
+        closed.on(Event::Ended { conn: 1, error: None }, false);
+        assert!(closed.lost().is_some() && !closed.said_why(), "closed without a reason");
+        let mut failed = Peer::default();
+        failed.on(Event::Adopted { conn: 1, lanes: 1 }, false);
+        failed.on(Event::Ended { conn: 1, error: Some(Error::io("reset")) }, false);
+        assert!(failed.lost().is_some() && !failed.said_why(), "a broken connection");
+        let mut gave_up = Peer::default();
+        gave_up.on(Event::Adopted { conn: 1, lanes: 1 }, false);
+        gave_up.on(Event::Reason { conn: 1, why: Error::peer_lost("rank 1 gave up: mismatch") }, false);
+        assert!(gave_up.lost().is_some() && gave_up.said_why(), "it said why");
+        let mut given_up_on = Peer::default();
+        given_up_on.on(Event::GiveUp { why: Error::aborted("this rank gave up") }, true);
+        assert!(!given_up_on.said_why(), "this rank's giving up says nothing of the peer");
+    }
+
     /// A connection from the peer arrives after this rank gave up: the peer
     /// may read only that one so far, so it is told why, then closed.
     #[test]
