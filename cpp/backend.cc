@@ -5,6 +5,9 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -573,6 +576,33 @@ class RustBackend final : public compat::Backend<RustBackend> {
     return p2p(b, src, tag, OpType::RECV);
   }
 
+  // rustc10d.all_reduce_ (direct_all_reduce, below): a contiguous CPU tensor reduced in
+  // place, on the caller's thread where the group is idle, with no Work, no
+  // future and no copy; any other tensor takes allreduce()'s way. Returns
+  // once the result is there (or raises).
+  void all_reduce_now(at::Tensor& t, int64_t op) {
+    TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(c10d::ReduceOp::PREMUL_SUM),
+                "rustc10d.all_reduce_: reduce op ", op, " is not one of SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR");
+    if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || test_staging_) {
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
+      opts.asyncOp = false;
+      std::vector<at::Tensor> tensors{t};
+      allreduce(tensors, opts)->wait();
+      return;
+    }
+    Call call{};
+    call.kind = OpKind::AllReduce;
+    call.root = -1;
+    call.reduce = static_cast<ReduceOpCode>(op);
+    call.timeout_ms = -1;
+    call.sync_op = true;
+    call.outputs = rvec({desc_of(t)});
+    auto done = group_->run_now(call);
+    if (done->failed_at_issue()) raise(done->error_kind(), std::string(done->error_message()));
+    if (done->wait(-1) != WaitOutcome::Done) raise(done->error_kind(), std::string(done->error_message()));
+  }
+
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     auto& t = single(tensors, "recv");
     auto b = builder("recv", OpKind::Recv, {t});
@@ -655,6 +685,33 @@ class RustBackend final : public compat::Backend<RustBackend> {
 };
 
 }  // namespace
+
+// rustc10d::all_reduce_(Tensor(a!) tensor, str group_name, int op=0): for
+// callers that make many small all_reduces (tensor-parallel inference) and
+// want no more than one dispatcher call each, as DeepSpeed's shm op is. The
+// GIL is let go while the op waits, as torch.distributed's calls do.
+at::Tensor& direct_all_reduce(at::Tensor& tensor, c10::string_view group_name, int64_t op) {
+  auto group = c10d::resolve_process_group(std::string(group_name));
+  auto backend = group->getBackend(tensor.device().type());
+  auto* ours = dynamic_cast<RustBackend*>(backend.get());
+  TORCH_CHECK(ours, "rustc10d.all_reduce_: the backend of group ", group_name, " for ", tensor.device().type(),
+              " tensors is ", backend->getBackendName(), ", not rustc10d");
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    ours->all_reduce_now(tensor, op);
+  } else {
+    ours->all_reduce_now(tensor, op);
+  }
+  return tensor;
+}
+
+TORCH_LIBRARY(rustc10d, m) {
+  m.def("all_reduce_(Tensor(a!) tensor, str group_name, int op=0) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(rustc10d, CompositeExplicitAutograd, m) {
+  m.impl("all_reduce_", direct_all_reduce);
+}
 
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size) {
   c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<RustBackend>(std::move(group), rank, size);

@@ -54,7 +54,7 @@ if _native.TORCH_VERSION != torch.__version__:
 
 __version__: str = _native.__version__
 BACKEND_NAME = "rustc10d"
-__all__ = ["BACKEND_NAME", "Options", "connections", "links", "register", "stats"]
+__all__ = ["BACKEND_NAME", "Options", "all_reduce_", "connections", "links", "register", "stats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +127,21 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
     given = backend_options._given() if backend_options is not None else {}
     timeout = _millis(opts.timeout)
     return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given)
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over a rustc10d group (default: the world group) and
+    return it, as ``dist.all_reduce(tensor, op, group)`` does with ``async_op=False``, in one
+    call of the torch op ``torch.ops.rustc10d.all_reduce_(tensor, group.group_name, int(op))``
+    and no Work: for code that makes many small all_reduces, such as tensor-parallel inference
+    (two per layer per token). A contiguous CPU tensor is reduced where it lies, on the
+    caller's thread where nothing else of the group is pending; any other tensor takes
+    ``dist.all_reduce``'s way. Every rank of the group must call it, in the same order as the
+    group's other collectives. Raises as ``dist.all_reduce`` does; ``op`` is any but
+    PREMUL_SUM. Hot loops may call the torch op directly with the group's name."""
+    group = group if group is not None else dist.group.WORLD
+    return torch.ops.rustc10d.all_reduce_(tensor, group.group_name, int(op))
 
 
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]:

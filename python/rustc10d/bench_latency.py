@@ -14,6 +14,9 @@ ops (p90 in the JSON). Two ways of calling:
 - after idle: each rank sleeps 2 ms (--idle-ms) before each op, as after a layer's compute, so
   that a backend whose threads go to sleep pays for waking them.
 
+The series: rustc10d through `dist.all_reduce`; rustc10d-op, rustc10d's own torch op
+(`rustc10d.all_reduce_`, one dispatcher call and no Work, as DeepSpeed's op is); Gloo; DeepSpeed.
+
 The series alternate in rounds, so that drift of the machine hits all alike. Every op's result is
 checked against arithmetic (SUM of rank + 1 over ranks, exact in bfloat16); a wrong one fails the
 run. A world size larger than the machine's CPU count is marked oversubscribed: ranks then share
@@ -110,7 +113,10 @@ def worker_main(rank: int, world: int, port: int) -> int:
     sync = dist.group.WORLD
     ours = dist.new_group(backend="rustc10d", timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
+    ours_name = ours.group_name
     runs = {"rustc10d": lambda t: dist.all_reduce(t, group=ours),
+            # rustc10d.all_reduce_'s torch op, called as a hot loop would call it
+            "rustc10d-op": lambda t: torch.ops.rustc10d.all_reduce_(t, ours_name, 0),
             "gloo": lambda t: dist.all_reduce(t, group=gloo)}
     if cfg["deepspeed"]:
         runs[DEEPSPEED] = _deepspeed_all_reduce(world, rank, port)
@@ -207,9 +213,9 @@ def print_table(world: int, dtype: str, entries: list[dict], cpus: int):
         if DEEPSPEED in series:
             ratio = []
             for e in entries:
-                a, b = e["series"].get(f"rustc10d|{mode}"), e["series"].get(f"{DEEPSPEED}|{mode}")
+                a, b = e["series"].get(f"rustc10d-op|{mode}"), e["series"].get(f"{DEEPSPEED}|{mode}")
                 ratio.append(f"{a['median_us'] / b['median_us']:>11.2f}" if a and b else f"{'-':>11}")
-            print(f"{'':<14}{'ours/ds':<11}" + "".join(ratio))
+            print(f"{'':<14}{'op/ds':<11}" + "".join(ratio))
     for e in entries:
         for s, why in e["errors"].items():
             print(f"  {bench._size(e['bytes'])} {s}: {why[:300]}")

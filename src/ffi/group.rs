@@ -161,6 +161,22 @@ impl Group {
         )
     }
 
+    pub(crate) fn run_now(&self, call: &Call) -> Box<Op> {
+        let name = op_kind(call.kind).map_or("op", |k| k.name());
+        let run = || -> Result<OpHandle> {
+            let parts = collectives(call, &Arc::new(Mutex::new(SparseGathered::default())))?;
+            // SAFETY: the buffers are the caller's tensors, which it holds, and
+            // neither reads nor changes, until it has waited for the Op (the
+            // bridge's contract for `run_now`); the op ends, at the latest,
+            // at its timeout.
+            unsafe { self.engine.run_now(parts, timeout(call.timeout_ms), None, Box::new(|_| Ok(()))) }
+        };
+        Box::new(match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), run) {
+            Ok(Ok(handle)) => Op { handle, at_issue: false },
+            Ok(Err(e)) | Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
+        })
+    }
+
     pub(crate) fn start_coalescing(&self) -> Result<()> {
         panics::contain("startCoalescing", || self.engine.start_coalescing()).and_then(|r| r)
     }

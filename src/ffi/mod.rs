@@ -142,6 +142,12 @@ pub mod bridge {
         /// Hand a call to the engine. An op refused at once (bad input) comes
         /// back failed, with `failed_at_issue`.
         fn submit(self: &Group, call: &Call, done: UniquePtr<Completion>) -> Box<Op>;
+        /// A collective whose caller holds its tensors and waits for it at
+        /// once, with nothing to finish on the torch side (the direct op,
+        /// `rustc10d.all_reduce_`): on the caller's thread where the group is
+        /// idle, else queued. The caller must wait for the Op before it lets
+        /// go of the tensors.
+        fn run_now(self: &Group, call: &Call) -> Box<Op>;
         fn start_coalescing(self: &Group) -> Result<()>;
         /// One op for every op issued since start_coalescing.
         fn end_coalescing(self: &Group, done: UniquePtr<Completion>) -> Box<Op>;
