@@ -90,6 +90,9 @@ struct State {
     callback: Option<Finisher>,
     /// Run after the result is published (`then`).
     observers: Vec<Callback>,
+    /// Threads asleep on `cv`: only then does `finish` pay for a wake-up
+    /// (a system call even when nobody waits).
+    sleepers: u32,
 }
 
 impl Status {
@@ -137,13 +140,17 @@ impl Status {
             (Some(Err(e)), Ok(_)) => Err(e),
             (_, result) => result,
         };
-        let observers = {
+        let (observers, sleepers) = {
             let mut st = self.state.lock().unwrap();
             st.result = Some(result.clone());
-            std::mem::take(&mut st.observers)
+            (std::mem::take(&mut st.observers), st.sleepers)
         };
         self.done.store(true, Ordering::Release);
-        self.cv.notify_all();
+        // A waiter counts itself under the lock before it sleeps, after it
+        // saw no result there: one not counted yet will see this one.
+        if sleepers > 0 {
+            self.cv.notify_all();
+        }
         for f in observers {
             if let Err(e) = crate::panics::contain("an observer of a finished op", || f(&result)) {
                 tracing::error!("{}", e.message);
@@ -248,16 +255,16 @@ impl Status {
             if let Some(c) = &self.cost {
                 c.slept();
             }
-            match deadline {
-                None => st = self.cv.wait(st).unwrap(),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return None;
-                    }
-                    st = self.cv.wait_timeout(st, d - now).unwrap().0;
-                }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return None;
             }
+            st.sleepers += 1;
+            st = match deadline {
+                None => self.cv.wait(st).unwrap(),
+                Some(d) => self.cv.wait_timeout(st, d - now).unwrap().0,
+            };
+            st.sleepers -= 1;
         }
     }
 }

@@ -66,8 +66,7 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
         r.stage()?;
         if one_stage {
             if gets_result {
-                let slots: Vec<RawBuf> = (0..world).map(|p| r.slot(p, len)).collect();
-                fold_all(ctx, how, chunk, &slots);
+                fold_all(ctx, how, chunk, (0..world).map(|p| r.slot(p, len)));
             }
             continue;
         }
@@ -106,20 +105,23 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
     Ok(())
 }
 
-/// `out` = the fold of `slots` in rank order (then divided, for an average).
-fn fold_all(ctx: &OpCtx, how: &Reducing, out: RawBuf, slots: &[RawBuf]) {
+/// `out` = the fold of `slots` (every rank's, in rank order), then divided,
+/// for an average.
+fn fold_all(ctx: &OpCtx, how: &Reducing, out: RawBuf, mut slots: impl ExactSizeIterator<Item = RawBuf>) {
+    let world = slots.len();
+    let first = slots.next().expect("a group has a rank");
     // SAFETY: after the round's one stage the slots are only read; `out` is a
     // chunk of the op's buffer, the same length as every slot here.
-    unsafe { ctx.copy(out, slots[0]) };
+    unsafe { ctx.copy(out, first) };
     // SAFETY: `out` is a chunk of the op's buffer, touched by nothing else
     // while the fold runs; the slots it reads are other memory.
     let acc = unsafe { out.slice_mut(0, out.len) };
-    for s in &slots[1..] {
+    for s in slots {
         // SAFETY: a slot of this round, after its one stage: read-only until every
         // rank has arrived at the next round's first stage.
         ctx.reduce_into(how.dtype, how.op, acc, unsafe { s.slice(0, s.len) });
     }
     if how.op == ReduceOp::Avg {
-        divide_by(how.dtype, acc, slots.len());
+        divide_by(how.dtype, acc, world);
     }
 }

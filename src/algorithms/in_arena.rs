@@ -13,7 +13,13 @@ use crate::error::{Error, Result};
 use crate::transport::arena::{Arena, Round, Stuck, TAG_BYTES};
 use crate::transport::waits::in_turn;
 use crate::transport::{Wait, WaitOn};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long a stage polls without yielding the core before it notes whom it
+/// waits for and polls as `Round::wait` does: peers that run in step arrive
+/// within a few microseconds of each other, and a look at the clock, the
+/// noting, and a yield each cost about as much.
+const BUSY: Duration = Duration::from_micros(50);
 
 /// One round of an op in the arena.
 pub struct InArena<'a> {
@@ -70,20 +76,18 @@ impl InArena<'_> {
     }
 
     /// Arrive, wait for every rank; after the first stage, check every tag.
-    /// While it waits, a peer that asks what this rank waits for hears of a
-    /// rank that had not arrived when it began (`Transport::ask`).
+    /// A wait that outlasts a busy poll of `BUSY` is noted: while it goes
+    /// on, a peer that asks what this rank waits for hears of a rank that
+    /// had not arrived (`Transport::ask`).
     pub fn stage(&mut self) -> Result<()> {
         let ctx = self.ctx;
-        let t = ctx.transport;
-        let noted = self
-            .round
-            .late()
-            .map(|peer| t.begin_wait(Wait { what: ctx.what.clone(), peer, on: WaitOn::Arena, since: Instant::now() }));
-        let passed = self.round.stage(self.deadline, ctx.spin, ctx.cost).map_err(|stuck| failed(ctx, stuck));
-        if let Some(id) = noted {
-            t.end_wait(id, passed.as_ref().err().map(|e| e.message.clone()));
+        if !self.round.arrive() {
+            let passed = match self.round.wait_busy(ctx.spin.min(BUSY)) {
+                Some(passed) => passed.map_err(|stuck| failed(ctx, stuck)),
+                None => self.wait_noted(),
+            };
+            passed?;
         }
-        passed?;
         if !self.checked {
             self.checked = true;
             for peer in ctx.peers() {
@@ -94,6 +98,18 @@ impl InArena<'_> {
             }
         }
         Ok(())
+    }
+
+    fn wait_noted(&self) -> Result<()> {
+        let (ctx, t) = (self.ctx, self.ctx.transport);
+        let noted = self.round.late().map(|peer| {
+            t.begin_wait(Wait { what: ctx.what.to_string(), peer, on: WaitOn::Arena, since: Instant::now() })
+        });
+        let passed = self.round.wait(self.deadline, ctx.spin, ctx.cost).map_err(|stuck| failed(ctx, stuck));
+        if let Some(id) = noted {
+            t.end_wait(id, passed.as_ref().err().map(|e| e.message.clone()));
+        }
+        passed
     }
 }
 

@@ -68,6 +68,38 @@ pub use sparse_allreduce::sparse_allreduce;
 pub use tree_broadcast::tree_broadcast;
 pub use tree_reduce::tree_reduce;
 
+/// The op an algorithm runs, as its errors name it ("allreduce #4 on rank
+/// 1 (piece 2)"): kept as its parts, and written out only when an error or
+/// a noted wait needs it, which is not on the path of an op that succeeds.
+#[derive(Clone, Debug)]
+pub struct What {
+    pub op: &'static str,
+    pub seq: u64,
+    pub rank: usize,
+    /// The part of the op, outermost first: ("piece", 2), ("sparse round", 1).
+    pub within: Vec<(&'static str, u64)>,
+}
+
+impl What {
+    pub fn new(op: &'static str, seq: u64, rank: usize) -> What {
+        What { op, seq, rank, within: Vec::new() }
+    }
+
+    /// Part `n` of this op, called `label`.
+    pub fn within(&self, label: &'static str, n: u64) -> What {
+        let mut w = self.clone();
+        w.within.push((label, n));
+        w
+    }
+}
+
+impl std::fmt::Display for What {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} #{} on rank {}", self.op, self.seq, self.rank)?;
+        self.within.iter().try_for_each(|(label, n)| write!(f, " ({label} {n})"))
+    }
+}
+
 /// What an algorithm needs to know about the op it runs.
 pub struct OpCtx<'a> {
     pub transport: &'a dyn Transport,
@@ -75,7 +107,7 @@ pub struct OpCtx<'a> {
     pub seq: u64,
     pub timeout: Duration,
     /// "allreduce #4 on rank 1", for errors.
-    pub what: String,
+    pub what: What,
     /// Payload bytes per message in pipelined algorithms: large enough to
     /// amortise the 32-byte header and a syscall, small enough that send,
     /// receive and reduce of consecutive segments overlap.
@@ -117,7 +149,7 @@ impl<'a> OpCtx<'a> {
     /// Transfers for this op. Algorithms create them after any scratch memory,
     /// so that cleanup finishes before the scratch is freed.
     pub fn transfers(&self) -> Transfers<'_> {
-        Transfers::new(self.transport, self.timeout, self.what.clone(), self.spin, self.cost.clone())
+        Transfers::new(self.transport, self.timeout, self.what.to_string(), self.spin, self.cost.clone())
     }
 
     /// Every other rank, from the next one on (so that ranks that all send
@@ -307,4 +339,18 @@ pub fn segment(len: usize, seg: usize, j: usize) -> (usize, usize) {
 /// exchange a message and every rank takes the same steps).
 pub fn segment_count(len: usize, seg: usize) -> usize {
     len.div_ceil(seg).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::What;
+
+    #[test]
+    fn an_op_is_named_with_the_parts_it_runs_in() {
+        let op = What::new("allreduce", 4, 1);
+        assert_eq!(op.to_string(), "allreduce #4 on rank 1");
+        let inner = op.within("piece", 2).within("sparse round", 1);
+        assert_eq!(inner.to_string(), "allreduce #4 on rank 1 (piece 2) (sparse round 1)");
+        assert_eq!(op.to_string(), "allreduce #4 on rank 1", "the op's own name is left as it was");
+    }
 }

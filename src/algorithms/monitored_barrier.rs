@@ -54,7 +54,7 @@ fn monitor(ctx: &OpCtx, wait_all: bool, timeout: Duration) -> Result<()> {
     let world = ctx.transport.size();
     let ms = timeout.as_millis();
     let deadline = Instant::now() + timeout;
-    let arrivals = &mut Transfers::new(ctx.transport, timeout, ctx.what.clone(), ctx.spin, ctx.cost.clone());
+    let arrivals = &mut Transfers::new(ctx.transport, timeout, ctx.what.to_string(), ctx.spin, ctx.cost.clone());
     let ids = (1..world)
         // SAFETY: a receive of no bytes: a dangling, aligned pointer is valid
         // for zero-length writes.

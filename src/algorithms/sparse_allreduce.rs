@@ -24,7 +24,7 @@ pub fn sparse_allreduce(
     shape: &SparseShape,
 ) -> Result<SparseGathered> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let round = |piece: u64| OpCtx { piece, what: format!("{} (sparse round {piece})", ctx.what), ..*ctx };
+    let round = |piece: u64| OpCtx { piece, what: ctx.what.within("sparse round", piece), ..*ctx };
     let mut counts = vec![0u64; world];
     let mine = [rows as u64];
     let as_buf = |v: &mut [u64]| RawBuf::new(v.as_mut_ptr().cast(), v.len() * 8);

@@ -4,7 +4,7 @@
 
 use super::staging::{run_in_pieces, Staging};
 use super::Shared;
-use crate::algorithms::{self, call_check::Fingerprint, OpCtx};
+use crate::algorithms::{self, call_check::Fingerprint, OpCtx, What};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::Collective;
@@ -65,7 +65,7 @@ impl Shared {
                         // Each piece is a collective of its own, with keys of its own.
                         let piece_ctx = OpCtx {
                             timeout: deadline.saturating_duration_since(Instant::now()),
-                            what: format!("{} (piece {i})", ctx.what),
+                            what: ctx.what.within("piece", i as u64),
                             piece: i as u64,
                             ..*ctx
                         };
@@ -105,7 +105,7 @@ impl Shared {
         body: impl FnOnce(&OpCtx) -> Result<()>,
     ) -> Result<()> {
         let kind = part.kind();
-        let what = format!("{} #{seq} on rank {}", kind.name(), self.transport.rank());
+        let what = What::new(kind.name(), seq, self.transport.rank());
         if self.stopping.load(Ordering::SeqCst) {
             return Err(Error::aborted(format!("rustc10d: {what} was cancelled: the process group was shut down")));
         }

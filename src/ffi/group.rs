@@ -127,12 +127,12 @@ impl Group {
                 unsafe { e.recv(out, src, call.tag, timeout(call.timeout_ms), finish_with(done, None, staging)) }
             }
             _ => {
-                let sparse = Arc::new(Mutex::new(SparseGathered::default()));
-                let parts = collectives(call, &sparse)?;
                 let is_sparse = call.kind == OpKind::AllReduceSparse;
+                let sparse = is_sparse.then(|| Arc::new(Mutex::new(SparseGathered::default())));
+                let parts = collectives(call, sparse.as_ref())?;
                 // A monitored barrier's timeout is rank 0's wait; the op runs with the group's.
                 let op_timeout = if call.kind == OpKind::MonitoredBarrier { None } else { timeout(call.timeout_ms) };
-                let done = finish_with(done, is_sparse.then_some(sparse), None);
+                let done = finish_with(done, sparse, None);
                 // SAFETY: every buffer of `parts` is a tensor (or its host copy)
                 // the Completion owns, which `done` frees only when the op has
                 // finished; torch's caller leaves inputs unchanged and outputs
@@ -164,7 +164,7 @@ impl Group {
     pub(crate) fn run_now(&self, call: &Call) -> Box<Op> {
         let name = op_kind(call.kind).map_or("op", |k| k.name());
         let run = || -> Result<OpHandle> {
-            let parts = collectives(call, &Arc::new(Mutex::new(SparseGathered::default())))?;
+            let parts = collectives(call, None)?;
             // SAFETY: the buffers are the caller's tensors, which it holds, and
             // neither reads nor changes, until it has waited for the Op (the
             // bridge's contract for `run_now`); the op ends, at the latest,
@@ -233,8 +233,8 @@ impl Op {
     pub(crate) fn wait(&self, timeout_ms: i64) -> WaitOutcome {
         // A waiting thread may read its message itself (`Transport::polling`):
         // a panic there fails the op and gives up on the peer it waited for.
-        let what = format_args!("waiting for op #{}", self.handle.seq()).to_string();
-        match panics::contain(&what, || self.handle.wait(timeout(timeout_ms))) {
+        let seq = self.handle.seq();
+        match panics::contain(format_args!("waiting for op #{seq}"), || self.handle.wait(timeout(timeout_ms))) {
             Ok(Waited::Done) => WaitOutcome::Done,
             Ok(Waited::Failed(_)) => WaitOutcome::Failed,
             Ok(Waited::TimedOut) => WaitOutcome::TimedOut,

@@ -89,7 +89,9 @@ pub(super) fn same_dtype(kind: ops::OpKind, ts: impl IntoIterator<Item = bridge:
 }
 
 /// The collectives of a call (see `Call`'s layouts).
-pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> Result<Vec<Collective>> {
+/// The collectives of `call`; a sparse all-reduce hands what it gathered to
+/// `sparse` (none: the call may not be one).
+pub(super) fn collectives(call: &Call, sparse: Option<&Arc<Mutex<SparseGathered>>>) -> Result<Vec<Collective>> {
     let (ins, outs) = (&call.inputs[..], &call.outputs[..]);
     let root = || rank(call.root, "root");
     let kind = op_kind(call.kind)?;
@@ -138,7 +140,7 @@ pub(super) fn collectives(call: &Call, sparse: &Arc<Mutex<SparseGathered>>) -> R
                 values: buf(values),
                 shape: sparse_shape(call)?,
                 dtype: dtype_of(values.dtype).unwrap_or(dtype::DType::U8),
-                out: sparse.clone(),
+                out: sparse.ok_or_else(|| Error::unsupported("rustc10d: a sparse all-reduce cannot run here"))?.clone(),
             }]
         }
         ops::OpKind::Send | ops::OpKind::Recv => unreachable!("point-to-point calls are not collectives"),

@@ -16,7 +16,8 @@
 //! the one of round k - 1: double buffering instead of a second barrier.
 //!
 //! A stage costs a rank one atomic add and, if it is not the last to
-//! arrive, a poll of one counter for `spin`, then a futex sleep that only
+//! arrive, a poll of one counter for `spin` (at first without yielding the
+//! core, unless the arena's ranks outnumber the cores), then a futex sleep that only
 //! the stage's last arrival wakes (one wake-up per stage, whatever the
 //! number of ranks). A rank that loses a peer, fails an op or shuts the
 //! group down aborts the arena: every rank waiting in it wakes and fails
@@ -62,6 +63,8 @@ const LINE_BYTES: usize = 256;
 const REASON_MAX: usize = 2048;
 /// A sleeping waiter looks at the clock at least this often.
 const TICK: Duration = Duration::from_secs(1);
+/// A busy waiter's polls of the arrivals between two looks at the clock.
+const POLLS: u32 = 64;
 
 /// Aborted: not yet, the reason being written, written.
 const OPEN: u32 = 0;
@@ -143,6 +146,10 @@ pub struct Arena {
     rank: usize,
     world: usize,
     slot_bytes: usize,
+    /// More ranks share the arena than this process may run on cores at
+    /// once: a waiter that polls without yielding may hold the core of the
+    /// rank it waits for.
+    crowded: bool,
     local: Mutex<Local>,
     /// The descriptor, kept by the rank that hands it out.
     fd: Option<OwnedFd>,
@@ -212,7 +219,8 @@ impl Arena {
     }
 
     fn view(map: Arc<Mapping>, rank: usize, world: usize, slot_bytes: usize) -> Arena {
-        Arena { map, rank, world, slot_bytes, local: Mutex::default(), fd: None }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Arena { map, rank, world, slot_bytes, crowded: world > cores, local: Mutex::default(), fd: None }
     }
 
     pub fn rank(&self) -> usize {
@@ -296,11 +304,13 @@ impl Arena {
     pub fn aborted(&self) -> Option<Stuck> {
         let h = self.header();
         let mut state = h.aborted.load(Ordering::SeqCst);
-        // The first aborter is writing its reason: a moment.
-        let until = Instant::now() + Duration::from_millis(100);
-        while state == WRITING && Instant::now() < until {
-            std::thread::yield_now();
-            state = h.aborted.load(Ordering::SeqCst);
+        if state == WRITING {
+            // The first aborter is writing its reason: a moment.
+            let until = Instant::now() + Duration::from_millis(100);
+            while state == WRITING && Instant::now() < until {
+                std::thread::yield_now();
+                state = h.aborted.load(Ordering::SeqCst);
+            }
         }
         match state {
             OPEN => None,
@@ -367,35 +377,86 @@ impl Round<'_> {
     }
 
     /// A rank, other than this one, that has not yet arrived at the stage
-    /// this one arrives at next (the lowest), if any: whom it would wait for.
+    /// this one last arrived at (the lowest), if any: whom it waits for.
     pub fn late(&self) -> Option<usize> {
-        let (a, next) = (self.arena, self.local.stages.wrapping_add(1));
+        let (a, mine) = (self.arena, self.local.stages);
         (0..a.world)
             .filter(|&r| r != a.rank)
-            .find(|&r| (a.arrived(r).load(Ordering::Acquire).wrapping_sub(next) as i32) < 0)
+            .find(|&r| (a.arrived(r).load(Ordering::Acquire).wrapping_sub(mine) as i32) < 0)
     }
 
-    /// Arrive, then wait until every rank has arrived at this stage: poll
-    /// for `spin`, then sleep (each sleep charged to `cost`), until `deadline`.
+    /// Arrive, then wait until every rank has arrived at this stage (`arrive`,
+    /// then `wait`).
     pub fn stage(&mut self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {
+        if self.arrive() {
+            return Ok(());
+        }
+        self.wait(deadline, spin, cost)
+    }
+
+    /// Arrive at this round's next stage: whether every rank has now arrived
+    /// (this one last, having woken any that sleep).
+    pub fn arrive(&mut self) -> bool {
         let a = self.arena;
         let h = a.header();
         self.stages += 1;
         let mine = self.local.stages.wrapping_add(1);
         self.local.stages = mine;
         a.arrived(a.rank).store(mine, Ordering::Release);
-        let target = mine.wrapping_mul(a.world as u32);
-        let reached = |n: u32| n.wrapping_sub(target) as i32 >= 0;
-        if h.arrivals.fetch_add(1, Ordering::SeqCst).wrapping_add(1) == target {
-            // The last to arrive wakes the others.
+        if h.arrivals.fetch_add(1, Ordering::SeqCst).wrapping_add(1) == self.target() {
             if h.sleepers.load(Ordering::SeqCst) > 0 {
                 futex_wake(&h.arrivals);
             }
-            return Ok(());
+            return true;
         }
+        false
+    }
+
+    /// The count of arrivals at which the stage this rank last arrived at passes.
+    fn target(&self) -> u32 {
+        self.local.stages.wrapping_mul(self.arena.world as u32)
+    }
+
+    fn passed(&self) -> bool {
+        let n = self.arena.header().arrivals.load(Ordering::Acquire);
+        n.wrapping_sub(self.target()) as i32 >= 0
+    }
+
+    /// After `arrive`: poll without yielding the core for up to `busy`, as
+    /// long as the arena's ranks do not outnumber the cores (else at once):
+    /// whether the stage passed (`None`: not yet, or the arena is crowded).
+    /// The clock is read once per `POLLS` polls, the abort once per `POLLS`.
+    pub fn wait_busy(&self, busy: Duration) -> Option<std::result::Result<(), Stuck>> {
+        if self.arena.crowded || busy.is_zero() {
+            return None;
+        }
+        let until = Instant::now() + busy;
+        loop {
+            for _ in 0..POLLS {
+                if self.passed() {
+                    return Some(Ok(()));
+                }
+                std::hint::spin_loop();
+            }
+            if let Some(stuck) = self.arena.aborted() {
+                return Some(Err(stuck));
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+        }
+    }
+
+    /// After `arrive`: wait until every rank has arrived at this stage: poll
+    /// for `spin` (yielding the core between polls), then sleep (each sleep
+    /// charged to `cost`), until `deadline`.
+    pub fn wait(&self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {
+        let a = self.arena;
+        let h = a.header();
+        let mine = self.local.stages;
         let spin_until = Instant::now() + spin;
         loop {
-            if reached(h.arrivals.load(Ordering::Acquire)) {
+            if self.passed() {
                 return Ok(());
             }
             if let Some(stuck) = a.aborted() {
@@ -411,12 +472,12 @@ impl Round<'_> {
             let seen = h.arrivals.load(Ordering::SeqCst);
             let aborted = a.aborted();
             let now = Instant::now();
-            let asleep = !reached(seen) && aborted.is_none() && now < deadline;
+            let asleep = !self.passed() && aborted.is_none() && now < deadline;
             if asleep && futex_wait(&h.arrivals, seen, (deadline - now).min(TICK)) {
                 cost.slept();
             }
             h.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if reached(h.arrivals.load(Ordering::Acquire)) {
+            if self.passed() {
                 return Ok(());
             }
             if let Some(stuck) = a.aborted() {

@@ -6,7 +6,7 @@
 //! test file uses part of it.
 #![allow(dead_code, unused_imports)]
 
-pub use rustc10d::algorithms::{self, call_check, OpCtx, RawBuf, ScratchPool};
+pub use rustc10d::algorithms::{self, call_check, OpCtx, RawBuf, ScratchPool, What};
 pub use rustc10d::dtype::{DType, ReduceOp};
 pub use rustc10d::error::{Error, ErrorKind, Result};
 pub use rustc10d::ops::{Collective, Reduction, SparseGathered, SparseShape};
@@ -62,7 +62,7 @@ impl Rank<'_> {
             transport: self.t,
             seq,
             timeout: self.timeout,
-            what: format!("{} #{seq} on rank {rank}", part.kind().name()),
+            what: What::new(part.kind().name(), seq, rank),
             segment_bytes: SEGMENT,
             small_allreduce_bytes: self.small,
             pool: &self.pool,
