@@ -26,7 +26,9 @@ DeepSpeed's `inference_all_reduce` (its shm.cpp: SUM of float32/bfloat16 on one 
 caller's thread, spinning on flags in shared memory) runs when deepspeed is importable and ninja
 is on the PATH (`pip install deepspeed ninja`): the launcher builds the op once (about two minutes
 the first time, cached by torch under ~/.cache/torch_extensions) and every rank loads it with
-LOCAL_SIZE set to the world size and DS_ACCELERATOR=cpu.
+LOCAL_SIZE set to the world size and DS_ACCELERATOR=cpu. Where deepspeed cannot be installed (no
+network, no compiler), `--deepspeed-op PATH` loads that op built elsewhere against the same torch
+and Python (its deepspeed_shm_comm.so, a build of DeepSpeed's csrc/cpu/comm/shm*.cpp).
 """
 
 from __future__ import annotations
@@ -67,12 +69,22 @@ def _iterations(cfg: dict, size: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # One rank.
 
-def _deepspeed_all_reduce(world: int, rank: int, port: int):
+def _load_deepspeed_op(prebuilt: str | None):
+    """DeepSpeed's shm op module: the prebuilt one at `prebuilt`, or built (cached) by deepspeed."""
+    if prebuilt:
+        spec = importlib.util.spec_from_file_location("deepspeed_shm_comm", prebuilt)
+        op = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(op)  # registers torch.ops.deepspeed too
+        return op
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
+def _deepspeed_all_reduce(world: int, rank: int, port: int, prebuilt: str | None):
     """DeepSpeed's in-place shared-memory all_reduce (SUM), initialised for this job."""
     os.environ.update(LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       DS_ACCELERATOR="cpu")
-    from deepspeed.accelerator import get_accelerator
-    op = get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    op = _load_deepspeed_op(prebuilt)
     op.initialize(world, rank)
     level = op.vector_kernel_level()  # float32 needs avx2 (1), bfloat16 avx512bw (2)
 
@@ -119,7 +131,7 @@ def worker_main(rank: int, world: int, port: int) -> int:
             "rustc10d-op": lambda t: torch.ops.rustc10d.all_reduce_(t, ours_name, 0),
             "gloo": lambda t: dist.all_reduce(t, group=gloo)}
     if cfg["deepspeed"]:
-        runs[DEEPSPEED] = _deepspeed_all_reduce(world, rank, port)
+        runs[DEEPSPEED] = _deepspeed_all_reduce(world, rank, port, cfg["deepspeed_op"])
     with open(cfg["results"], "a") if rank == 0 else open(os.devnull, "w") as results:
         for dtype_name, size in cfg["plan"]:
             dtype = DTYPES[dtype_name]
@@ -183,8 +195,14 @@ def worker_main(rank: int, world: int, port: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # The launcher.
 
-def deepspeed_ready() -> str | None:
+def deepspeed_ready(prebuilt: str | None = None) -> str | None:
     """None if DeepSpeed's shm all_reduce can run here (built now if it was not), else why not."""
+    if prebuilt:
+        try:
+            _load_deepspeed_op(prebuilt)
+        except Exception as e:  # noqa: BLE001 - reported; the run goes on without it
+            return f"its prebuilt shm op {prebuilt} did not load: {type(e).__name__}: {str(e)[:300]}"
+        return None
     if importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed (pip install deepspeed ninja)"
     if shutil.which("ninja") is None:
@@ -232,6 +250,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds the ops are split into (default 5)")
     p.add_argument("--idle-ms", type=float, default=2.0, help="sleep before each op after idle, ms (default 2)")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even where it is installed")
+    p.add_argument("--deepspeed-op", metavar="PATH",
+                   help="DeepSpeed's shm op prebuilt for this torch and Python (deepspeed_shm_comm.so), "
+                        "instead of deepspeed's own build")
     p.add_argument("--pg-timeout", type=float, default=60, help="process group timeout, s")
     p.add_argument("--timeout", type=float, default=1800, help="give up on one world size after this many s")
     p.add_argument("--json", type=Path, default=Path("bench-out/latency.json"),
@@ -253,10 +274,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(*args.worker)
-    why_no_ds = "left out (--no-deepspeed)" if args.no_deepspeed else deepspeed_ready()
+    prebuilt = str(Path(args.deepspeed_op).resolve()) if args.deepspeed_op else None
+    why_no_ds = "left out (--no-deepspeed)" if args.no_deepspeed else deepspeed_ready(prebuilt)
     cpus = os.cpu_count() or 1
     cfg = {"plan": [(d, s) for d in args.dtypes for s in args.sizes], "iters": args.iters, "rounds": args.rounds,
-           "idle_ms": args.idle_ms, "deepspeed": why_no_ds is None, "pg_timeout": args.pg_timeout,
+           "idle_ms": args.idle_ms, "deepspeed": why_no_ds is None, "deepspeed_op": prebuilt, "pg_timeout": args.pg_timeout,
            "timeout": args.timeout}
     print(f"rustc10d {rustc10d.__version__} latency vs Gloo"
           + (" and DeepSpeed's shm all_reduce" if why_no_ds is None else "")
