@@ -100,7 +100,7 @@ impl InArena<'_> {
         Ok(())
     }
 
-    fn wait_noted(&self) -> Result<()> {
+    fn wait_noted(&mut self) -> Result<()> {
         let (ctx, t) = (self.ctx, self.ctx.transport);
         let noted = self.round.late().map(|peer| {
             t.begin_wait(Wait { what: ctx.what.to_string(), peer, on: WaitOn::Arena, since: Instant::now() })

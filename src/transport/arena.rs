@@ -3,8 +3,8 @@
 //! maps, made by the lowest of them and handed to the others over their
 //! shared-memory connections with it, after the token handshake, as the
 //! rings are. It holds, for each rank, two slots of bytes
-//! and a control line, and for the group a count of arrivals and the reason
-//! it was aborted, if it was.
+//! and a control line, and for the group a count of its sleeping waiters and
+//! the reason it was aborted, if it was.
 //!
 //! Ranks use it in rounds, each round in the other of a rank's two slots
 //! (and tags) than the round before. A round has one or more stages; a
@@ -15,11 +15,16 @@
 //! round k + 1 while the others still read its slot of round k, and never
 //! the one of round k - 1: double buffering instead of a second barrier.
 //!
-//! A stage costs a rank one atomic add and, if it is not the last to
-//! arrive, a poll of one counter for `spin` (at first without yielding the
-//! core, unless the arena's ranks outnumber the cores), then a futex sleep that only
-//! the stage's last arrival wakes (one wake-up per stage, whatever the
-//! number of ranks). A rank that loses a peer, fails an op or shuts the
+//! A rank arrives by storing its count of stages in its own line (one line
+//! per parity, beside that round's tag), and waits by reading the other
+//! ranks' lines: each line has one writer, so arriving is a plain store and
+//! a line moves between cores once per stage and reader, however many ranks
+//! arrive at once (a count that every rank adds to is one line that every
+//! arrival takes from every reader, which on a many-core host costs more
+//! than the op). A rank that is not the last to arrive polls for `spin` (at
+//! first without yielding the core, unless the arena's ranks outnumber the
+//! cores), then sleeps on a futex that an arrival which completes the stage
+//! wakes if anyone sleeps. A rank that loses a peer, fails an op or shuts the
 //! group down aborts the arena: every rank waiting in it wakes and fails
 //! with the reason, and so does every later round. A rank that never
 //! arrives leaves the others waiting until their deadline, and then they
@@ -51,13 +56,14 @@ use std::time::{Duration, Instant};
 /// lines are whole pages, the slots a multiple of it long): algorithms may
 /// keep u64 there.
 pub const SLOT_ALIGN: usize = 8;
-/// Bytes of the tag a rank writes for each round.
-pub const TAG_BYTES: usize = 64;
+/// Bytes of the tag a rank writes for each round (it shares a cache line
+/// with the rank's count of stages).
+pub const TAG_BYTES: usize = 56;
 /// The tag is kept as this many words (atomics: other ranks read it).
 const TAG_WORDS: usize = TAG_BYTES / 8;
 const _: () = assert!(TAG_BYTES.is_multiple_of(8));
 
-const MAGIC: u64 = 0x5243_3130_4152_4e41; // "RC10ARNA"
+const MAGIC: u64 = 0x5243_3130_4152_4e32; // "RC10ARN2": lines of one writer each
 const HEADER_BYTES: usize = 4096;
 const LINE_BYTES: usize = 256;
 const REASON_MAX: usize = 2048;
@@ -82,8 +88,9 @@ struct Header {
     world: AtomicU64,
     slot_bytes: AtomicU64,
     _p0: Pad<{ 64 - 24 }>,
-    /// Arrivals of all ranks at all stages so far (wrapping).
-    arrivals: AtomicU32,
+    /// The futex word sleepers wait on: bumped by an arrival that completes
+    /// a stage while anyone sleeps, and by an abort.
+    wake: AtomicU32,
     _p1: Pad<{ 64 - 4 }>,
     /// Ranks asleep waiting for a stage.
     sleepers: AtomicU32,
@@ -96,32 +103,43 @@ struct Header {
     reason: [AtomicU8; REASON_MAX],
 }
 
+/// A rank's control line: one cache line for each parity of round.
 #[repr(C)]
 struct Line {
-    /// The stages this rank has arrived at (wrapping).
-    arrived: AtomicU32,
-    _p: Pad<{ 64 - 4 }>,
-    /// The tag of this rank's rounds of each parity, in native byte order.
-    /// Written (Relaxed) before the round's first stage, read (Relaxed) after
-    /// it: the stage's Release arrival and Acquire wait order them.
-    tags: [[AtomicU64; TAG_WORDS]; 2],
+    stamps: [Stamp; 2],
 }
 
-impl Line {
-    fn set_tag(&self, parity: usize, tag: &[u8; TAG_BYTES]) {
-        for (word, bytes) in self.tags[parity].iter().zip(tag.chunks_exact(8)) {
+/// What a rank wrote in its rounds of one parity: one cache line, written
+/// by that rank alone, which every waiter reads.
+#[repr(C, align(64))]
+struct Stamp {
+    /// The stages this rank has arrived at (wrapping), as of its last
+    /// arrival in a round of this parity.
+    arrived: AtomicU32,
+    _p: AtomicU32,
+    /// The tag of the round, in native byte order. Written (Relaxed) before
+    /// the round's first stage, read (Relaxed) after it: the stage's Release
+    /// arrival and Acquire wait order them.
+    tag: [AtomicU64; TAG_WORDS],
+}
+
+impl Stamp {
+    fn set_tag(&self, tag: &[u8; TAG_BYTES]) {
+        for (word, bytes) in self.tag.iter().zip(tag.chunks_exact(8)) {
             word.store(u64::from_ne_bytes(bytes.try_into().unwrap()), Ordering::Relaxed);
         }
     }
 
-    fn tag(&self, parity: usize) -> [u8; TAG_BYTES] {
+    fn tag(&self) -> [u8; TAG_BYTES] {
         let mut tag = [0u8; TAG_BYTES];
-        for (bytes, word) in tag.chunks_exact_mut(8).zip(&self.tags[parity]) {
+        for (bytes, word) in tag.chunks_exact_mut(8).zip(&self.tag) {
             bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
         }
         tag
     }
 }
+
+const _: () = assert!(std::mem::size_of::<Stamp>() == 64);
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 const _: () = assert!(std::mem::size_of::<Line>() <= LINE_BYTES);
@@ -254,8 +272,9 @@ impl Arena {
         unsafe { &*(self.map.base.add(HEADER_BYTES + rank * LINE_BYTES) as *const Line) }
     }
 
-    fn arrived(&self, rank: usize) -> &AtomicU32 {
-        &self.line(rank).arrived
+    /// What `rank` wrote in its rounds of `parity`.
+    fn stamp(&self, rank: usize, parity: usize) -> &Stamp {
+        &self.line(rank).stamps[parity]
     }
 
     /// The first byte of the slot of `rank` (< world) of `parity` (< 2).
@@ -279,8 +298,8 @@ impl Arena {
         let parity = (local.rounds % 2) as usize;
         local.rounds += 1;
         // Nobody reads this tag any more: everyone has finished the round before last.
-        self.line(self.rank).set_tag(parity, tag);
-        Ok(Round { arena: self, local, parity, stages: 0 })
+        self.stamp(self.rank, parity).set_tag(tag);
+        Ok(Round { arena: self, local, parity, stages: 0, from: 0 })
     }
 
     /// Wake every rank waiting in the arena and fail every later round,
@@ -297,7 +316,8 @@ impl Arena {
             h.aborted_by.store(self.rank as u32, Ordering::Relaxed);
             h.aborted.store(ABORTED, Ordering::SeqCst);
         }
-        futex_wake(&h.arrivals);
+        h.wake.fetch_add(1, Ordering::SeqCst);
+        futex_wake(&h.wake);
     }
 
     /// Who aborted the arena and why, once it is.
@@ -345,6 +365,8 @@ pub struct Round<'a> {
     local: MutexGuard<'a, Local>,
     parity: usize,
     stages: u32,
+    /// The ranks below this one had arrived at the stage waited for.
+    from: usize,
 }
 
 impl Round<'_> {
@@ -373,16 +395,19 @@ impl Round<'_> {
 
     /// The tag `rank` wrote for this round (after the first stage: its own for this round).
     pub fn tag(&self, rank: usize) -> [u8; TAG_BYTES] {
-        self.arena.line(rank).tag(self.parity)
+        self.arena.stamp(rank, self.parity).tag()
+    }
+
+    /// Whether `rank` has arrived at the stage this rank last arrived at.
+    fn has_arrived(&self, rank: usize) -> bool {
+        let theirs = self.arena.stamp(rank, self.parity).arrived.load(Ordering::Acquire);
+        theirs.wrapping_sub(self.local.stages) as i32 >= 0
     }
 
     /// A rank, other than this one, that has not yet arrived at the stage
     /// this one last arrived at (the lowest), if any: whom it waits for.
     pub fn late(&self) -> Option<usize> {
-        let (a, mine) = (self.arena, self.local.stages);
-        (0..a.world)
-            .filter(|&r| r != a.rank)
-            .find(|&r| (a.arrived(r).load(Ordering::Acquire).wrapping_sub(mine) as i32) < 0)
+        (0..self.arena.world).find(|&r| r != self.arena.rank && !self.has_arrived(r))
     }
 
     /// Arrive, then wait until every rank has arrived at this stage (`arrive`,
@@ -398,35 +423,41 @@ impl Round<'_> {
     /// (this one last, having woken any that sleep).
     pub fn arrive(&mut self) -> bool {
         let a = self.arena;
-        let h = a.header();
         self.stages += 1;
         let mine = self.local.stages.wrapping_add(1);
         self.local.stages = mine;
-        a.arrived(a.rank).store(mine, Ordering::Release);
-        if h.arrivals.fetch_add(1, Ordering::SeqCst).wrapping_add(1) == self.target() {
-            if h.sleepers.load(Ordering::SeqCst) > 0 {
-                futex_wake(&h.arrivals);
-            }
-            return true;
+        self.from = 0;
+        // SeqCst, as the loads in `passed` and of `sleepers`, and the sleeper's
+        // count and loads in `wait`: of the arrivals that complete a stage, the
+        // last in that order sees every other one, and either sees the sleeper
+        // counted or the sleeper, counted after it, sees the stage passed.
+        a.stamp(a.rank, self.parity).arrived.store(mine, Ordering::SeqCst);
+        if !self.passed() {
+            return false;
         }
-        false
+        let h = a.header();
+        if h.sleepers.load(Ordering::SeqCst) > 0 {
+            h.wake.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&h.wake);
+        }
+        true
     }
 
-    /// The count of arrivals at which the stage this rank last arrived at passes.
-    fn target(&self) -> u32 {
-        self.local.stages.wrapping_mul(self.arena.world as u32)
-    }
-
-    fn passed(&self) -> bool {
-        let n = self.arena.header().arrivals.load(Ordering::Acquire);
-        n.wrapping_sub(self.target()) as i32 >= 0
+    /// Whether every rank has arrived at the stage this rank last arrived
+    /// at; the ranks seen there are not read again for it.
+    fn passed(&mut self) -> bool {
+        let world = self.arena.world;
+        while self.from < world && (self.from == self.arena.rank || self.has_arrived(self.from)) {
+            self.from += 1;
+        }
+        self.from == world
     }
 
     /// After `arrive`: poll without yielding the core for up to `busy`, as
     /// long as the arena's ranks do not outnumber the cores (else at once):
     /// whether the stage passed (`None`: not yet, or the arena is crowded).
     /// The clock is read once per `POLLS` polls, the abort once per `POLLS`.
-    pub fn wait_busy(&self, busy: Duration) -> Option<std::result::Result<(), Stuck>> {
+    pub fn wait_busy(&mut self, busy: Duration) -> Option<std::result::Result<(), Stuck>> {
         if self.arena.crowded || busy.is_zero() {
             return None;
         }
@@ -450,10 +481,9 @@ impl Round<'_> {
     /// After `arrive`: wait until every rank has arrived at this stage: poll
     /// for `spin` (yielding the core between polls), then sleep (each sleep
     /// charged to `cost`), until `deadline`.
-    pub fn wait(&self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {
+    pub fn wait(&mut self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {
         let a = self.arena;
         let h = a.header();
-        let mine = self.local.stages;
         let spin_until = Instant::now() + spin;
         loop {
             if self.passed() {
@@ -469,11 +499,12 @@ impl Round<'_> {
         }
         loop {
             h.sleepers.fetch_add(1, Ordering::SeqCst);
-            let seen = h.arrivals.load(Ordering::SeqCst);
+            let seen = h.wake.load(Ordering::SeqCst);
+            let passed = self.passed();
             let aborted = a.aborted();
             let now = Instant::now();
-            let asleep = !self.passed() && aborted.is_none() && now < deadline;
-            if asleep && futex_wait(&h.arrivals, seen, (deadline - now).min(TICK)) {
+            let asleep = !passed && aborted.is_none() && now < deadline;
+            if asleep && futex_wait(&h.wake, seen, (deadline - now).min(TICK)) {
                 cost.slept();
             }
             h.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -484,9 +515,7 @@ impl Round<'_> {
                 return Err(stuck);
             }
             if Instant::now() >= deadline {
-                let missing = (0..a.world)
-                    .filter(|&r| (a.arrived(r).load(Ordering::Acquire).wrapping_sub(mine) as i32) < 0)
-                    .collect();
+                let missing = (0..a.world).filter(|&r| !self.has_arrived(r)).collect();
                 return Err(Stuck::TimedOut { missing });
             }
         }
@@ -619,7 +648,7 @@ mod tests {
                 let mut r0 = a0.round(&tag(0)).unwrap();
                 r0.stage(far(), Duration::ZERO, &Cost::default())
             });
-            while arenas[1].header().arrivals.load(Ordering::SeqCst) == 0 {
+            while arenas[0].stamp(0, 0).arrived.load(Ordering::SeqCst) == 0 {
                 std::thread::yield_now();
             }
             arenas[0].abort("rank 0 shut the group down");
@@ -663,9 +692,10 @@ mod tests {
         let start = u32::MAX - 5;
         for a in &arenas {
             a.local.lock().unwrap().stages = start;
-            a.arrived(a.rank()).store(start, Ordering::Relaxed);
+            for parity in 0..2 {
+                a.stamp(a.rank(), parity).arrived.store(start, Ordering::Relaxed);
+            }
         }
-        arenas[0].header().arrivals.store(start.wrapping_mul(3), Ordering::Relaxed);
         std::thread::scope(|s| {
             for a in &arenas {
                 s.spawn(move || {
