@@ -453,21 +453,18 @@ impl Round<'_> {
         self.from == world
     }
 
-    /// After `arrive`: poll without yielding the core for up to `busy`, as
-    /// long as the arena's ranks do not outnumber the cores (else at once):
-    /// whether the stage passed (`None`: not yet, or the arena is crowded).
-    /// The clock is read once per `POLLS` polls, the abort once per `POLLS`.
+    /// After `arrive`: poll for up to `busy`, `POLLS` polls at a time, with
+    /// a look at the clock and the abort in between, and, if the arena's
+    /// ranks outnumber the cores, a yield of the core (which the rank waited
+    /// for may need): whether the stage passed (`None`: not yet).
     pub fn wait_busy(&mut self, busy: Duration) -> Option<std::result::Result<(), Stuck>> {
-        if self.arena.crowded || busy.is_zero() {
+        if busy.is_zero() {
             return None;
         }
         let until = Instant::now() + busy;
         loop {
-            for _ in 0..POLLS {
-                if self.passed() {
-                    return Some(Ok(()));
-                }
-                std::hint::spin_loop();
+            if self.poll_a_while() {
+                return Some(Ok(()));
             }
             if let Some(stuck) = self.arena.aborted() {
                 return Some(Err(stuck));
@@ -475,18 +472,34 @@ impl Round<'_> {
             if Instant::now() >= until {
                 return None;
             }
+            if self.arena.crowded {
+                std::thread::yield_now();
+            }
         }
     }
 
+    /// `POLLS` polls without yielding the core: whether the stage passed.
+    /// A yield is a system call, which costs far more than a poll on some
+    /// hosts (a sandboxed kernel): a waiter yields only between these.
+    fn poll_a_while(&mut self) -> bool {
+        for _ in 0..POLLS {
+            if self.passed() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        false
+    }
+
     /// After `arrive`: wait until every rank has arrived at this stage: poll
-    /// for `spin` (yielding the core between polls), then sleep (each sleep
-    /// charged to `cost`), until `deadline`.
+    /// for `spin` (yielding the core between `POLLS` polls), then sleep (each
+    /// sleep charged to `cost`), until `deadline`.
     pub fn wait(&mut self, deadline: Instant, spin: Duration, cost: &Cost) -> std::result::Result<(), Stuck> {
         let a = self.arena;
         let h = a.header();
         let spin_until = Instant::now() + spin;
         loop {
-            if self.passed() {
+            if self.poll_a_while() {
                 return Ok(());
             }
             if let Some(stuck) = a.aborted() {
