@@ -37,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -96,6 +97,16 @@ def _deepspeed_all_reduce(world: int, rank: int, port: int, prebuilt: str | None
     return run
 
 
+def _switches() -> int:
+    """Involuntary context switches of this thread so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
+
+def _sleeps(group) -> int:
+    """How often a thread of rustc10d's `group` went to sleep waiting for an all_reduce so far."""
+    return int(rustc10d.stats(group).get("allreduce", {}).get("wakeups", 0))
+
+
 def _timed_ops(run, x: torch.Tensor, rank: int, want: torch.Tensor, iters: int, idle_s: float) -> tuple[list[int], str]:
     """`iters` ops, each on a refilled input and checked: each one's nanoseconds, and what was
     wrong ("" if nothing)."""
@@ -141,6 +152,10 @@ def worker_main(rank: int, world: int, port: int) -> int:
             iters = _iterations(cfg, size)
             per_round = max(1, iters // cfg["rounds"])
             times = {(s, m): [] for s in runs for m in MODES}
+            # Per series and mode, this rank's main thread: involuntary context switches (the
+            # scheduler took its core), and rustc10d's futex sleeps (its group's counters).
+            preempted = {(s, m): 0 for s in runs for m in MODES}
+            slept = {(s, m): 0 for s in runs for m in MODES}
             errors = {}
             for mode in MODES:
                 idle_s = cfg["idle_ms"] / 1e3 if mode == "after_idle" else 0.0
@@ -155,11 +170,14 @@ def worker_main(rank: int, world: int, port: int) -> int:
                         if name in errors:
                             continue
                         dist.barrier(group=sync)
+                        switches, sleeps = _switches(), _sleeps(ours)
                         try:
                             got, error = _timed_ops(run, x, rank, want, per_round, idle_s)
                         except Exception as e:  # noqa: BLE001
                             got, error = [], f"{type(e).__name__}: {e}"
                         times[(name, mode)] += got
+                        preempted[(name, mode)] += _switches() - switches
+                        slept[(name, mode)] += _sleeps(ours) - sleeps
                         if error:
                             errors[name] = error
                     # every rank must skip the same series from here on
@@ -169,15 +187,21 @@ def worker_main(rank: int, world: int, port: int) -> int:
                         for name, why in e.items():
                             errors.setdefault(name, why)
             every = [None] * world
-            dist.all_gather_object(every, {f"{s}|{m}": t for (s, m), t in times.items()}, group=sync)
+            mine = {f"{s}|{m}": (t, preempted[(s, m)], slept[(s, m)]) for (s, m), t in times.items()}
+            dist.all_gather_object(every, mine, group=sync)
             entry = {"world": world, "op": "all_reduce", "dtype": dtype_name, "size": size,
                      "bytes": n * dtype.itemsize, "iters": iters, "errors": errors, "series": {}}
             for key in every[0]:
-                per_op = [max(r[key][i] for r in every) for i in range(min(len(r[key]) for r in every))]
+                ops = min(len(r[key][0]) for r in every)
+                per_op = [max(r[key][0][i] for r in every) for i in range(ops)]
                 if per_op:
+                    # Summed over the ranks: how often, per op, some rank lost its core or slept
+                    # (the series' warm-up ops are not counted, nor are times of ops left over).
                     entry["series"][key] = {"median_us": statistics.median(per_op) / 1e3,
                                             "p90_us": sorted(per_op)[int(0.9 * (len(per_op) - 1))] / 1e3,
-                                            "ops": len(per_op)}
+                                            "ops": len(per_op),
+                                            "preempted_per_op": sum(r[key][1] for r in every) / ops,
+                                            "rustc10d_sleeps_per_op": sum(r[key][2] for r in every) / ops}
             results.write(json.dumps(entry) + "\n")
             results.flush()
         # What rustc10d's rank costs while nothing happens, every group connected.
@@ -234,6 +258,14 @@ def print_table(world: int, dtype: str, entries: list[dict], cpus: int):
                 a, b = e["series"].get(f"rustc10d-op|{mode}"), e["series"].get(f"{DEEPSPEED}|{mode}")
                 ratio.append(f"{a['median_us'] / b['median_us']:>11.2f}" if a and b else f"{'-':>11}")
             print(f"{'':<14}{'op/ds':<11}" + "".join(ratio))
+    print("per op, summed over the ranks: times a rank's thread lost its core to another / rustc10d slept")
+    for mode in MODES:
+        label = "back to back" if mode == "back_to_back" else "after idle"
+        for i, s in enumerate(series):
+            cells = [e["series"].get(f"{s}|{mode}") for e in entries]
+            print(f"{label if i == 0 else '':<14}{s:<11}"
+                  + "".join(f"{c.get('preempted_per_op', 0):>6.2f}/{c.get('rustc10d_sleeps_per_op', 0):<4.2f}"
+                            if c else f"{'-':>11}" for c in cells))
     for e in entries:
         for s, why in e["errors"].items():
             print(f"  {bench._size(e['bytes'])} {s}: {why[:300]}")
