@@ -11,7 +11,8 @@
 #        bash scripts/device_check.sh
 #
 # DS_OP: DeepSpeed's shm all_reduce op built here for that torch and Python (the image has no
-# deepspeed and no network), for the latency part to run it side by side:
+# deepspeed and no network), for the latency part to run it side by side; build it after the wheel,
+# whose script empties .device-carry:
 #
 #   DS=<a deepspeed install>/deepspeed/ops/csrc; ~/.cache/rustc10d-device/venv-t2.11.0-py3.12.1/bin/python -c \
 #     "from torch.utils.cpp_extension import load; load(name='deepspeed_shm_comm', \
