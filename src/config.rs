@@ -65,6 +65,8 @@ pub struct Config {
     /// on this host, let every process of this user attach to this one
     /// (PR_SET_PTRACER_ANY), so that the peers can read its memory.
     pub ptracer_any: bool,
+    /// Raise the soft limit on open files to the hard one at the first group.
+    pub raise_fd_limit: bool,
     pub transport: TransportMode,
     /// TCP connections this rank sends to each peer on (`auto`: chosen by
     /// measuring, see `transport::striping`).
@@ -101,6 +103,7 @@ impl Default for Config {
             single_copy_bytes: 64 << 10,
             arena_slot_bytes: 1 << 20,
             ptracer_any: true,
+            raise_fd_limit: true,
             spin: Duration::from_micros(50),
             // Ranks called at once wake from their compute tens of microseconds
             // apart: polling that long costs less than a sleep and a wake-up
@@ -205,6 +208,16 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| u8::from(c.ptracer_any).to_string(),
+    },
+    Setting {
+        option: "raise_fd_limit",
+        env: "RUSTC10D_RAISE_FD_LIMIT",
+        shared: false,
+        set: |c, v| {
+            c.raise_fd_limit = flag(v)?;
+            Ok(())
+        },
+        show: |c| u8::from(c.raise_fd_limit).to_string(),
     },
     Setting {
         option: "transport",

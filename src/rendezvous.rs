@@ -8,6 +8,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::transport::arena::Arena;
 use crate::transport::auth::{fill_random, Identity, TOKEN_LEN};
 use crate::transport::conn::read_process;
+use crate::transport::fd_limit;
 use crate::transport::frame::PROTOCOL_VERSION;
 use crate::transport::mesh::{ArenaRole, Layout, Mesh, PeerAddr, ShmEndpoint};
 use crate::transport::peer_reads::let_peers_read;
@@ -146,14 +147,18 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         return Err(Error::invalid(format!("rustc10d: rank {rank} is out of range for world size {size}")));
     }
     let deadline = Instant::now() + me.timeout;
+    if cfg.raise_fd_limit {
+        fd_limit::raise_soft_limit();
+    }
     let keys = Keys::join(store, size)?;
     let token = agree_on_token(store, &keys, rank, me.timeout)?;
     // What this rank sets up by itself; if any of it fails, the others are
     // told at once instead of waiting for an address until their timeout.
     let local_setup = || -> Result<_> {
         let ip = choose_local_ip(cfg.socket_ifname.as_deref(), me.store_host.as_deref())?;
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-            .map_err(|e| Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {e}")))?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
+            Error::io(format!("rustc10d: rank {rank} could not listen on {ip}: {}", fd_limit::describe(&e)))
+        })?;
         let addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
         // Holding a membership keeps the I/O thread, started here, until the mesh holds its own.
         let io = Reactor::join()?;

@@ -107,3 +107,83 @@ def test_import_under_another_torch_says_how_to_rebuild(tmp_path):
     command = f"{sys.executable} -m pip install --no-build-isolation --force-reinstall --no-deps {harness.REPO}"
     assert proc.returncode != 0 and last.startswith("ImportError: rustc10d was built against torch "), proc.stderr
     assert last.endswith(f", but torch 2.0.0 is installed. Rebuild it against this torch: {command}"), last
+
+
+FD_JOB = r"""
+import os, resource, sys
+from datetime import timedelta
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), hard))
+import torch, torch.distributed as dist
+import rustc10d
+import time
+rank, port_file = int(sys.argv[1]), sys.argv[2]
+if rank == 0:  # on a port the OS picks, told to rank 1 through a file
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(store.port))
+    os.rename(port_file + ".tmp", port_file)
+else:
+    deadline = time.monotonic() + 30
+    while not os.path.exists(port_file) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store = dist.TCPStore("127.0.0.1", int(open(port_file).read()), 2, is_master=False,
+                          timeout=timedelta(seconds=30))
+dist.init_process_group("rustc10d", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10))
+print("limit", *resource.getrlimit(resource.RLIMIT_NOFILE), flush=True)
+groups = []
+try:
+    for i in range(int(sys.argv[4])):
+        groups.append(dist.new_group([0, 1]))
+        t = torch.ones(1)
+        dist.all_reduce(t, group=groups[-1])
+        assert t.item() == 2
+    print("groups", len(groups), flush=True)
+except Exception as e:
+    print("failed after", len(groups), "groups:", e, flush=True)
+    os._exit(0)
+dist.destroy_process_group()
+"""
+
+
+def _fd_job(tmp_path, soft: int, groups: int, env: dict) -> list[str]:
+    """Two ranks that lower their soft open-file limit to `soft`, then make `groups` groups:
+    each rank's output."""
+    port_file = tmp_path / f"port-{soft}-{groups}-{len(env)}"
+    procs = [subprocess.Popen([sys.executable, "-c", FD_JOB, str(r), str(port_file), str(soft), str(groups)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=harness.worker_env(env), cwd=tmp_path) for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the job did not end in 120 s")
+    return outs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's own limit handling")
+def test_the_open_file_limit_is_raised_and_running_out_names_it(tmp_path):
+    """A rank whose soft limit is far below its hard one gets it raised at its first group, so
+    many groups fit; with RUSTC10D_RAISE_FD_LIMIT=0 the limit stays, and running out of
+    descriptors fails an op with an error that names the limit and how to raise it."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    for out in _fd_job(tmp_path, 128, 40, {}):
+        assert "groups 40" in out, out
+        limit = out.split("limit ", 1)[1].split()
+        assert int(limit[0]) == int(limit[1]), f"soft limit not raised to the hard one: {out}"
+    outs = _fd_job(tmp_path, 128, 200, {"RUSTC10D_RAISE_FD_LIMIT": "0"})
+    for out in outs:
+        assert "limit 128 " in out, out
+        assert "failed after" in out, f"200 groups fit in 128 descriptors? {out}"
+        # One warning, not one per turn of the I/O thread while the connection waits.
+        assert out.count("Too many open files") <= 3, out[:3000]
+    said = [out for out in outs if "RLIMIT_NOFILE: soft 128" in out and "ulimit -n" in out]
+    assert said, f"no rank named the limit: {outs}"

@@ -80,6 +80,31 @@ impl Listening {
         Listening { listener, core: Arc::downgrade(core), handshakes: Arc::default() }
     }
 
+    /// Out of file descriptors, this listener cannot take the connection
+    /// waiting for it, which keeps it readable: stop watching it (else the
+    /// I/O thread would spin on it, a warning each turn), and fail, with
+    /// the limit and how to raise it, every peer not linked yet: this
+    /// rank's join, or an op that needs a peer it has no connection to yet,
+    /// fails now, not at its timeout.
+    fn out_of_descriptors(&self, core: &Arc<Core>, e: &io::Error) {
+        let why = Error::resource(format!(
+            "rustc10d: rank {} could not accept a connection: {}",
+            core.rank(),
+            super::fd_limit::describe(e)
+        ));
+        tracing::warn!("{}", why.message);
+        let fd = self.listener.fd();
+        let watched = core.listeners.lock().unwrap().iter().find(|(_, l)| l.listener.fd() == fd).map(|(t, _)| *t);
+        if let Some(token) = watched {
+            core.reactor.deregister(token, fd);
+        }
+        for peer in (0..core.peers.len()).filter(|&p| p != core.rank()) {
+            if !core.peers[peer].state.lock().unwrap().is_linked() {
+                core.give_up(peer, &why);
+            }
+        }
+    }
+
     /// Accept everything waiting and start its handshake.
     fn accept_all(&self, core: &Arc<Core>) {
         loop {
@@ -91,9 +116,10 @@ impl Listening {
                 Ok((stream, from)) => self.start(core, stream, from),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if super::fd_limit::hint(&e).is_some() => return self.out_of_descriptors(core, &e),
                 Err(e) => {
                     // Out of descriptors, say: the pending connection waits for the next event.
-                    tracing::warn!("rustc10d: rank {}: accept failed: {e}", core.rank());
+                    tracing::warn!("rustc10d: rank {}: accept failed: {}", core.rank(), super::fd_limit::describe(&e));
                     return;
                 }
             }

@@ -13,6 +13,7 @@
 
 use super::auth::{nonce, Identity, Side, Transcript, PROOF_LEN};
 use super::conn::{Conn, ShmConn};
+use super::fd_limit;
 use super::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
 use super::frame::{Challenge, Hello, CHALLENGE_LEN, PROTOCOL_VERSION};
 use super::ring::Segment;
@@ -51,6 +52,8 @@ fn retry(what: &'static str) -> impl Fn(io::Error) -> Attempt {
     move |e| match e.kind() {
         // A socket timeout reads as EAGAIN, which says nothing to a user.
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Attempt::Retry(format!("{what} in time")),
+        // Out of descriptors: another attempt would only flood the log.
+        _ if fd_limit::hint(&e).is_some() => Attempt::Fail(format!("{what}: {}", fd_limit::describe(&e))),
         _ => Attempt::Retry(format!("{what}: {e}")),
     }
 }
@@ -109,7 +112,7 @@ impl Dialler<'_> {
                     Attempt::Retry(format!("connect: {e}"))
                 }
                 // The socket is gone with its process, or never was.
-                _ => Attempt::Fail(format!("connect: {e}")),
+                _ => Attempt::Fail(format!("connect: {}", fd_limit::describe(&e))),
             })?;
             check_same_user(&sock).map_err(|e| fail(e.message))?;
             self.handshake(&sock)?;

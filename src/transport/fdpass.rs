@@ -156,7 +156,10 @@ pub fn eventfd() -> Result<OwnedFd> {
     // SAFETY: eventfd takes a count and flags and touches no memory of ours.
     let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if fd < 0 {
-        return Err(Error::io(format!("rustc10d: eventfd failed: {}", io::Error::last_os_error())));
+        return Err(Error::io(format!(
+            "rustc10d: eventfd failed: {}",
+            super::fd_limit::describe(&io::Error::last_os_error())
+        )));
     }
     // SAFETY: a descriptor eventfd just returned (checked >= 0), owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod conn;
 mod dial;
 pub mod fake;
+pub mod fd_limit;
 pub mod fdpass;
 pub mod frame;
 mod link;

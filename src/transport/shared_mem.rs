@@ -96,5 +96,5 @@ impl Drop for Mapping {
 }
 
 pub fn os_error(what: &str) -> Error {
-    Error::io(format!("rustc10d: {what} failed: {}", io::Error::last_os_error()))
+    Error::io(format!("rustc10d: {what} failed: {}", super::fd_limit::describe(&io::Error::last_os_error())))
 }
