@@ -98,7 +98,7 @@ def _deepspeed_all_reduce(world: int, rank: int, port: int, prebuilt: str | None
 
 
 def _switches() -> int:
-    """Involuntary context switches of this thread so far."""
+    """Involuntary context switches of this thread so far (preemptions, and yields that ran another thread)."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
@@ -153,7 +153,8 @@ def worker_main(rank: int, world: int, port: int) -> int:
             per_round = max(1, iters // cfg["rounds"])
             times = {(s, m): [] for s in runs for m in MODES}
             # Per series and mode, this rank's main thread: involuntary context switches (the
-            # scheduler took its core), and rustc10d's futex sleeps (its group's counters).
+            # scheduler gave its core to another thread: a preemption, or a yield of rustc10d's
+            # waits that let another thread run), and rustc10d's futex sleeps (its group's counters).
             preempted = {(s, m): 0 for s in runs for m in MODES}
             slept = {(s, m): 0 for s in runs for m in MODES}
             errors = {}
@@ -258,7 +259,8 @@ def print_table(world: int, dtype: str, entries: list[dict], cpus: int):
                 a, b = e["series"].get(f"rustc10d-op|{mode}"), e["series"].get(f"{DEEPSPEED}|{mode}")
                 ratio.append(f"{a['median_us'] / b['median_us']:>11.2f}" if a and b else f"{'-':>11}")
             print(f"{'':<14}{'op/ds':<11}" + "".join(ratio))
-    print("per op, summed over the ranks: times a rank's thread lost its core to another / rustc10d slept")
+    print("per op, summed over the ranks: times a rank's thread was switched out while runnable "
+          "(preempted, or yielded to another thread) / rustc10d slept")
     for mode in MODES:
         label = "back to back" if mode == "back_to_back" else "after idle"
         for i, s in enumerate(series):
