@@ -399,8 +399,11 @@ impl Round<'_> {
     }
 
     /// Whether `rank` has arrived at the stage this rank last arrived at.
+    /// SeqCst, not just Acquire: `arrive` and `wait` rely on these loads
+    /// being in the one total order with the arrivals and the sleepers'
+    /// count (on x86 it is the same plain load).
     fn has_arrived(&self, rank: usize) -> bool {
-        let theirs = self.arena.stamp(rank, self.parity).arrived.load(Ordering::Acquire);
+        let theirs = self.arena.stamp(rank, self.parity).arrived.load(Ordering::SeqCst);
         theirs.wrapping_sub(self.local.stages) as i32 >= 0
     }
 
