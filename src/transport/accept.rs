@@ -30,6 +30,7 @@ use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 /// Handshakes one listener runs at once (see the module comment).
@@ -54,6 +55,8 @@ pub struct Listening {
     pub listener: Listener,
     core: Weak<Core>,
     handshakes: Arc<Handshakes>,
+    /// It has said it is out of file descriptors.
+    out_of_descriptors: AtomicBool,
 }
 
 /// One listener's handshakes in progress, oldest first.
@@ -77,31 +80,25 @@ impl Handshakes {
 
 impl Listening {
     pub fn new(listener: Listener, core: &Arc<Core>) -> Listening {
-        Listening { listener, core: Arc::downgrade(core), handshakes: Arc::default() }
+        Listening {
+            listener,
+            core: Arc::downgrade(core),
+            handshakes: Arc::default(),
+            out_of_descriptors: AtomicBool::new(false),
+        }
     }
 
     /// Out of file descriptors, this listener cannot take the connection
-    /// waiting for it, which keeps it readable: stop watching it (else the
-    /// I/O thread would spin on it, a warning each turn), and fail, with
-    /// the limit and how to raise it, every peer not linked yet: this
-    /// rank's join, or an op that needs a peer it has no connection to yet,
-    /// fails now, not at its timeout.
+    /// waiting for it, and stays readable: say so once, with the limit and
+    /// how to raise it, rather than on every turn of the I/O thread. The
+    /// dialler's handshake fails at its deadline.
     fn out_of_descriptors(&self, core: &Arc<Core>, e: &io::Error) {
-        let why = Error::resource(format!(
-            "rustc10d: rank {} could not accept a connection: {}",
-            core.rank(),
-            super::fd_limit::describe(e)
-        ));
-        tracing::warn!("{}", why.message);
-        let fd = self.listener.fd();
-        let watched = core.listeners.lock().unwrap().iter().find(|(_, l)| l.listener.fd() == fd).map(|(t, _)| *t);
-        if let Some(token) = watched {
-            core.reactor.deregister(token, fd);
-        }
-        for peer in (0..core.peers.len()).filter(|&p| p != core.rank()) {
-            if !core.peers[peer].state.lock().unwrap().is_linked() {
-                core.give_up(peer, &why);
-            }
+        if !self.out_of_descriptors.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "rustc10d: rank {} could not accept a connection: {}",
+                core.rank(),
+                super::fd_limit::describe(e)
+            );
         }
     }
 
