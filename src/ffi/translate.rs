@@ -88,9 +88,8 @@ pub(super) fn same_dtype(kind: ops::OpKind, ts: impl IntoIterator<Item = bridge:
     Ok(())
 }
 
-/// The collectives of a call (see `Call`'s layouts).
-/// The collectives of `call`; a sparse all-reduce hands what it gathered to
-/// `sparse` (none: the call may not be one).
+/// The collectives of `call` (see `Call`'s layouts); a sparse all-reduce
+/// hands what it gathered to `sparse` (none: the call may not be one).
 pub(super) fn collectives(call: &Call, sparse: Option<&Arc<Mutex<SparseGathered>>>) -> Result<Vec<Collective>> {
     let (ins, outs) = (&call.inputs[..], &call.outputs[..]);
     let root = || rank(call.root, "root");

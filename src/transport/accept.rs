@@ -115,8 +115,8 @@ impl Listening {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if super::fd_limit::hint(&e).is_some() => return self.out_of_descriptors(core, &e),
                 Err(e) => {
-                    // Out of descriptors, say: the pending connection waits for the next event.
-                    tracing::warn!("rustc10d: rank {}: accept failed: {}", core.rank(), super::fd_limit::describe(&e));
+                    // The pending connection waits for the next event.
+                    tracing::warn!("rustc10d: rank {}: accept failed: {e}", core.rank());
                     return;
                 }
             }

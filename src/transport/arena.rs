@@ -118,8 +118,8 @@ struct Stamp {
     arrived: AtomicU32,
     _p: AtomicU32,
     /// The tag of the round, in native byte order. Written (Relaxed) before
-    /// the round's first stage, read (Relaxed) after it: the stage's Release
-    /// arrival and Acquire wait order them.
+    /// the round's first stage, read (Relaxed) after it: the stage's arrival
+    /// (a store of `arrived`) and wait (loads of it) order them.
     tag: [AtomicU64; TAG_WORDS],
 }
 

@@ -149,12 +149,7 @@ impl Reactor {
     }
 
     fn start() -> Result<Reactor> {
-        let os = |what: &str| {
-            Error::io(format!(
-                "rustc10d: {what} failed: {}",
-                super::fd_limit::describe(&std::io::Error::last_os_error())
-            ))
-        };
+        let os = super::shared_mem::os_error;
         // SAFETY: epoll_create1 takes only flags and touches no memory of ours.
         let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if epoll < 0 {

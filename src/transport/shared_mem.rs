@@ -95,6 +95,8 @@ impl Drop for Mapping {
     }
 }
 
+/// The error of the OS call `what` that just failed, naming the open-file
+/// limit where that is why (`fd_limit::describe`).
 pub fn os_error(what: &str) -> Error {
     Error::io(format!("rustc10d: {what} failed: {}", super::fd_limit::describe(&io::Error::last_os_error())))
 }
