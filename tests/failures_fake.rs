@@ -59,6 +59,29 @@ fn a_late_mismatch_far_from_a_rank_leaves_its_buffer_alone() {
     }
 }
 
+/// Two ranks that match each other cannot reach each other (one of them
+/// saw the mismatch and left before the other, slower, dialled it: CI at
+/// stop 35, "rank 1 could not connect to rank 3" in a sparse all-reduce
+/// where rank 2 differed). Both still name the mismatch, which another
+/// peer's call shows them, and not only the peer they could not reach.
+#[test]
+fn a_peer_out_of_reach_does_not_hide_a_mismatch() {
+    for world in 3..=5 {
+        for (path, small) in PATHS {
+            for odd in 0..world {
+                let matching: Vec<usize> = (0..world).filter(|&r| r != odd).collect();
+                let (a, b) = (matching[0], matching[matching.len() - 1]);
+                let net = FakeNet::new(world);
+                net[a].break_peer(b, &Error::io("connect: Connection refused (os error 111)".to_string()));
+                let t0 = Instant::now();
+                let out = on_net(&net, small, |rk| mismatched_call(rk, odd, "byte count"));
+                let at = format!("world {world}, {path}, rank {odd} differs, ranks {a} and {b} cut apart");
+                assert_mismatch_everywhere(out, t0, &at);
+            }
+        }
+    }
+}
+
 /// The link between rank 0 and the last rank is cut while the others are in
 /// a large ring all-reduce (the last rank joins only after the cut): every
 /// rank's op fails within moments, not at its timeout. The two ends of the

@@ -26,6 +26,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ops::{Collective, OpKind, Reduction};
 use crate::transport::subgroup::Subgroup;
 use crate::transport::{Key, TransferId, Transfers};
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fingerprint {
@@ -222,7 +223,7 @@ fn agree_in_rounds(ctx: &OpCtx, mine: &Fingerprint, members: &[usize], me: usize
 /// Post `agreement`, do `meanwhile`, then check it.
 fn agree_with(ctx: &OpCtx, mut agreement: Agreement, meanwhile: impl FnOnce() -> Result<()>) -> Result<()> {
     let tr = &mut ctx.transfers();
-    agreement.post(ctx, tr)?;
+    agreement.post(ctx, tr);
     meanwhile()?;
     agreement.check(ctx, tr)?;
     tr.wait_all()
@@ -235,7 +236,7 @@ pub fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, mine: &Fingerprint) -> Re
         return in_arena::agree(ctx, &arena, mine);
     }
     let mut agreement = Agreement::new(mine, true);
-    agreement.post(ctx, tr)?;
+    agreement.post(ctx, tr);
     agreement.check(ctx, tr)
 }
 
@@ -253,12 +254,26 @@ pub fn agree_with_all(ctx: &OpCtx, tr: &mut Transfers, mine: &Fingerprint) -> Re
 ///
 /// The fingerprints travel in memory the Transfers owns, so an Agreement
 /// may end before the sends it posted do (a peer may read ours late).
+///
+/// A peer this rank cannot reach does not end the check at once: a rank
+/// that found the mismatch may already have left the group, before a slow
+/// rank that never linked to it dialled it ("connection refused"), and the
+/// mismatch is what every rank must name. So every fingerprint is posted
+/// whatever fails, and `check` looks at those that come within `GRACE` of
+/// the first failure before it reports that failure.
 pub struct Agreement {
     mine: Fingerprint,
     peers: Peers,
     /// (peer, the receive of its fingerprint), the left neighbour first.
     theirs: Vec<(usize, TransferId)>,
+    /// Why a fingerprint could not be posted, the first such failure.
+    unposted: Option<Error>,
 }
+
+/// How long a rank that failed to hear from (or tell) a peer still waits
+/// for the other peers' fingerprints, for a mismatch that explains the
+/// failure: long enough for a peer already in the op, short beside a timeout.
+const GRACE: Duration = Duration::from_secs(1);
 
 /// Whom an Agreement hears from and tells.
 enum Peers {
@@ -287,10 +302,11 @@ impl Agreement {
     }
 
     fn with(mine: &Fingerprint, peers: Peers) -> Agreement {
-        Agreement { mine: *mine, peers, theirs: Vec::new() }
+        Agreement { mine: *mine, peers, theirs: Vec::new(), unposted: None }
     }
 
-    pub fn post(&mut self, ctx: &OpCtx, tr: &mut Transfers) -> Result<()> {
+    /// Post this rank's side: a peer that cannot be reached fails `check`.
+    pub fn post(&mut self, ctx: &OpCtx, tr: &mut Transfers) {
         let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
         let key = Key::collective(ctx.seq, u64::MAX);
         let (from, to): (Vec<usize>, Vec<usize>) = match &self.peers {
@@ -304,28 +320,74 @@ impl Agreement {
             }
             Peers::Listed { from, to } => (from.clone(), to.clone()),
         };
-        self.theirs = from
-            .into_iter()
-            .map(|peer| Ok((peer, tr.recv_owned(peer, key, Fingerprint::LEN)?)))
-            .collect::<Result<_>>()?;
+        let mut unposted = None;
+        let mut keep = |r: Result<()>| {
+            if let Err(e) = r {
+                unposted.get_or_insert(e);
+            }
+        };
+        self.theirs.clear();
+        for peer in from {
+            keep(tr.recv_owned(peer, key, Fingerprint::LEN).map(|id| self.theirs.push((peer, id))));
+        }
         let out = self.mine.encode();
         for peer in to {
-            tr.send_copy(peer, key, &out)?;
+            keep(tr.send_copy(peer, key, &out).map(drop));
         }
-        Ok(())
+        self.unposted = unposted;
     }
 
     pub fn check(&self, ctx: &OpCtx, tr: &Transfers) -> Result<()> {
+        self.check_after(ctx, tr, self.unposted.clone())
+    }
+
+    /// The error of a rank that failed (`e`) after `post`, before `check`:
+    /// the mismatch that explains it, where a fingerprint shows one.
+    pub fn explain(&self, ctx: &OpCtx, tr: &Transfers, e: Error) -> Error {
+        let first = match &self.unposted {
+            Some(u) if tells_more(u, &e) => u.clone(),
+            _ => e,
+        };
+        self.check_after(ctx, tr, Some(first.clone())).err().unwrap_or(first)
+    }
+
+    fn check_after(&self, ctx: &OpCtx, tr: &Transfers, mut failed: Option<Error>) -> Result<()> {
+        let mut grace = failed.as_ref().map(|_| Instant::now() + GRACE);
         for &(peer, id) in &self.theirs {
-            tr.wait(id)?;
+            let waited = match grace {
+                None => tr.wait(id),
+                Some(until) => match tr.finished_by(id, until) {
+                    Some(r) => r,
+                    None => continue,
+                },
+            };
+            if let Err(e) = waited {
+                grace.get_or_insert_with(|| Instant::now() + GRACE);
+                if failed.as_ref().is_none_or(|f| tells_more(&e, f)) {
+                    failed = Some(e);
+                }
+                continue;
+            }
             let theirs = Fingerprint::decode(tr.received(id).try_into().expect("a fingerprint's length"))
                 .map_err(|e| unreadable(ctx, peer, &self.mine, e))?;
             if theirs != self.mine {
                 return Err(mismatch(ctx, peer, self.mine.describe(), theirs.describe()));
             }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
+}
+
+/// Whether `e` says more of why the check failed than `than`: a peer's own
+/// word (it gave up on the group, saying why: often the mismatch it saw)
+/// says more than this rank's failure to reach a peer, or a timeout.
+fn tells_more(e: &Error, than: &Error) -> bool {
+    let weight = |k: ErrorKind| match k {
+        ErrorKind::Mismatch => 2,
+        ErrorKind::PeerLost => 1,
+        _ => 0,
+    };
+    weight(e.kind) > weight(than.kind)
 }
 
 /// The error of a call on this rank that does not match `peer`'s.

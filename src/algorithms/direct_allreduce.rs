@@ -9,8 +9,9 @@
 use super::call_check::{Agreement, Fingerprint};
 use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::reduce::divide_by;
+use crate::transport::Transfers;
 
 /// Groups up to this size may take the direct path (each rank receives W-1 copies).
 const SMALL_MAX_WORLD: usize = 16;
@@ -42,21 +43,26 @@ pub fn direct_allreduce(
     let mut agreement = check.map(|mine| Agreement::new(mine, true));
     let tr = &mut ctx.transfers();
     if let Some(a) = &mut agreement {
-        a.post(ctx, tr)?;
+        a.post(ctx, tr);
     }
-    let agreed = |tr: &crate::transport::Transfers| agreement.as_ref().map_or(Ok(()), |a| a.check(ctx, tr));
+    let agreed = |tr: &Transfers| agreement.as_ref().map_or(Ok(()), |a| a.check(ctx, tr));
+    // A failure before the check may come of a mismatch (a peer that saw it left): say so if it does.
+    let explained = |tr: &Transfers, e: Error| match &agreement {
+        Some(a) => a.explain(ctx, tr, e),
+        None => e,
+    };
     if world == 1 || len == 0 {
         return agreed(tr).and_then(|()| tr.wait_all());
     }
     for p in ctx.peers() {
         // SAFETY: slot p (p != rank) of the scratch, which outlives `tr`, filled
         // by this receive alone: each peer has a slot of its own.
-        unsafe { tr.recv(p, key, slot(p).ptr, len)? };
+        unsafe { tr.recv(p, key, slot(p).ptr, len) }.map_err(|e| explained(tr, e))?;
     }
     for p in ctx.peers() {
         // SAFETY: the op's buffer, only read by the sends; nothing writes it until
         // `tr.wait_all` below says every send is done.
-        unsafe { tr.send(p, key, buf.slice(0, len))? };
+        unsafe { tr.send(p, key, buf.slice(0, len)) }.map_err(|e| explained(tr, e))?;
     }
     // The calls agree, everything is received, and our buffer sent, before it is overwritten.
     agreed(tr)?;

@@ -58,7 +58,7 @@ pub fn hierarchical_direct_allreduce(
     let mut agreement = check.map(|mine| Agreement::among(mine, ctx, &told));
     let tr = &mut ctx.transfers();
     if let Some(a) = &mut agreement {
-        a.post(ctx, tr)?;
+        a.post(ctx, tr);
     }
     // SAFETY: `sums` is scratch of buf.len bytes, in no transfer (`tr` holds
     // only the agreement's own messages); the buffer is the op's, only read.

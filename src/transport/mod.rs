@@ -337,8 +337,7 @@ impl<'t> Transfers<'t> {
                 Ok(())
             }
             Some(Err(e)) => {
-                let peer = self.transport.describe_peer(p.peer);
-                let e = Error::new(e.kind, format!("rustc10d: {} failed with {peer}: {}", self.what, e.message));
+                let e = self.failed_with(p.peer, e);
                 // A peer that times out waiting for this rank learns why it stopped.
                 end(Some(e.message.clone()));
                 Err(e)
@@ -356,6 +355,22 @@ impl<'t> Transfers<'t> {
                 Err(Error::timed_out(self.timeout, format_args!("{said}")))
             }
         }
+    }
+
+    /// Wait for one transfer until `until` at the latest (and the op's
+    /// deadline): None if it has not finished by then. Unlike `wait`, a wait
+    /// that ends so is not an error and tells no peer anything: it is for a
+    /// rank that has already failed and only looks for a better reason.
+    pub fn finished_by(&self, id: TransferId, until: Instant) -> Option<Result<()>> {
+        let p = &self.pending[id.0];
+        let waited =
+            p.status.wait_polling(Some(until.min(self.deadline)), self.spin, self.transport.polling(Some(p.peer)));
+        waited.map(|r| r.map(|_| ()).map_err(|e| self.failed_with(p.peer, e)))
+    }
+
+    fn failed_with(&self, peer: usize, e: Error) -> Error {
+        let peer = self.transport.describe_peer(peer);
+        Error::new(e.kind, format!("rustc10d: {} failed with {peer}: {}", self.what, e.message))
     }
 
     /// Wait for every transfer (the sends that nobody waited for, too).
