@@ -156,6 +156,14 @@ fn connections(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
     Ok(out.unbind())
 }
 
+/// Whether every peer's count in `connections` is final: with nsocks=auto,
+/// once this rank has measured enough large sends to it (for tests).
+#[pyfunction]
+fn connections_settled(group_name: &str) -> PyResult<bool> {
+    let t = watched(group_name, |g| g.transport.upgrade())?;
+    Ok((0..t.size()).filter(|&p| p != t.rank()).all(|p| t.lanes_settled(p)))
+}
+
 /// stderr logging, once per process, at RUSTC10D_LOG's level (a bad value
 /// logs at the default level here, and fails init_process_group with Config's error).
 fn init_logging() {
@@ -177,6 +185,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(links, m)?)?;
     m.add_function(wrap_pyfunction!(connections, m)?)?;
+    m.add_function(wrap_pyfunction!(connections_settled, m)?)?;
     m.add("TORCH_VERSION", env!("RUSTC10D_TORCH_VERSION"))?;
     // Which of the torch APIs that differ across releases this build found (build.rs).
     let features = PyDict::new(m.py());

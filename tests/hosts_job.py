@@ -5,7 +5,8 @@ layout of ranks over hosts. RUSTC10D_TEST_HOST is the index of this rank's host.
     hosts_job.py           every collective against arithmetic, at sizes that divide by neither
                            the world nor the ranks per host; every rank ends with the same bits
     hosts_job.py init      init_process_group and a barrier only; prints how it went
-    hosts_job.py striping  all_reduce of 16 MiB, 64 times, against arithmetic; prints the
+    hosts_job.py striping  all_reduce of 16 MiB against arithmetic, 64 times and on until every
+                           rank's connection counts are final (at most 90 s); prints the
                            connections this rank ends up sending on to each peer
                            (rustc10d.connections()) and the first and last calls' times
 
@@ -70,15 +71,22 @@ def striping() -> int:
     n = 16 * MIB // 4
     want = sum(pattern(n, torch.float32, r + 1) for r in range(world))
     times = []
-    for _ in range(64):
+    # At least 64 all_reduces, then on until every rank's count is final (the counts seen while
+    # it measures go back down to confirm a gain), within a bound.
+    settled = torch.zeros(1)
+    start = time.monotonic()
+    while len(times) < 64 or (settled.item() < world and time.monotonic() - start < 90):
         t = pattern(n, torch.float32, rank + 1)
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)
         times.append(time.perf_counter() - t0)
         expect("all_reduce of 16 MiB", t, want)
+        settled.fill_(float(rustc10d._native.connections_settled(dist.group.WORLD.group_name)))
+        dist.all_reduce(settled)
     say(f"rank {rank} on host {HOST}: connections {rustc10d.connections()} first {times[0]:.3f} s "
-        f"last {min(times[-4:]):.3f} s")
+        f"last {min(times[-4:]):.3f} s settled {settled.item() == world} after {len(times)} all_reduces "
+        f"in {time.monotonic() - start:.0f} s")
     dist.barrier()
     dist.destroy_process_group()
     return 0

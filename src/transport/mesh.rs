@@ -356,6 +356,12 @@ impl Transport for Mesh {
         let open = slot.state.lock().unwrap().lanes().len();
         open.min(slot.striping.lock().unwrap().lanes())
     }
+
+    fn lanes_settled(&self, peer: usize) -> bool {
+        // Shared memory is one connection, never measured.
+        self.link_kind(peer) == Some("shm")
+            || self.core.peers.get(peer).is_none_or(|slot| slot.striping.lock().unwrap().settled())
+    }
 }
 
 /// Links a waiting thread polls.

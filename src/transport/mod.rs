@@ -151,6 +151,11 @@ pub trait Transport: Send + Sync {
         0
     }
 
+    /// Whether `lanes(peer)` is final (with `nsocks=auto`, once measured).
+    fn lanes_settled(&self, _peer: usize) -> bool {
+        true
+    }
+
     /// Which host `peer` runs on, as a number that every rank of the group
     /// gives the same host (hosts are numbered in the order of their lowest
     /// rank). Algorithms keep bytes off the links between hosts by it.
