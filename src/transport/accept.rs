@@ -18,9 +18,9 @@
 
 use super::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
 use super::conn::{Conn, ShmConn};
-use super::dial::HANDSHAKE_TIMEOUT;
+use super::dial::{Timeouts, HANDSHAKE_TIMEOUT};
 use super::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
-use super::frame::{Challenge, Hello, HELLO_LEN};
+use super::frame::{Challenge, Hello, Refusal, HELLO_LEN};
 use super::mesh_core::Core;
 use super::reactor::{Source, Token, READABLE};
 use super::ring::Segment;
@@ -89,9 +89,9 @@ impl Listening {
     }
 
     /// Out of file descriptors, this listener cannot take the connection
-    /// waiting for it, and stays readable: say so once, with the limit and
-    /// how to raise it, rather than on every turn of the I/O thread. The
-    /// dialler's handshake fails at its deadline.
+    /// waiting for it: say so once, with the limit and how to raise it,
+    /// rather than for every connection it refuses (`refuse_one`) or, where
+    /// it cannot even refuse, on every turn of the I/O thread.
     fn out_of_descriptors(&self, core: &Arc<Core>, e: &io::Error) {
         if !self.out_of_descriptors.swap(true, Ordering::Relaxed) {
             tracing::warn!(
@@ -100,6 +100,21 @@ impl Listening {
                 super::fd_limit::describe(e)
             );
         }
+    }
+
+    /// Out of descriptors: take the connection waiting with the spare one
+    /// and refuse it, saying why, so that its dialler fails now and names
+    /// this rank's limit, instead of trying again until the group's timeout
+    /// (30 minutes by default for a new group). False where there was no
+    /// spare, or nothing to take.
+    fn refuse_one(&self) -> bool {
+        let Some((soft, hard)) = super::fd_limit::current() else { return false };
+        let refusal = Refusal::OutOfDescriptors { soft, hard }.encode();
+        let refused = super::fd_limit::with_spare(|| match &self.listener {
+            Listener::Tcp(l) => l.accept().map(|(s, _)| refuse(s, &refusal)).is_ok(),
+            Listener::Unix(l) => l.accept().map(|(s, _)| refuse(s, &refusal)).is_ok(),
+        });
+        refused.unwrap_or(false)
     }
 
     /// Accept everything waiting and start its handshake.
@@ -113,7 +128,12 @@ impl Listening {
                 Ok((stream, from)) => self.start(core, stream, from),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if super::fd_limit::hint(&e).is_some() => return self.out_of_descriptors(core, &e),
+                Err(e) if super::fd_limit::hint(&e).is_some() => {
+                    self.out_of_descriptors(core, &e);
+                    if !self.refuse_one() {
+                        return;
+                    }
+                }
                 Err(e) => {
                     // The pending connection waits for the next event.
                     tracing::warn!("rustc10d: rank {}: accept failed: {e}", core.rank());
@@ -439,4 +459,17 @@ impl Source for Handshake {
             self.advance(&core);
         }
     }
+}
+
+/// Answer a dialler with `refusal` and close: its hello is read first (for at
+/// most 50 ms, on a connection that is blocking as accepted), since closing
+/// with bytes unread resets the connection, which could lose the answer.
+fn refuse<S: Timeouts>(stream: S, refusal: &[u8])
+where
+    for<'s> &'s S: Read + Write,
+{
+    let _ = stream.timeouts(Some(std::time::Duration::from_millis(50)));
+    let mut io = &stream;
+    let _ = io.read_exact(&mut [0u8; HELLO_LEN]);
+    let _ = io.write_all(refusal);
 }

@@ -5,8 +5,10 @@
 //! one (as Go's runtime does at start), and an error for running out names
 //! the limit and how to raise it.
 
+use std::fs::File;
 use std::io;
-use std::sync::OnceLock;
+use std::os::fd::OwnedFd;
+use std::sync::{Mutex, OnceLock};
 
 /// The soft and hard limits, and the soft one before this process raised it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,6 +25,36 @@ fn get() -> io::Result<libc::rlimit> {
         return Err(io::Error::last_os_error());
     }
     Ok(r)
+}
+
+/// The soft and hard limits now.
+pub fn current() -> Option<(u64, u64)> {
+    get().ok().map(|r| (r.rlim_cur as u64, r.rlim_max as u64))
+}
+
+/// A descriptor held in reserve for a listener that runs out (`with_spare`).
+static SPARE: Mutex<Option<OwnedFd>> = Mutex::new(None);
+
+/// Hold a spare descriptor, unless one is held already (each listener's
+/// start calls it, so that the process has one while it listens).
+pub fn keep_spare() {
+    let mut spare = SPARE.lock().unwrap();
+    if spare.is_none() {
+        *spare = File::open("/dev/null").ok().map(OwnedFd::from);
+    }
+}
+
+/// Run `f` with the spare descriptor closed, then hold one again: so that a
+/// listener out of descriptors can still take the connection waiting for it,
+/// to tell its dialler why it refuses it (as nginx and libev do). `f` must
+/// close what it opens. None where there is no spare (it could not be opened
+/// again after the last use: the process is still out).
+pub fn with_spare<T>(f: impl FnOnce() -> T) -> Option<T> {
+    let mut spare = SPARE.lock().unwrap();
+    drop(spare.take()?);
+    let t = f();
+    *spare = File::open("/dev/null").ok().map(OwnedFd::from);
+    Some(t)
 }
 
 /// Raise the soft limit to the hard one, once per process; the limits after.

@@ -18,6 +18,7 @@ pub const PROTOCOL_VERSION: u32 = 8;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4832; // "RCH2"
 const CHALLENGE_MAGIC: u32 = 0x5243_4e32; // "RCN2"
+const REFUSAL_MAGIC: u32 = 0x5243_5246; // "RCRF"
 pub const HEADER_LEN: usize = 32;
 pub const HELLO_LEN: usize = 20 + NONCE_LEN;
 pub const CHALLENGE_LEN: usize = 4 + NONCE_LEN;
@@ -222,16 +223,71 @@ impl Challenge {
     }
 
     pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Challenge> {
-        if u32::from_le_bytes(b[0..4].try_into().unwrap()) != CHALLENGE_MAGIC {
-            return Err(Error::io("not a rustc10d challenge"));
+        match u32::from_le_bytes(b[0..4].try_into().unwrap()) {
+            CHALLENGE_MAGIC => {}
+            REFUSAL_MAGIC => return Err(Error::io(Refusal::describe(b))),
+            _ => return Err(Error::io("not a rustc10d challenge")),
         }
         Ok(Challenge { nonce: b[4..].try_into().unwrap() })
+    }
+}
+
+/// What a listener that cannot take a connection answers instead of a
+/// challenge: why, so that the dialler fails at once, naming the reason,
+/// instead of trying again until its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The listener's process is out of file descriptors: its limits.
+    OutOfDescriptors { soft: u64, hard: u64 },
+}
+
+impl Refusal {
+    const OUT_OF_DESCRIPTORS: u32 = 1;
+
+    pub fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        let mut b = [0u8; CHALLENGE_LEN];
+        b[0..4].copy_from_slice(&REFUSAL_MAGIC.to_le_bytes());
+        match *self {
+            Refusal::OutOfDescriptors { soft, hard } => {
+                b[4..8].copy_from_slice(&Self::OUT_OF_DESCRIPTORS.to_le_bytes());
+                b[8..16].copy_from_slice(&soft.to_le_bytes());
+                b[16..24].copy_from_slice(&hard.to_le_bytes());
+            }
+        }
+        b
+    }
+
+    /// Why the peer refused, from its answer (`b` starts with REFUSAL_MAGIC).
+    fn describe(b: &[u8; CHALLENGE_LEN]) -> String {
+        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+        match u32::from_le_bytes(b[4..8].try_into().unwrap()) {
+            Self::OUT_OF_DESCRIPTORS => format!(
+                "it cannot take the connection: its process has as many files open as its limit \
+                 (RLIMIT_NOFILE: soft {}, hard {}) allows; raise the limit there (`ulimit -n`, or the hard one \
+                 in /etc/security/limits.conf or the container's --ulimit nofile), or make fewer groups",
+                word(8),
+                word(16)
+            ),
+            code => format!("it refused the connection (reason {code}, unknown to this rank)"),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_is_an_error_that_says_why() {
+        let refusal = Refusal::OutOfDescriptors { soft: 128, hard: 4096 }.encode();
+        let e = Challenge::decode(&refusal).unwrap_err();
+        assert!(e.message.contains("RLIMIT_NOFILE: soft 128, hard 4096"), "{}", e.message);
+        assert!(e.message.contains("ulimit -n"), "{}", e.message);
+        let mut unknown = refusal;
+        unknown[4] = 9;
+        let e = Challenge::decode(&unknown).unwrap_err();
+        assert!(e.message.contains("reason 9"), "{}", e.message);
+    }
 
     #[test]
     fn header_roundtrip_and_corruption() {

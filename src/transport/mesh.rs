@@ -149,6 +149,8 @@ impl Mesh {
             peer_reads: Mutex::new(layout.peer_reads),
         });
         let mesh = Mesh { core: core.clone() };
+        // A listener that runs out of descriptors refuses with this one.
+        super::fd_limit::keep_spare();
         let mut listeners = vec![Listener::Tcp(listener)];
         listeners.extend(local.map(|l| Listener::Unix(l.listener)));
         for l in listeners {
