@@ -29,7 +29,7 @@ fn get() -> io::Result<libc::rlimit> {
 
 /// The soft and hard limits now.
 pub fn current() -> Option<(u64, u64)> {
-    get().ok().map(|r| (u64::from(r.rlim_cur), u64::from(r.rlim_max)))
+    get().ok().map(|r| (r.rlim_cur, r.rlim_max))
 }
 
 /// A descriptor held in reserve for a listener that runs out (`with_spare`).
