@@ -327,6 +327,35 @@ class RustBackend final : public compat::Backend<RustBackend> {
 
   const std::string getBackendName() const override { return "rustc10d"; }
   bool supportsCoalescing() const override { return true; }
+  bool supportsSplitting() const override { return true; }
+
+  // What torch's split_group hands the child when the caller gives no options.
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>(getBackendName(), milliseconds(group_->timeout_ms()));
+  }
+
+  // A child of the parent ranks `ranks` (in their order), through the Store
+  // torch namespaced for it, with this group's settings; nullptr on a rank
+  // outside it, as torch expects of a non-member.
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    auto me = std::find(ranks.begin(), ranks.end(), getRank());
+    if (me == ranks.end()) return nullptr;
+    const int rank = static_cast<int>(me - ranks.begin()), size = static_cast<int>(ranks.size());
+    const int64_t timeout = opts ? to_ms(opts->timeout) : group_->timeout_ms();
+    const std::string name = opts ? opts->group_name : std::string();
+    auto join = [&] { return group_->split(store_ref_of(store), rank, size, timeout, name); };
+    try {
+      // The rendezvous waits for the other members: let Python threads run.
+      if (Py_IsInitialized() && PyGILState_Check()) {
+        py::gil_scoped_release nogil;
+        return c10::make_intrusive<RustBackend>(join(), rank, size);
+      }
+      return c10::make_intrusive<RustBackend>(join(), rank, size);
+    } catch (const rust::Error& e) {
+      raise(ErrorKind::Io, e.what());
+    }
+  }
   uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
   void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
   void setTimeout(milliseconds timeout) override { group_->set_timeout(to_ms(timeout)); }

@@ -74,12 +74,16 @@ rust::String store_host(const StoreRef& s) {
   return rust::String();
 }
 
-std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
+std::unique_ptr<StoreRef> store_ref_of(c10::intrusive_ptr<c10d::Store> store) {
   auto ref = std::make_unique<StoreRef>();
   ref->impl = std::make_unique<StoreRef::Impl>();
-  auto handle = py::handle(reinterpret_cast<PyObject*>(pyobject));
-  ref->impl->store = handle.cast<c10::intrusive_ptr<c10d::Store>>();
+  ref->impl->store = std::move(store);
   return ref;
+}
+
+std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
+  auto handle = py::handle(reinterpret_cast<PyObject*>(pyobject));
+  return store_ref_of(handle.cast<c10::intrusive_ptr<c10d::Store>>());
 }
 
 // ---------------------------------------------------------------- devices

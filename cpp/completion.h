@@ -14,6 +14,7 @@
 #include <optional>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace rustc10d {
 
@@ -21,6 +22,9 @@ c10::SourceLocation here(const char* fn);
 
 // The exception torch's own backends raise for an error of this kind.
 std::exception_ptr error_of(ErrorKind kind, const std::string& msg);
+
+// A Store for the engine, from one torch hands a backend (split).
+std::unique_ptr<StoreRef> store_ref_of(c10::intrusive_ptr<c10d::Store> store);
 
 // When an op started and how long it took (ms; negative until it succeeds).
 struct OpTiming {

@@ -2,10 +2,9 @@
 //! creator function. The typed, documented API lives in python/rustc10d.
 
 use crate::config::{self, Config, LogLevel};
-use crate::engine::Engine;
 use crate::error::{Error, ErrorKind};
 use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
-use crate::rendezvous::{self, connect, Member};
+use crate::rendezvous::{self, Member};
 use crate::stats::Stats;
 use crate::transport::Transport;
 use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyValueError};
@@ -29,6 +28,15 @@ fn watched<T>(group_name: &str, f: impl FnOnce(&Watched) -> Option<T>) -> PyResu
         .get(group_name)
         .and_then(f)
         .ok_or_else(|| PyRuntimeError::new_err(format!("rustc10d: no live rustc10d group named {group_name:?}")))
+}
+
+/// Let Python ask about `group` by its name (a group made by torch's split
+/// comes here from the shim, not through `create_backend`).
+pub(crate) fn watch(group_name: &str, group: &Group) {
+    let mut groups = GROUPS.lock().unwrap();
+    groups.retain(|_, g| g.stats.strong_count() > 0);
+    let watched = Watched { stats: Arc::downgrade(&group.engine.stats()), transport: group.engine.transport() };
+    groups.insert(group_name.to_string(), watched);
 }
 
 /// The Python exception for an error at init, as torch raises its own: a bad
@@ -76,13 +84,11 @@ fn create_backend(
         store_host: Some(store_host(&store_ref)),
     };
     // Rendezvous can take a while: let other Python threads run meanwhile.
-    let (engine, transport, cfg) = py
+    let group = py
         .detach(|| {
             // A rank that cannot take part tells the others, so that they fail now too.
             let cfg = Config::from_env(&options).inspect_err(|e| rendezvous::refuse(&*store_ref, &member, e))?;
-            let mesh: Arc<dyn Transport> = Arc::new(connect(&*store_ref, &member, &cfg)?);
-            let engine = Engine::new(mesh.clone(), &cfg, member.timeout)?;
-            Ok::<_, Error>((engine, Arc::downgrade(&mesh), cfg))
+            Group::join(&*store_ref, &member, cfg)
         })
         // A peer's loss during rendezvous comes as the transport says it
         // ("rank 3 ... closed its connection"): say whose group it was.
@@ -94,16 +100,8 @@ fn create_backend(
             };
             to_py(py, e)
         })?;
-    let mut groups = GROUPS.lock().unwrap();
-    groups.retain(|_, g| g.stats.strong_count() > 0);
-    groups.insert(group_name, Watched { stats: Arc::downgrade(&engine.stats()), transport });
-    drop(groups);
-    let ptr = backend_to_python(
-        Box::new(Group { engine, cfg, stream: Default::default(), gates: Default::default() }),
-        rank,
-        size,
-    )
-    .map_err(err)?;
+    watch(&group_name, &group);
+    let ptr = backend_to_python(Box::new(group), rank, size).map_err(err)?;
     // SAFETY: the shim returns a new reference (py::object::release) to the
     // backend's Python object, which this takes over; the GIL is held.
     Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind())

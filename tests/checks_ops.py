@@ -340,6 +340,28 @@ def singleton_groups(ctx: Ctx):
 
 
 @check("groups")
+def split_group(ctx: Ctx):
+    """dist.split_group of the world into its lower half and its upper half reversed (a child
+    keeps its split's order: the last rank is rank 0 of the upper child), ops on each child
+    all in flight together; then a split of [last, 0] alone, from which the other ranks get no
+    group (NON_GROUP_MEMBER; None on torch 2.11)."""
+    half = (ctx.world + 1) // 2
+    lower, upper = list(range(half)), list(range(ctx.world - 1, half - 1, -1))
+    child = dist.split_group(split_ranks=[lower, upper], timeout=GROUP_TIMEOUT)
+    mine = lower if ctx.rank in lower else upper
+    assert dist.get_process_group_ranks(child) == mine, (dist.get_process_group_ranks(child), mine)
+    assert dist.get_rank(child) == mine.index(ctx.rank), (dist.get_rank(child), mine)
+    expect_group_works(ctx, child)
+    ends = [ctx.world - 1, 0]
+    pair = dist.split_group(split_ranks=[ends], timeout=GROUP_TIMEOUT)
+    if ctx.rank in ends:
+        assert dist.get_rank(pair) == ends.index(ctx.rank), (dist.get_rank(pair), ends)
+        expect_group_works(ctx, pair)
+    else:
+        assert pair in (None, dist.GroupMember.NON_GROUP_MEMBER), pair
+
+
+@check("groups")
 def new_subgroups(ctx: Ctx):
     size = 2 if ctx.world % 2 == 0 else 1
     mine, everyone = dist.new_subgroups(group_size=size, timeout=GROUP_TIMEOUT)

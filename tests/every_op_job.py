@@ -238,6 +238,21 @@ def new_group(rank, world):
     dist.destroy_process_group(group)
 
 
+@op
+def split_group(rank, world):
+    """Splits of the world: a group per rank, then one of every rank in reverse order (a child
+    keeps its split's order: rank r is rank W - 1 - r of it)."""
+    child = dist.split_group(split_ranks=[[r] for r in reversed(range(world))])
+    assert dist.get_process_group_ranks(child) == [rank], dist.get_process_group_ranks(child)
+    whole = dist.split_group(split_ranks=[list(reversed(range(world)))])
+    assert dist.get_rank(whole) == world - 1 - rank, dist.get_rank(whole)
+    t = torch.ones(2) * (rank + 1)
+    dist.all_reduce(t, group=whole)
+    expect(t, torch.full((2,), float(world * (world + 1) // 2)), "all_reduce on a split group")
+    dist.destroy_process_group(whole)
+    dist.destroy_process_group(child)
+
+
 def main() -> int:
     import rustc10d  # noqa: F401
 

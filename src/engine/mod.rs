@@ -267,6 +267,16 @@ impl Engine {
     }
 
     /// The default timeout of later ops.
+    /// The group's default timeout now.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.shared.timeout_ms.load(Ordering::SeqCst))
+    }
+
+    /// What Python may ask about: the links (held weakly, as the engine owns them).
+    pub fn transport(&self) -> std::sync::Weak<dyn Transport> {
+        Arc::downgrade(&self.shared.transport)
+    }
+
     pub fn set_timeout(&self, timeout: Duration) {
         self.shared.timeout_ms.store(timeout.as_millis() as u64, Ordering::SeqCst);
     }

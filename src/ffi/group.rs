@@ -219,6 +219,33 @@ impl Group {
     pub(crate) fn test_staging(&self) -> bool {
         self.cfg.test_staging
     }
+
+    pub(crate) fn timeout_ms(&self) -> i64 {
+        self.engine.timeout().as_millis() as i64
+    }
+
+    /// A child group over the store torch namespaced for it, with this
+    /// group's settings. It opens links of its own, as a new group does
+    /// (issue #31: sharing the parent's).
+    pub(crate) fn split(
+        &self,
+        store: cxx::UniquePtr<bridge::StoreRef>,
+        rank: i32,
+        size: i32,
+        timeout_ms: i64,
+        group_name: &str,
+    ) -> Result<Box<Group>> {
+        let store = store.as_ref().ok_or_else(|| crate::error::Error::invalid("rustc10d: split without a Store"))?;
+        let member = crate::rendezvous::Member {
+            rank: rank as usize,
+            size: size as usize,
+            timeout: Duration::from_millis(timeout_ms.max(0) as u64),
+            store_host: Some(bridge::store_host(store)),
+        };
+        let child = Group::join(store, &member, self.cfg.clone())?;
+        crate::python::watch(group_name, &child);
+        Ok(Box::new(child))
+    }
 }
 
 impl Op {

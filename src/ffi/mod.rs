@@ -158,6 +158,19 @@ pub mod bridge {
         fn cuda_allowed(self: &Group) -> bool;
         /// Config::test_staging: CPU tensors are staged like CUDA tensors.
         fn test_staging(self: &Group) -> bool;
+        /// The timeout of the group's ops, in ms.
+        fn timeout_ms(self: &Group) -> i64;
+        /// A new group of `size` ranks, this rank being `rank` of it, joined
+        /// through `store` with this group's settings (torch's split_group;
+        /// the store is namespaced for the child), named `group_name`.
+        fn split(
+            self: &Group,
+            store: UniquePtr<StoreRef>,
+            rank: i32,
+            size: i32,
+            timeout_ms: i64,
+            group_name: &str,
+        ) -> Result<Box<Group>>;
 
         fn is_done(self: &Op) -> bool;
         fn failed_at_issue(self: &Op) -> bool;
@@ -255,6 +268,16 @@ impl Store for StoreRef {
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         bridge::store_add(self, key, delta).map_err(|e| Error::io(format!("store add {key}: {e}")))
+    }
+}
+
+impl Group {
+    /// Rendezvous through `store` as `member` and start the group's engine.
+    pub fn join(store: &dyn Store, member: &crate::rendezvous::Member, cfg: Config) -> Result<Group> {
+        let mesh: std::sync::Arc<dyn crate::transport::Transport> =
+            std::sync::Arc::new(crate::rendezvous::connect(store, member, &cfg)?);
+        let engine = Engine::new(mesh, &cfg, member.timeout)?;
+        Ok(Group { engine, cfg, stream: Default::default(), gates: Default::default() })
     }
 }
 
