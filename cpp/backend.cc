@@ -742,7 +742,58 @@ TORCH_LIBRARY_IMPL(rustc10d, CompositeExplicitAutograd, m) {
   m.impl("all_reduce_", direct_all_reduce);
 }
 
+namespace {
+
+// The holder torch's own backends have in Python: an intrusive_ptr that lets
+// go of the GIL when it drops the last reference (a backend's destructor joins
+// threads that may need the GIL). Out-of-tree backends copy it, as torch does
+// not export it; pybind reads it as the intrusive_ptr it holds.
+template <typename T>
+class NoGilHolder {
+ public:
+  NoGilHolder() = default;
+  NoGilHolder(const NoGilHolder&) = default;
+  explicit NoGilHolder(T* impl) : impl_(c10::intrusive_ptr<T>::unsafe_steal_from_new(impl)) {}
+  ~NoGilHolder() {
+    if (impl_ && Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      impl_.reset();
+    }
+  }
+  T& operator*() const noexcept { return *impl_; }
+  T* operator->() const noexcept { return impl_.get(); }
+  T* get() const noexcept { return impl_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> impl_;
+};
+
+}  // namespace
+}  // namespace rustc10d
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, rustc10d::NoGilHolder<T>, true)
+
+namespace rustc10d {
+
+// Our backend's Python class, a torch Backend with what torch's Python calls
+// on backends that support splitting and the base class lacks: a new_group
+// whose members split from a bound device has its non-members call
+// perform_nocolor_split, which has nothing to do here (a child joins through
+// the Store). Registered once, in the package (rustc10d._Backend).
+void register_python_class() {
+  static bool registered = [] {
+    py::module_::import("torch._C._distributed_c10d");  // registers c10d::Backend, our base
+    py::class_<RustBackend, c10d::Backend, NoGilHolder<RustBackend>>(py::module_::import("rustc10d"), "_Backend")
+        .def(
+            "perform_nocolor_split", [](RustBackend&, const at::Device&) {},
+            "A rank outside a new group split from a bound device: nothing to do.");
+    return true;
+  }();
+  (void)registered;
+}
+
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size) {
+  register_python_class();
   c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<RustBackend>(std::move(group), rank, size);
   return reinterpret_cast<size_t>(py::cast(backend).release().ptr());
 }
