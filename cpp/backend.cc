@@ -334,6 +334,38 @@ class RustBackend final : public compat::Backend<RustBackend> {
     return c10::make_intrusive<Options>(getBackendName(), milliseconds(group_->timeout_ms()));
   }
 
+  // torch names the group after making it; Python asks about it by that name.
+  void setGroupUid(const std::string& pg_uid) override {
+    compat::Backend<RustBackend>::setGroupUid(pg_uid);
+    group_->watch_as(pg_uid);
+  }
+
+  bool supportsShrinking() const override { return true; }
+
+  // The survivors' group: every rank of this one but `ranks_to_exclude`,
+  // through this group's Store. SHRINK_ABORT (1) first fails what is still
+  // pending here; torch destroys this group afterwards either way.
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+                                           const c10::intrusive_ptr<Options>& opts_override) override {
+    if (shrink_flags & 1) stop();
+    const int64_t timeout = opts_override ? to_ms(opts_override->timeout) : group_->timeout_ms();
+    rust::Slice<const int64_t> excluded(ranks_to_exclude.data(), ranks_to_exclude.size());
+    try {
+      auto join = [&] { return group_->shrink(excluded, timeout); };
+      auto make = [](rust::Box<Group> child) {
+        const int rank = child->rank(), size = child->size();
+        return c10::make_intrusive<RustBackend>(std::move(child), rank, size);
+      };
+      if (Py_IsInitialized() && PyGILState_Check()) {
+        py::gil_scoped_release nogil;
+        return make(join());
+      }
+      return make(join());
+    } catch (const rust::Error& e) {
+      raise(ErrorKind::Io, e.what());
+    }
+  }
+
   // A child of the parent ranks `ranks` (in their order), through the Store
   // torch namespaced for it, with this group's settings; nullptr on a rank
   // outside it, as torch expects of a non-member.

@@ -81,6 +81,10 @@ std::unique_ptr<StoreRef> store_ref_of(c10::intrusive_ptr<c10d::Store> store) {
   return ref;
 }
 
+std::unique_ptr<StoreRef> store_clone(const StoreRef& s) {
+  return store_ref_of(s.impl->store);
+}
+
 std::unique_ptr<StoreRef> store_from_python(size_t pyobject) {
   auto handle = py::handle(reinterpret_cast<PyObject*>(pyobject));
   return store_ref_of(handle.cast<c10::intrusive_ptr<c10d::Store>>());

@@ -3,7 +3,7 @@
 
 use crate::config::{self, Config, LogLevel};
 use crate::error::{Error, ErrorKind};
-use crate::ffi::{backend_to_python, store_from_python, store_host, Group};
+use crate::ffi::{backend_to_python, store_from_python, store_host, Group, GroupStore};
 use crate::rendezvous::{self, Member};
 use crate::stats::Stats;
 use crate::transport::Transport;
@@ -88,7 +88,7 @@ fn create_backend(
         .detach(|| {
             // A rank that cannot take part tells the others, so that they fail now too.
             let cfg = Config::from_env(&options).inspect_err(|e| rendezvous::refuse(&*store_ref, &member, e))?;
-            Group::join(&*store_ref, &member, cfg)
+            Group::join(GroupStore::new(store_ref)?, &member, cfg)
         })
         // A peer's loss during rendezvous comes as the transport says it
         // ("rank 3 ... closed its connection"): say whose group it was.

@@ -50,3 +50,65 @@ def test_a_new_group_on_a_bound_device_leaves_non_members_out(tmp_path):
     procs = harness.launch_ranks(3, [], timeout=90, log_dir=tmp_path, script=script, env=harness.worker_env())
     for proc in procs:
         assert proc.returncode == 0, proc.describe()
+
+
+SHRINK_JOB = r"""
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import rustc10d
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+rank, world = int(args["--rank"]), int(args["--world"])
+host, port = args["--store"].split(":")
+store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+side = dist.new_group(list(range(world)))  # shrinking the default group destroys the others
+t = torch.ones(4)
+dist.all_reduce(t)
+assert t.tolist() == [float(world)] * 4, t
+dist.barrier()
+if rank == 1:
+    os.kill(os.getpid(), 9)
+t0 = time.perf_counter()
+try:
+    dist.all_reduce(torch.ones(4))
+    raise AssertionError("an all_reduce without rank 1 did not raise")
+except dist.DistError as e:
+    assert "rank 1" in str(e), e
+raised = time.perf_counter()
+group = dist.shrink_group([1])
+assert dist.get_world_size() == world - 1 and dist.get_rank() == (rank if rank < 1 else rank - 1)
+x = torch.full((5,), float(rank))
+dist.all_reduce(x)
+want = float(sum(range(world)) - 1)
+assert x.tolist() == [want] * 5, x
+done = time.perf_counter()
+if world > 3 and rank != 0:  # rank 0 leaves; the others shrink the shrunk group without it
+    dist.shrink_group([0])
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    assert y.tolist() == [float(world - 2)] * 2, y
+print(f"rank {rank} ok: raised {(raised - t0) * 1e3:.0f} ms after the kill, shrunk and reduced "
+      f"{(done - raised) * 1e3:.0f} ms later", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [3, 4])
+def test_survivors_shrink_the_group_and_go_on(tmp_path, world):
+    """Rank 1 is killed (SIGKILL); the survivors' next all_reduce raises naming it, then
+    dist.shrink_group([1]) makes the default group of the survivors, in their order, whose
+    all_reduce sums theirs; at 4 ranks the shrunk group shrinks again, without rank 0 (which
+    leaves: excluded ranks must not call shrink_group)."""
+    import checks
+    if checks.BACKEND != "rustc10d":
+        pytest.skip("Gloo cannot shrink")
+    script = tmp_path / "shrink_job.py"
+    script.write_text(SHRINK_JOB)
+    procs = harness.launch_ranks(world, [], timeout=90, log_dir=tmp_path, script=script, env=harness.worker_env())
+    for rank, proc in enumerate(procs):
+        if rank == 1:
+            assert proc.returncode == -9, proc.describe()
+        else:
+            assert proc.returncode == 0 and f"rank {rank} ok" in proc.stdout, proc.describe()

@@ -266,7 +266,6 @@ impl Engine {
         self.shared.next_seq.load(Ordering::SeqCst)
     }
 
-    /// The default timeout of later ops.
     /// The group's default timeout now.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.shared.timeout_ms.load(Ordering::SeqCst))
@@ -277,6 +276,12 @@ impl Engine {
         Arc::downgrade(&self.shared.transport)
     }
 
+    /// This rank and the group's size.
+    pub fn rank_and_size(&self) -> (usize, usize) {
+        (self.shared.transport.rank(), self.shared.transport.size())
+    }
+
+    /// The default timeout of later ops.
     pub fn set_timeout(&self, timeout: Duration) {
         self.shared.timeout_ms.store(timeout.as_millis() as u64, Ordering::SeqCst);
     }

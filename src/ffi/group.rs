@@ -3,13 +3,15 @@
 
 use super::bridge::{self, Call, OpKind, WaitOutcome};
 use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
-use super::{Group, Op};
+use super::{Group, GroupStore, Op};
 use crate::config::CudaWait;
 use crate::cuda::{DeviceGate, Stream};
 use crate::engine::{Device, GatedOp, OpHandle, StagedBuffer, Staging, StreamGates, StreamThread, Waited};
+use crate::error::Error;
 use crate::error::Result;
 use crate::ops::{self, SparseGathered};
 use crate::panics;
+use crate::rendezvous::Member;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -220,6 +222,14 @@ impl Group {
         self.cfg.test_staging
     }
 
+    pub(crate) fn rank(&self) -> i32 {
+        self.engine.rank_and_size().0 as i32
+    }
+
+    pub(crate) fn size(&self) -> i32 {
+        self.engine.rank_and_size().1 as i32
+    }
+
     pub(crate) fn timeout_ms(&self) -> i64 {
         self.engine.timeout().as_millis() as i64
     }
@@ -235,17 +245,38 @@ impl Group {
         timeout_ms: i64,
         group_name: &str,
     ) -> Result<Box<Group>> {
-        let store = store.as_ref().ok_or_else(|| crate::error::Error::invalid("rustc10d: split without a Store"))?;
-        let member = crate::rendezvous::Member {
-            rank: rank as usize,
-            size: size as usize,
-            timeout: Duration::from_millis(timeout_ms.max(0) as u64),
-            store_host: Some(bridge::store_host(store)),
-        };
+        let store = GroupStore::new(store)?;
+        let member = member(rank as usize, size as usize, timeout_ms, &store);
         let child = Group::join(store, &member, self.cfg.clone())?;
         crate::python::watch(group_name, &child);
         Ok(Box::new(child))
     }
+
+    /// The survivors' group: this group's ranks but `excluded`, in their
+    /// order, joined through this group's Store under a namespace of their
+    /// own (the n-th shrink of this group, which every survivor counts
+    /// alike). Who is gone is the caller's word, as torch's shrink_group
+    /// has it; survivors that disagree make groups of different sizes,
+    /// whose rendezvous fails at the timeout.
+    pub(crate) fn shrink(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {
+        let (rank, size) = self.engine.rank_and_size();
+        let survivors: Vec<usize> = (0..size).filter(|&r| !excluded.contains(&(r as i64))).collect();
+        let Some(new_rank) = survivors.iter().position(|&r| r == rank) else {
+            return Err(Error::invalid(format!("rustc10d: rank {rank} cannot shrink a group that excludes it")));
+        };
+        let n = self.shrinks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let store = self.store.within(&format!("rustc10d/shrink/{n}"));
+        let member = member(new_rank, survivors.len(), timeout_ms, &store);
+        Ok(Box::new(Group::join(store, &member, self.cfg.clone())?))
+    }
+
+    pub(crate) fn watch_as(&self, group_name: &str) {
+        crate::python::watch(group_name, self);
+    }
+}
+
+fn member(rank: usize, size: usize, timeout_ms: i64, store: &GroupStore) -> Member {
+    Member { rank, size, timeout: Duration::from_millis(timeout_ms.max(0) as u64), store_host: Some(store.host()) }
 }
 
 impl Op {

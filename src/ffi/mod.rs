@@ -158,6 +158,9 @@ pub mod bridge {
         fn cuda_allowed(self: &Group) -> bool;
         /// Config::test_staging: CPU tensors are staged like CUDA tensors.
         fn test_staging(self: &Group) -> bool;
+        /// This rank in the group, and the group's size.
+        fn rank(self: &Group) -> i32;
+        fn size(self: &Group) -> i32;
         /// The timeout of the group's ops, in ms.
         fn timeout_ms(self: &Group) -> i64;
         /// A new group of `size` ranks, this rank being `rank` of it, joined
@@ -171,6 +174,12 @@ pub mod bridge {
             timeout_ms: i64,
             group_name: &str,
         ) -> Result<Box<Group>>;
+        /// A new group of this group's ranks but `excluded` (group ranks),
+        /// in their order, joined through this group's Store (torch's
+        /// shrink_group: only the survivors call it).
+        fn shrink(self: &Group, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>>;
+        /// torch named the group (ProcessGroup::setGroupName): Python asks about it by that name.
+        fn watch_as(self: &Group, group_name: &str);
 
         fn is_done(self: &Op) -> bool;
         fn failed_at_issue(self: &Op) -> bool;
@@ -195,6 +204,8 @@ pub mod bridge {
         fn store_get(store: &StoreRef, key: &str, timeout_ms: i64) -> Result<Vec<u8>>;
         fn store_add(store: &StoreRef, key: &str, delta: i64) -> Result<i64>;
         fn store_host(store: &StoreRef) -> String;
+        /// Another handle on the same Store.
+        fn store_clone(store: &StoreRef) -> UniquePtr<StoreRef>;
         /// # Safety
         /// `pyobject` must be a live `PyObject*` of a torch Store, and the
         /// caller must hold the GIL.
@@ -273,11 +284,55 @@ impl Store for StoreRef {
 
 impl Group {
     /// Rendezvous through `store` as `member` and start the group's engine.
-    pub fn join(store: &dyn Store, member: &crate::rendezvous::Member, cfg: Config) -> Result<Group> {
+    pub fn join(store: GroupStore, member: &crate::rendezvous::Member, cfg: Config) -> Result<Group> {
         let mesh: std::sync::Arc<dyn crate::transport::Transport> =
-            std::sync::Arc::new(crate::rendezvous::connect(store, member, &cfg)?);
+            std::sync::Arc::new(crate::rendezvous::connect(&store, member, &cfg)?);
         let engine = Engine::new(mesh, &cfg, member.timeout)?;
-        Ok(Group { engine, cfg, stream: Default::default(), gates: Default::default() })
+        Ok(Group {
+            engine,
+            cfg,
+            store,
+            shrinks: Default::default(),
+            stream: Default::default(),
+            gates: Default::default(),
+        })
+    }
+}
+
+/// The Store a group joined through, under its namespace there: kept, so
+/// that a shrink can re-form the group through it.
+pub struct GroupStore {
+    store: cxx::UniquePtr<StoreRef>,
+    prefix: String,
+}
+
+impl GroupStore {
+    pub fn new(store: cxx::UniquePtr<StoreRef>) -> Result<GroupStore> {
+        if store.is_null() {
+            return Err(Error::invalid("rustc10d: no Store to join through"));
+        }
+        Ok(GroupStore { store, prefix: String::new() })
+    }
+
+    /// Another handle on the same Store, under `namespace` within this one's.
+    pub fn within(&self, namespace: &str) -> GroupStore {
+        GroupStore { store: bridge::store_clone(&self.store), prefix: format!("{}{namespace}/", self.prefix) }
+    }
+
+    pub fn host(&self) -> String {
+        bridge::store_host(&self.store)
+    }
+}
+
+impl Store for GroupStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.store.set(&format!("{}{key}", self.prefix), value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.store.get(&format!("{}{key}", self.prefix), timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.store.add(&format!("{}{key}", self.prefix), delta)
     }
 }
 
@@ -285,6 +340,9 @@ impl Group {
 pub struct Group {
     pub engine: Engine,
     pub cfg: Config,
+    /// Where it joined, for a shrink; and how many shrinks it has made.
+    store: GroupStore,
+    shrinks: std::sync::atomic::AtomicU64,
     /// Under test staging: the stream the group's copies run on.
     pub stream: std::sync::Mutex<Option<std::sync::Arc<crate::engine::StreamThread>>>,
     /// With `cuda_wait=stream`: each CUDA device's gates, made with its first op.
