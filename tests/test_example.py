@@ -37,3 +37,16 @@ def test_every_op_job_under_torchrun(tmp_path, staged):
     [proc] = harness.run_processes({"torchrun": cmd}, timeout=150, log_dir=tmp_path, env=env)
     assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     assert "OK" in proc.stdout.splitlines(), proc.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="Gloo cannot shrink a group")
+def test_elastic_training_goes_on_without_a_lost_rank(tmp_path):
+    """examples/elastic_train.py on 4 ranks: rank 3 is lost at step 5, the survivors shrink the
+    group and train on, and their parameters match one process on what they saw."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(harness.REPO / "examples" / "elastic_train.py")]
+    [proc] = harness.run_processes({"torchrun": cmd}, timeout=150, log_dir=tmp_path)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert "OK" in proc.stdout.splitlines(), proc.stdout
+    assert "step 5: lost rank 3" in proc.stdout and "step 11: loss" in proc.stdout, proc.stdout
