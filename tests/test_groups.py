@@ -84,7 +84,7 @@ want = float(sum(range(world)) - 1)
 assert x.tolist() == [want] * 5, x
 done = time.perf_counter()
 if world > 3 and rank != 0:  # rank 0 leaves; the others shrink the shrunk group without it
-    dist.shrink_group([0])
+    dist.shrink_group([0], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
     y = torch.ones(2)
     dist.all_reduce(y)
     assert y.tolist() == [float(world - 2)] * 2, y
@@ -99,8 +99,8 @@ dist.destroy_process_group()
 def test_survivors_shrink_the_group_and_go_on(tmp_path, world):
     """Rank 1 is killed (SIGKILL); the survivors' next all_reduce raises naming it, then
     dist.shrink_group([1]) makes the default group of the survivors, in their order, whose
-    all_reduce sums theirs; at 4 ranks the shrunk group shrinks again, without rank 0 (which
-    leaves: excluded ranks must not call shrink_group)."""
+    all_reduce sums theirs; at 4 ranks the shrunk group shrinks again (SHRINK_ABORT), without
+    rank 0 (which leaves: excluded ranks must not call shrink_group)."""
     import checks
     if checks.BACKEND != "rustc10d":
         pytest.skip("Gloo cannot shrink")
