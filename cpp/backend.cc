@@ -376,17 +376,25 @@ class RustBackend final : public compat::Backend<RustBackend> {
     const int rank = static_cast<int>(me - ranks.begin()), size = static_cast<int>(ranks.size());
     const int64_t timeout = opts ? to_ms(opts->timeout) : group_->timeout_ms();
     const std::string name = opts ? opts->group_name : std::string();
+    // torch before 2.15 splits once per device type, and this backend serves
+    // CPU and CUDA: the second device's split of a group is the first's child.
+    if (auto last = last_split_.lock(); last && !name.empty() && last_split_name_ == name) return last;
     auto join = [&] { return group_->split(store_ref_of(store), rank, size, timeout, name); };
+    c10::intrusive_ptr<c10d::Backend> child;
     try {
       // The rendezvous waits for the other members: let Python threads run.
       if (Py_IsInitialized() && PyGILState_Check()) {
         py::gil_scoped_release nogil;
-        return c10::make_intrusive<RustBackend>(join(), rank, size);
+        child = c10::make_intrusive<RustBackend>(join(), rank, size);
+      } else {
+        child = c10::make_intrusive<RustBackend>(join(), rank, size);
       }
-      return c10::make_intrusive<RustBackend>(join(), rank, size);
     } catch (const rust::Error& e) {
       raise(ErrorKind::Io, e.what());
     }
+    last_split_name_ = name;
+    last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(child);
+    return child;
   }
   uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
   void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
@@ -738,6 +746,9 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   rust::Box<Group> group_;
+  // The last child split off and its group name, held weakly: see split().
+  std::string last_split_name_;
+  c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
   bool cuda_allowed_;
   bool test_staging_;
   std::atomic<uint64_t> next_key_{1};

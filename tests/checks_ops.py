@@ -369,6 +369,24 @@ def split_group(ctx: Ctx):
         assert pair in (None, dist.GroupMember.NON_GROUP_MEMBER), pair
 
 
+@check("groups", worlds=(3,), skip_on={"gloo": "torch before 2.15 splits its one backend twice, and the two race"})
+def split_once_for_both_devices(ctx: Ctx):
+    """ProcessGroup.split_group, as torch's dist.split_group calls it (no bound device needed
+    here, so it runs on torch 2.11 too): torch before 2.15 splits once per device type, and
+    rustc10d's backend serves CPU and CUDA. The child serves both; rustc10d hands the second
+    split the first's child (torch would keep only the first anyway, so what this checks is
+    that the child works however torch splits, not the rendezvous the cache saves)."""
+    child = dist.group.WORLD.split_group([0, 1], timeout=GROUP_TIMEOUT, group_name=f"split-once-{ctx.world}")
+    if ctx.rank > 1:
+        assert child is None, child
+        return
+    cpu, cuda = child._get_backend(torch.device("cpu")), child._get_backend(torch.device("cuda"))
+    assert cpu is cuda, (cpu, cuda)
+    t = torch.full((3,), float(ctx.rank + 1))
+    dist.all_reduce(t, group=child)
+    assert t.tolist() == [3.0] * 3, t
+
+
 @check("groups")
 def new_subgroups(ctx: Ctx):
     size = 2 if ctx.world % 2 == 0 else 1

@@ -11,7 +11,9 @@ use crate::dtype;
 use crate::engine::{Engine, OpHandle};
 use crate::error::{self, Error, Result};
 use crate::ops;
-use crate::rendezvous::Store;
+use crate::rendezvous::{connect, Member, Store};
+use crate::transport::Transport;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[cxx::bridge(namespace = "rustc10d")]
@@ -284,9 +286,8 @@ impl Store for StoreRef {
 
 impl Group {
     /// Rendezvous through `store` as `member` and start the group's engine.
-    pub fn join(store: GroupStore, member: &crate::rendezvous::Member, cfg: Config) -> Result<Group> {
-        let mesh: std::sync::Arc<dyn crate::transport::Transport> =
-            std::sync::Arc::new(crate::rendezvous::connect(&store, member, &cfg)?);
+    pub fn join(store: GroupStore, member: &Member, cfg: Config) -> Result<Group> {
+        let mesh: Arc<dyn Transport> = Arc::new(connect(&store, member, &cfg)?);
         let engine = Engine::new(mesh, &cfg, member.timeout)?;
         Ok(Group {
             engine,
