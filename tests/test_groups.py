@@ -29,6 +29,10 @@ if rank < 2:
     assert t.tolist() == [2.0] * 3, t
 else:
     assert group == dist.GroupMember.NON_GROUP_MEMBER, group
+# Rank 2 has no collective to wait for: without this barrier it may destroy the group (and
+# exit) while ranks 0 and 1 still join it, which fails their init (rustc10d's init returns
+# once this rank's own links are up, not every rank's).
+dist.barrier()
 dist.destroy_process_group()
 print("rank", rank, "ok", flush=True)
 """
