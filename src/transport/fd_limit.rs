@@ -81,20 +81,25 @@ pub fn raise_soft_limit() -> Option<Limits> {
 /// system (ENFILE) is out of file descriptors.
 pub fn hint(e: &io::Error) -> Option<String> {
     match e.raw_os_error()? {
-        libc::EMFILE => {
-            let limit = get().map_or_else(
-                |_| "its limit".to_string(),
-                |r| format!("its limit (RLIMIT_NOFILE: soft {}, hard {})", r.rlim_cur, r.rlim_max),
-            );
-            Some(format!(
-                "this process has as many files open as {limit} allows; each rustc10d group holds about 3 per \
-                 peer: raise the limit (`ulimit -n`, or the hard one in /etc/security/limits.conf or the \
-                 container's --ulimit nofile), or make fewer groups"
-            ))
-        }
+        libc::EMFILE => Some(out_of_descriptors("this process", current())),
         libc::ENFILE => Some("the system is out of file descriptors (fs.file-max)".to_string()),
         _ => None,
     }
+}
+
+/// That `who` has run out of descriptors at `limits` (soft, hard; None:
+/// unknown), and how to raise them: for this process's errors, and for the
+/// refusal a peer out of descriptors sends (frame.rs).
+pub fn out_of_descriptors(who: &str, limits: Option<(u64, u64)>) -> String {
+    let limit = limits.map_or_else(
+        || "its limit".to_string(),
+        |(soft, hard)| format!("its limit (RLIMIT_NOFILE: soft {soft}, hard {hard})"),
+    );
+    format!(
+        "{who} has as many files open as {limit} allows; each rustc10d group holds about 3 per peer: raise the \
+         limit (`ulimit -n`, or the hard one in /etc/security/limits.conf or the container's --ulimit nofile), \
+         or make fewer groups"
+    )
 }
 
 /// `e`'s message, with `hint` where it applies.

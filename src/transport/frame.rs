@@ -262,11 +262,8 @@ impl Refusal {
         let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
         match u32::from_le_bytes(b[4..8].try_into().unwrap()) {
             Self::OUT_OF_DESCRIPTORS => format!(
-                "it cannot take the connection: its process has as many files open as its limit \
-                 (RLIMIT_NOFILE: soft {}, hard {}) allows; raise the limit there (`ulimit -n`, or the hard one \
-                 in /etc/security/limits.conf or the container's --ulimit nofile), or make fewer groups",
-                word(8),
-                word(16)
+                "it cannot take the connection: {}",
+                super::fd_limit::out_of_descriptors("its process", Some((word(8), word(16))))
             ),
             code => format!("it refused the connection (reason {code}, unknown to this rank)"),
         }
