@@ -366,9 +366,10 @@ class RustBackend final : public compat::Backend<RustBackend> {
     }
   }
 
-  // A child of the parent ranks `ranks` (in their order), through the Store
-  // torch namespaced for it, with this group's settings; nullptr on a rank
-  // outside it, as torch expects of a non-member.
+  // A child of the parent ranks `ranks` (in their order), with this group's
+  // settings (on this group's connections where it can share them, else
+  // through the Store torch namespaced for it); nullptr on a rank outside
+  // it, as torch expects of a non-member.
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override {
     auto me = std::find(ranks.begin(), ranks.end(), getRank());
@@ -379,7 +380,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
     // torch before 2.15 splits once per device type, and this backend serves
     // CPU and CUDA: the second device's split of a group is the first's child.
     if (auto last = last_split_.lock(); last && !name.empty() && last_split_name_ == name) return last;
-    auto join = [&] { return group_->split(store_ref_of(store), rank, size, timeout, name); };
+    rust::Slice<const int32_t> members(ranks.data(), ranks.size());
+    auto join = [&] { return group_->split(store_ref_of(store), members, rank, size, timeout, name); };
     c10::intrusive_ptr<c10d::Backend> child;
     try {
       // The rendezvous waits for the other members: let Python threads run.

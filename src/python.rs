@@ -14,10 +14,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-/// What Python may ask of a live group, by group name (`rustc10d.stats()`, `links()`).
+/// What Python may ask of a live group, by group name (`rustc10d.stats()`,
+/// `links()`), and what a new group needs to share its connections.
 struct Watched {
     stats: Weak<Stats>,
     transport: Weak<dyn Transport>,
+    cfg: Config,
 }
 
 static GROUPS: Mutex<BTreeMap<String, Watched>> = Mutex::new(BTreeMap::new());
@@ -35,7 +37,11 @@ fn watched<T>(group_name: &str, f: impl FnOnce(&Watched) -> Option<T>) -> PyResu
 pub(crate) fn watch(group_name: &str, group: &Group) {
     let mut groups = GROUPS.lock().unwrap();
     groups.retain(|_, g| g.stats.strong_count() > 0);
-    let watched = Watched { stats: Arc::downgrade(&group.engine.stats()), transport: group.engine.transport() };
+    let watched = Watched {
+        stats: Arc::downgrade(&group.engine.stats()),
+        transport: group.engine.transport(),
+        cfg: group.cfg.clone(),
+    };
     groups.insert(group_name.to_string(), watched);
 }
 
@@ -60,9 +66,33 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
+/// Group `name` of `members` (ranks of the live group named `owner`) as a
+/// channel on `owner`'s connections, with `owner`'s settings; None where
+/// that group is gone, has no connections to share or cannot share them
+/// (shut down, broken): the new group then opens its own.
+fn channel_of(owner: &str, name: &str, members: &[usize], rank: usize) -> Option<(Arc<dyn Transport>, Config)> {
+    let (transport, cfg) = {
+        let groups = GROUPS.lock().unwrap();
+        let owner = groups.get(owner)?;
+        (owner.transport.upgrade()?, owner.cfg.clone())
+    };
+    match transport.open_channel(name, members)? {
+        Ok(channel) if channel.rank() == rank => Some((channel, cfg)),
+        Ok(_) => None,
+        Err(e) => {
+            tracing::info!("{}; group {name:?} opens connections of its own", e.message);
+            None
+        }
+    }
+}
+
 /// Rendezvous through `store` and return a `torch.distributed.Backend`.
 /// `options`: the settings of rustc10d.Options that were given, as text.
+/// `share`: the name of the live group whose connections this one shares,
+/// where it can (see `channel_of`), and its rank of each of this group's
+/// ranks; "": connections of its own.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 fn create_backend(
     py: Python<'_>,
     store: Bound<'_, PyAny>,
@@ -71,6 +101,8 @@ fn create_backend(
     timeout_ms: i64,
     group_name: String,
     options: BTreeMap<String, String>,
+    share: String,
+    members: Vec<usize>,
 ) -> PyResult<Py<PyAny>> {
     let err = |e: cxx::Exception| PyRuntimeError::new_err(e.what().to_string());
     // SAFETY: `store` is a live Python object (bound to `py`, so the GIL is
@@ -83,9 +115,15 @@ fn create_backend(
         timeout: Duration::from_millis(timeout_ms.max(0) as u64),
         store_host: Some(store_host(&store_ref)),
     };
+    let shared = (!share.is_empty() && members.len() == member.size)
+        .then(|| channel_of(&share, &group_name, &members, member.rank))
+        .flatten();
     // Rendezvous can take a while: let other Python threads run meanwhile.
     let group = py
         .detach(|| {
+            if let Some((channel, cfg)) = shared {
+                return Group::over(channel, GroupStore::new(store_ref)?, cfg, member.timeout);
+            }
             // A rank that cannot take part tells the others, so that they fail now too.
             let cfg = Config::from_env(&options).inspect_err(|e| rendezvous::refuse(&*store_ref, &member, e))?;
             Group::join(GroupStore::new(store_ref)?, &member, cfg)

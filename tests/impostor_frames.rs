@@ -12,7 +12,7 @@ mod hostile;
 use hostile::honest::{all_gather, recv, shut_down};
 use hostile::impostor::{group_with_impostor, Wire};
 use hostile::*;
-use rustc10d::transport::frame::{FrameHeader, Key, Remote, ABORT_MAX, KIND_ABORT, KIND_ANSWER, KIND_ASK};
+use rustc10d::transport::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ANSWER, KIND_ASK};
 
 /// The ops' timeout: far longer than a clear error may take (`PROMPT`), so
 /// that an op that merely timed out cannot pass for one that failed clearly.
@@ -27,7 +27,7 @@ fn pair() -> (Engine, Wire) {
     (engines[0].take().unwrap(), wires[0].take().unwrap())
 }
 
-fn header(key: Key, len: u64) -> [u8; 32] {
+fn header(key: Key, len: u64) -> [u8; HEADER_LEN] {
     FrameHeader { key, len, remote: false }.encode()
 }
 
@@ -44,7 +44,7 @@ fn corrupt_frame_headers_lose_the_peer_naming_the_corruption() {
     };
     let mut abort_as_address = with(4, KIND_ABORT);
     abort_as_address[5] = 1;
-    let cases: [(&str, [u8; 32], &str); 7] = [
+    let cases: [(&str, [u8; HEADER_LEN], &str); 7] = [
         ("a wrong magic", with(0, good[0] ^ 1), "magic"),
         ("kind 0", with(4, 0), "kind 0"),
         ("an unknown kind", with(4, 9), "kind 9"),
@@ -121,7 +121,7 @@ fn abort_frames_oversized_or_not() {
 
     let (e, wire) = pair();
     let op = recv(&e, 1, 7, 64);
-    wire.frame(Key { kind: KIND_ABORT, channel: 9, sub: 9 }, ABORT_MAX, &vec![0xff; ABORT_MAX as usize]);
+    wire.frame(Key { kind: KIND_ABORT, group: 0, channel: 9, sub: 9 }, ABORT_MAX, &vec![0xff; ABORT_MAX as usize]);
     op.finish(TIMEOUT * 2).failed_saying(PROMPT, &["rank 1", "gave up on the group"]);
     shut_down(e);
 }
@@ -160,7 +160,7 @@ fn a_message_sent_as_its_address_over_tcp_is_refused() {
 fn a_question_with_a_payload_loses_the_peer() {
     let (e, wire) = pair();
     let op = recv(&e, 1, 7, 64);
-    wire.frame(Key { kind: KIND_ASK, channel: 0, sub: 0 }, 5, b"hello");
+    wire.frame(Key { kind: KIND_ASK, group: 0, channel: 0, sub: 0 }, 5, b"hello");
     op.finish(TIMEOUT * 2).failed_saying(PROMPT, &["rank 1", "a question with a payload"]);
     shut_down(e);
 }

@@ -134,9 +134,12 @@ else:
 dist.init_process_group("rustc10d", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10))
 print("limit", *resource.getrlimit(resource.RLIMIT_NOFILE), flush=True)
 groups = []
+# "own": each group opens connections of its own (settings of its own, pg_options, do that);
+# "shared": groups share the default group's.
+options = rustc10d.Options(transport="auto") if sys.argv[5] == "own" else None
 try:
     for i in range(int(sys.argv[4])):
-        groups.append(dist.new_group([0, 1]))
+        groups.append(dist.new_group([0, 1], pg_options=options))
         t = torch.ones(1)
         dist.all_reduce(t, group=groups[-1])
         assert t.item() == 2
@@ -148,11 +151,12 @@ dist.destroy_process_group()
 """
 
 
-def _fd_job(tmp_path, soft: int, groups: int, env: dict, wait_s: float = 120) -> list[str]:
-    """Two ranks that lower their soft open-file limit to `soft`, then make `groups` groups:
-    each rank's output, the ranks killed if they have not ended after `wait_s`."""
-    port_file = tmp_path / f"port-{soft}-{groups}-{len(env)}"
-    procs = [subprocess.Popen([sys.executable, "-c", FD_JOB, str(r), str(port_file), str(soft), str(groups)],
+def _fd_job(tmp_path, soft: int, groups: int, env: dict, wait_s: float = 120, links: str = "own") -> list[str]:
+    """Two ranks that lower their soft open-file limit to `soft`, then make `groups` groups,
+    with connections of their own or (`links="shared"`) on the default group's: each rank's
+    output, the ranks killed if they have not ended after `wait_s`."""
+    port_file = tmp_path / f"port-{soft}-{groups}-{len(env)}-{links}"
+    procs = [subprocess.Popen([sys.executable, "-c", FD_JOB, str(r), str(port_file), str(soft), str(groups), links],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=harness.worker_env(env), cwd=tmp_path) for r in range(2)]
     deadline = time.monotonic() + wait_s
@@ -170,8 +174,9 @@ def _fd_job(tmp_path, soft: int, groups: int, env: dict, wait_s: float = 120) ->
 @pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's own limit handling")
 def test_the_open_file_limit_is_raised_and_running_out_names_it(tmp_path):
     """A rank whose soft limit is far below its hard one gets it raised at its first group, so
-    many groups fit; with RUSTC10D_RAISE_FD_LIMIT=0 the limit stays, and running out of
-    descriptors is said once per listener, naming the limit and how to raise it."""
+    many groups with connections of their own fit; with RUSTC10D_RAISE_FD_LIMIT=0 the limit
+    stays, and running out of descriptors is said once per listener, naming the limit and how
+    to raise it. Groups that share the default group's connections fit in the low limit."""
     import resource
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 4096:
@@ -194,3 +199,7 @@ def test_the_open_file_limit_is_raised_and_running_out_names_it(tmp_path):
         assert out.count("Too many open files") <= 3, out[:3000]
     said = [out for out in outs if "RLIMIT_NOFILE: soft 128" in out and "ulimit -n" in out]
     assert said, f"no rank named the limit: {outs}"
+    # Groups that share the default group's connections need no descriptors of their own:
+    # the 200 groups that did not fit above fit now.
+    for out in _fd_job(tmp_path, 128, 200, {"RUSTC10D_RAISE_FD_LIMIT": "0"}, wait_s=60, links="shared"):
+        assert "limit 128 " in out and "groups 200" in out, out[:3000]

@@ -126,7 +126,14 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
         raise TypeError(f"rustc10d: pg_options must be rustc10d.Options, got {type(backend_options).__name__}")
     given = backend_options._given() if backend_options is not None else {}
     timeout = _millis(opts.timeout)
-    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given)
+    # A group made after the default one (new_group) sends over the default group's connections,
+    # in a channel of its own, where that group is a live rustc10d group; one given settings of
+    # its own (pg_options) opens connections of its own.
+    world = dist.group.WORLD if dist.is_initialized() else None
+    share = world.group_name if world is not None and not given and opts.group_id else ""
+    members = list(getattr(opts, "global_ranks_in_group", None) or []) if share else []
+    return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given,
+                                  share, members)
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,

@@ -109,7 +109,7 @@ pub struct OpCtx<'a> {
     /// "allreduce #4 on rank 1", for errors.
     pub what: What,
     /// Payload bytes per message in pipelined algorithms: large enough to
-    /// amortise the 32-byte header and a syscall, small enough that send,
+    /// amortise the 40-byte header and a syscall, small enough that send,
     /// receive and reduce of consecutive segments overlap.
     pub segment_bytes: usize,
     /// All-reduces up to this size use the direct exchange.

@@ -276,6 +276,12 @@ impl Engine {
         Arc::downgrade(&self.shared.transport)
     }
 
+    /// A group of `members` (ranks of this one) on this group's connections
+    /// (`Transport::open_channel`); None where there are none to share.
+    pub fn open_channel(&self, name: &str, members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
+        self.shared.transport.open_channel(name, members)
+    }
+
     /// This rank and the group's size.
     pub fn rank_and_size(&self) -> (usize, usize) {
         (self.shared.transport.rank(), self.shared.transport.size())

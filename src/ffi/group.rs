@@ -233,20 +233,31 @@ impl Group {
         self.engine.timeout().as_millis() as i64
     }
 
-    /// A child group over the store torch namespaced for it, with this
-    /// group's settings. It opens links of its own, as a new group does
-    /// (issue #31: sharing the parent's).
+    /// A child group of this group's `ranks`, with this group's settings:
+    /// a channel on this group's connections, agreed by the members without
+    /// a message (channel.rs); or, where this group has none to share or
+    /// torch gave no name to agree on, through the store torch namespaced
+    /// for it, with connections of its own.
     pub(crate) fn split(
         &self,
         store: cxx::UniquePtr<bridge::StoreRef>,
+        ranks: &[i32],
         rank: i32,
         size: i32,
         timeout_ms: i64,
         group_name: &str,
     ) -> Result<Box<Group>> {
         let store = GroupStore::new(store)?;
-        let member = member(rank as usize, size as usize, timeout_ms, &store);
-        let child = Group::join(store, &member, self.cfg.clone())?;
+        let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
+        let members: Vec<usize> = ranks.iter().map(|&r| r as usize).collect();
+        let channel = (!group_name.is_empty()).then(|| self.engine.open_channel(group_name, &members)).flatten();
+        let child = match channel {
+            Some(transport) => Group::over(transport?, store, self.cfg.clone(), timeout)?,
+            None => {
+                let member = member(rank as usize, size as usize, timeout_ms, &store);
+                Group::join(store, &member, self.cfg.clone())?
+            }
+        };
         crate::python::watch(group_name, &child);
         Ok(Box::new(child))
     }

@@ -165,12 +165,15 @@ pub mod bridge {
         fn size(self: &Group) -> i32;
         /// The timeout of the group's ops, in ms.
         fn timeout_ms(self: &Group) -> i64;
-        /// A new group of `size` ranks, this rank being `rank` of it, joined
-        /// through `store` with this group's settings (torch's split_group;
-        /// the store is namespaced for the child), named `group_name`.
+        /// A new group of this group's `ranks`, this rank being `rank` of it
+        /// (of `size`), with this group's settings (torch's split_group),
+        /// named `group_name`: a channel on this group's connections, or
+        /// where there are none to share, joined through `store`
+        /// (namespaced for the child).
         fn split(
             self: &Group,
             store: UniquePtr<StoreRef>,
+            ranks: &[i32],
             rank: i32,
             size: i32,
             timeout_ms: i64,
@@ -288,7 +291,14 @@ impl Group {
     /// Rendezvous through `store` as `member` and start the group's engine.
     pub fn join(store: GroupStore, member: &Member, cfg: Config) -> Result<Group> {
         let mesh: Arc<dyn Transport> = Arc::new(connect(&store, member, &cfg)?);
-        let engine = Engine::new(mesh, &cfg, member.timeout)?;
+        Group::over(mesh, store, cfg, member.timeout)
+    }
+
+    /// A group that sends over `transport`: connections of its own, or a
+    /// channel on another group's (`Transport::open_channel`). `store` is
+    /// where it was made, kept for a shrink.
+    pub fn over(transport: Arc<dyn Transport>, store: GroupStore, cfg: Config, timeout: Duration) -> Result<Group> {
+        let engine = Engine::new(transport, &cfg, timeout)?;
         Ok(Group {
             engine,
             cfg,

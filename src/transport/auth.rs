@@ -147,15 +147,15 @@ mod tests {
 
     /// The proof's input, pinned: computed independently with Python's hmac module as
     /// hmac.new(bytes(range(16)), b"rustc10d handshake" + bytes([1]) + struct.pack("<4I",
-    /// 8, 4, 1, 3) + b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the
+    /// 9, 4, 1, 3) + b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the
     /// protocol, and PROTOCOL_VERSION with it.
     #[test]
     fn the_proof_covers_what_the_protocol_says() {
-        assert_eq!(PROTOCOL_VERSION, 8, "the expected value below is for v8");
+        assert_eq!(PROTOCOL_VERSION, 9, "the expected value below is for v9");
         let me = Identity::new(1, 4, std::array::from_fn(|i| i as u8));
         assert_eq!(
             hex(&me.prove(Side::Dialler, &transcript())),
-            "b4a6b2e8827a9465da101e74dbb78f3acb5c9dc2b48bbaa880e41c2e2cfbd5a3"
+            "09b41521749689f46a2e023fc1379a460c4bc91efd5985bc0f4a25b4aabbf63b"
         );
     }
 

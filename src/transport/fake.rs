@@ -26,7 +26,7 @@
 //! fails once any peer is lost, as the mesh's does.
 
 use super::arena::Arena;
-use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf};
+use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf, Sources};
 use super::waits::{ask_next, in_turn, Wait, Waits};
 use super::{Fold, Key, Ready, Transport};
 use crate::error::{Error, Result};
@@ -317,7 +317,7 @@ impl Transport for FakeTransport {
         status: Arc<Status>,
     ) -> Result<()> {
         self.check_peer(peer)?;
-        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: false };
+        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: None };
         self.net.inbox[self.rank][peer].lock().unwrap().post(key, recv);
         Ok(())
     }
@@ -327,7 +327,11 @@ impl Transport for FakeTransport {
     unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
         // As the mesh does: post, then take a message that came early, if any.
         let any = &self.net.any[self.rank];
-        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true };
+        let recv = PostedRecv {
+            buf: RecvBuf { ptr: data, len, fold: None },
+            status: status.clone(),
+            any_source: Some(Sources::Owner),
+        };
         any.lock().unwrap().push(key, recv);
         let inbox = |peer: usize| self.net.inbox[self.rank][peer].lock().unwrap();
         let others = || (0..self.size()).filter(|&p| p != self.rank);

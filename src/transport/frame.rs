@@ -1,4 +1,4 @@
-//! Wire format: a fixed 32-byte frame header before every payload, and the
+//! Wire format: a fixed 40-byte frame header before every payload, and the
 //! handshake that opens every connection (a hello, a challenge, a proof each
 //! way: see auth.rs). Pure encode/decode, no I/O.
 
@@ -13,13 +13,14 @@ use crate::error::{Error, Result};
 /// v7: groups on one host run their collectives and call checks in a shared
 /// arena, handed out with the shared-memory connections to rank 0; v8: the
 /// token no longer crosses the wire: ranks prove they know it by a challenge
-/// and response).
-pub const PROTOCOL_VERSION: u32 = 8;
+/// and response; v9: a frame names the group it belongs to, so that groups
+/// share one process's connections).
+pub const PROTOCOL_VERSION: u32 = 9;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4832; // "RCH2"
 const CHALLENGE_MAGIC: u32 = 0x5243_4e32; // "RCN2"
 const REFUSAL_MAGIC: u32 = 0x5243_5246; // "RCRF"
-pub const HEADER_LEN: usize = 32;
+pub const HEADER_LEN: usize = 40;
 pub const HELLO_LEN: usize = 20 + NONCE_LEN;
 pub const CHALLENGE_LEN: usize = 4 + NONCE_LEN;
 
@@ -67,30 +68,38 @@ impl Remote {
 }
 
 /// What a message is matched on at the receiver, together with its sender.
-/// Collectives use (sequence number, step); p2p uses (user tag, 0) and FIFO order.
+/// Collectives use (sequence number, step); p2p uses (user tag, 0) and FIFO
+/// order. `group` is the channel it travels in: 0 for the group that owns the
+/// connections, another number for each group that shares them (channel.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Key {
     pub kind: u8,
+    pub group: u64,
     pub channel: u64,
     pub sub: u64,
 }
 
 impl Key {
     pub fn collective(seq: u64, step: u64) -> Key {
-        Key { kind: KIND_COLLECTIVE, channel: seq, sub: step }
+        Key { kind: KIND_COLLECTIVE, group: 0, channel: seq, sub: step }
     }
     pub fn p2p(tag: i64) -> Key {
-        Key { kind: KIND_P2P, channel: tag as u64, sub: 0 }
+        Key { kind: KIND_P2P, group: 0, channel: tag as u64, sub: 0 }
     }
     pub fn abort() -> Key {
-        Key { kind: KIND_ABORT, channel: 0, sub: 0 }
+        Key { kind: KIND_ABORT, group: 0, channel: 0, sub: 0 }
     }
     /// A question `depth` ranks down a chain of waits (see waits.rs).
     pub fn ask(depth: u64) -> Key {
-        Key { kind: KIND_ASK, channel: depth, sub: 0 }
+        Key { kind: KIND_ASK, group: 0, channel: depth, sub: 0 }
     }
     pub fn answer() -> Key {
-        Key { kind: KIND_ANSWER, channel: 0, sub: 0 }
+        Key { kind: KIND_ANSWER, group: 0, channel: 0, sub: 0 }
+    }
+
+    /// The same key in group `group`'s channel.
+    pub fn in_group(self, group: u64) -> Key {
+        Key { group, ..self }
     }
 }
 
@@ -112,6 +121,7 @@ impl FrameHeader {
         b[8..16].copy_from_slice(&self.key.channel.to_le_bytes());
         b[16..24].copy_from_slice(&self.key.sub.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..40].copy_from_slice(&self.key.group.to_le_bytes());
         b
     }
 
@@ -140,6 +150,7 @@ impl FrameHeader {
             remote,
             key: Key {
                 kind,
+                group: u64::from_le_bytes(b[32..40].try_into().unwrap()),
                 channel: u64::from_le_bytes(b[8..16].try_into().unwrap()),
                 sub: u64::from_le_bytes(b[16..24].try_into().unwrap()),
             },
@@ -345,9 +356,9 @@ mod tests {
         #[test]
         fn headers_roundtrip(p2p in proptest::prelude::any::<bool>(), channel in proptest::prelude::any::<u64>(),
                              sub in proptest::prelude::any::<u64>(), len in proptest::prelude::any::<u64>(),
-                             remote in proptest::prelude::any::<bool>()) {
+                             remote in proptest::prelude::any::<bool>(), group in proptest::prelude::any::<u64>()) {
             let kind = if p2p { KIND_P2P } else { KIND_COLLECTIVE };
-            let h = FrameHeader { key: Key { kind, channel, sub }, len, remote };
+            let h = FrameHeader { key: Key { kind, group, channel, sub }, len, remote };
             proptest::prop_assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         }
 
@@ -359,7 +370,7 @@ mod tests {
         fn a_header_decodes_exactly_when_the_protocol_allows_it(
             magic_ok in proptest::prelude::any::<bool>(), kind in 0u8..8, flags in proptest::prop_oneof![0u8..2, proptest::prelude::any::<u8>()],
             reserved in proptest::prop_oneof![proptest::strategy::Just([0u8; 2]), proptest::prelude::any::<[u8; 2]>()],
-            words in proptest::prelude::any::<[u64; 3]>(), bad_magic in 1u32..,
+            words in proptest::prelude::any::<[u64; 4]>(), bad_magic in 1u32..,
         ) {
             let mut b = [0u8; HEADER_LEN];
             b[0..4].copy_from_slice(&(if magic_ok { FRAME_MAGIC } else { FRAME_MAGIC ^ bad_magic }).to_le_bytes());
@@ -376,7 +387,7 @@ mod tests {
                 Ok(h) => {
                     proptest::prop_assert!(allowed, "decoded a header the protocol does not allow: {:?}", b);
                     proptest::prop_assert_eq!(h.encode(), b);
-                    proptest::prop_assert_eq!((h.key.channel, h.key.sub, h.len), (words[0], words[1], words[2]));
+                    proptest::prop_assert_eq!((h.key.channel, h.key.sub, h.len, h.key.group), (words[0], words[1], words[2], words[3]));
                 }
                 Err(e) => {
                     proptest::prop_assert!(!allowed, "refused an allowed header: {}", e.message);

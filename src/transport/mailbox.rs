@@ -57,13 +57,36 @@ pub struct PostedRecv {
     pub buf: RecvBuf,
     pub status: Arc<Status>,
     /// Posted for any peer: finishing reports the sender's rank, not the length.
-    pub any_source: bool,
+    pub any_source: Option<Sources>,
+}
+
+/// How an any-source receive names its sender: by the rank of the
+/// connections' owner, or (a group that shares them) by its rank in the
+/// group, `members[i]` being rank i.
+#[derive(Clone)]
+pub enum Sources {
+    Owner,
+    Members(Arc<[usize]>),
 }
 
 impl PostedRecv {
     /// The buffer is filled with `len` bytes from `peer`.
     pub fn complete(self, len: usize, peer: usize) {
-        self.status.finish(Ok(if self.any_source { peer as i64 } else { len as i64 }));
+        let reported = match &self.any_source {
+            None => len,
+            Some(Sources::Owner) => peer,
+            // A message of the group's channel comes from a member; were it
+            // not one, the receive fails rather than name someone else.
+            Some(Sources::Members(m)) => match m.iter().position(|&r| r == peer) {
+                Some(rank) => rank,
+                None => {
+                    let why = format!("a message for an any-source receive came from rank {peer}, not a member");
+                    self.status.finish(Err(Error::io(why)));
+                    return;
+                }
+            },
+        };
+        self.status.finish(Ok(reported as i64));
     }
 
     /// Fill from an early message: it was read into memory, and is now
@@ -105,14 +128,13 @@ impl AnyPosted {
     /// A peer was lost: every receive from any peer fails, as the message it
     /// waits for may have been that peer's (Gloo fails them alike).
     pub fn fail_all(&mut self, err: &Error) -> usize {
-        let mut failed = 0;
-        for (_, q) in self.0.drain() {
-            for p in q {
-                p.status.finish(Err(err.clone()));
-                failed += 1;
-            }
-        }
-        failed
+        fail_where(&mut self.0, |_| true, err)
+    }
+
+    /// A member of group `group` gave up on it, or this rank closed it:
+    /// that group's receives from any peer fail.
+    pub fn fail_group(&mut self, group: u64, err: &Error) -> usize {
+        fail_where(&mut self.0, |k| k.group == group, err)
     }
 
     /// Take back a receive that no reader has claimed yet.
@@ -125,6 +147,19 @@ impl AnyPosted {
         }
         p
     }
+}
+
+/// Fail the receives whose key `which` picks; how many.
+fn fail_where(map: &mut HashMap<Key, VecDeque<PostedRecv>>, which: impl Fn(&Key) -> bool, err: &Error) -> usize {
+    let keys: Vec<Key> = map.keys().filter(|k| which(k)).copied().collect();
+    let mut failed = 0;
+    for key in keys {
+        for p in map.remove(&key).unwrap_or_default() {
+            p.status.finish(Err(err.clone()));
+            failed += 1;
+        }
+    }
+    failed
 }
 
 fn pop_front<T>(map: &mut HashMap<Key, VecDeque<T>>, key: Key) -> Option<T> {
@@ -144,6 +179,8 @@ pub enum Delivery {
     Mismatch(PostedRecv),
     /// Nobody is waiting yet: read it into memory and `stash` it.
     Stash,
+    /// Its group's channel is closed here: read past it.
+    Drop,
 }
 
 #[derive(Default)]
@@ -153,6 +190,11 @@ pub struct Mailbox {
     posted: HashMap<Key, VecDeque<PostedRecv>>,
     early: HashMap<Key, VecDeque<Vec<u8>>>,
     closed: Option<Error>,
+    /// Channels of groups that share the connections, closed for this
+    /// peer: the peer gave up on the group, or this rank left it. Their
+    /// later messages are dropped, never kept for a group of the same
+    /// number (channel numbers are not reused: see channel.rs).
+    closed_groups: HashMap<u64, Error>,
 }
 
 impl Mailbox {
@@ -162,6 +204,9 @@ impl Mailbox {
 
     /// A frame header arrived from this peer. Lock order: mailbox, then `any`.
     pub fn on_header(&mut self, key: Key, len: u64, any: &Mutex<AnyPosted>) -> Delivery {
+        if self.closed_groups.contains_key(&key.group) {
+            return Delivery::Drop;
+        }
         let posted = pop_front(&mut self.posted, key).or_else(|| any.lock().unwrap().pop(key));
         let Some(p) = posted else { return Delivery::Stash };
         if p.buf.len as u64 == len {
@@ -178,6 +223,7 @@ impl Mailbox {
             Delivery::Direct(p) => p.fill(&data, self.peer),
             Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, self.peer),
             Delivery::Stash => self.early.entry(key).or_default().push_back(data),
+            Delivery::Drop => {}
         }
     }
 
@@ -192,7 +238,7 @@ impl Mailbox {
             }
             return;
         }
-        if let Some(err) = &self.closed {
+        if let Some(err) = self.closed_for(key.group) {
             recv.status.finish(Err(err.clone()));
             return;
         }
@@ -233,18 +279,25 @@ impl Mailbox {
         self.closed.as_ref()
     }
 
+    /// Why group `group`'s messages from this peer will not come, once they will not.
+    pub fn closed_for(&self, group: u64) -> Option<&Error> {
+        self.closed.as_ref().or_else(|| self.closed_groups.get(&group))
+    }
+
+    /// Close group `group`'s channel with this peer: its waiting receives
+    /// fail with `err`, and so do later ones; its early messages are
+    /// dropped, and so are later ones. Returns how many receives were waiting.
+    pub fn close_group(&mut self, group: u64, err: Error) -> usize {
+        self.early.retain(|k, _| k.group != group);
+        self.closed_groups.entry(group).or_insert_with(|| err.clone());
+        fail_where(&mut self.posted, |k| k.group == group, &err)
+    }
+
     pub fn close(&mut self, err: Error) -> usize {
         if self.closed.is_none() {
             self.closed = Some(err.clone());
         }
-        let mut failed = 0;
-        for (_, q) in self.posted.drain() {
-            for p in q {
-                p.status.finish(Err(err.clone()));
-                failed += 1;
-            }
-        }
-        failed
+        fail_where(&mut self.posted, |_| true, &err)
     }
 }
 
@@ -262,6 +315,7 @@ pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8], any: &Mutex<AnyPosted>) 
         Delivery::Direct(p) => p.fill(data, mb.peer),
         Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, mb.peer),
         Delivery::Stash => mb.stash(key, data.to_vec(), any),
+        Delivery::Drop => {}
     }
 }
 
@@ -276,7 +330,7 @@ mod tests {
             PostedRecv {
                 buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len(), fold: None },
                 status: status.clone(),
-                any_source: false,
+                any_source: None,
             },
         );
         status
@@ -298,7 +352,7 @@ mod tests {
         let post_folded = |mb: &mut Mailbox, key, buf: &mut [u8]| {
             let status = Status::new();
             let recv = RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len(), fold: Some(fold.clone()) };
-            mb.post(key, PostedRecv { buf: recv, status: status.clone(), any_source: false });
+            mb.post(key, PostedRecv { buf: recv, status: status.clone(), any_source: None });
             status
         };
         // Empty (a dangling pointer), early then posted.
@@ -385,7 +439,7 @@ mod tests {
             PostedRecv {
                 buf: RecvBuf { ptr: a.as_mut_ptr(), len: 2, fold: None },
                 status: sa.clone(),
-                any_source: true,
+                any_source: Some(Sources::Owner),
             },
         );
         deliver(&mut m2, Key::p2p(0), &[4, 5], &any);
@@ -400,7 +454,7 @@ mod tests {
             PostedRecv {
                 buf: RecvBuf { ptr: b.as_mut_ptr(), len: 2, fold: None },
                 status: sb.clone(),
-                any_source: true,
+                any_source: Some(Sources::Owner),
             },
         );
         assert!(!m2.offer_early(Key::p2p(0), &sb, &any), "nothing early from peer 2");
@@ -416,7 +470,7 @@ mod tests {
             PostedRecv {
                 buf: RecvBuf { ptr: d.as_mut_ptr(), len: 1, fold: None },
                 status: sd.clone(),
-                any_source: true,
+                any_source: Some(Sources::Owner),
             },
         );
         let sc = post(&mut m1, Key::p2p(3), &mut c);
@@ -441,7 +495,7 @@ mod tests {
                 if is_post {
                     let mut b = Box::new([0xFFu8; 1]);
                     let status = Status::new();
-                    mb.post(k, PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 1, fold: None }, status: status.clone(), any_source: false });
+                    mb.post(k, PostedRecv { buf: RecvBuf { ptr: b.as_mut_ptr(), len: 1, fold: None }, status: status.clone(), any_source: None });
                     bufs.push((key, posted[key as usize], b, status));
                     posted[key as usize] += 1;
                 } else {

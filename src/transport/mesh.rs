@@ -8,16 +8,15 @@
 use super::accept::{Listener, Listening};
 use super::arena::Arena;
 use super::auth::{fill_random, Identity};
-use super::frame::{Key, ABORT_MAX, KIND_P2P};
-use super::link::Link;
-use super::mailbox::{Fold, Mailbox, PostedRecv, RecvBuf};
+use super::channel::Channel;
+use super::frame::{Key, ABORT_MAX};
+use super::mailbox::{Fold, Mailbox, Sources};
 use super::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
 use super::peer::Peer;
 use super::peer_reads::PeerReadsGrant;
 use super::reactor::{Reactor, READABLE};
 use super::striping::Striping;
 use super::waits::Wait;
-use super::writer::SendReq;
 use super::{Ready, Transport};
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -147,6 +146,7 @@ impl Mesh {
             arena_members,
             arena_on_every_host: layout.arena_on_every_host,
             peer_reads: Mutex::new(layout.peer_reads),
+            channels: Mutex::default(),
         });
         let mesh = Mesh { core: core.clone() };
         // A listener that runs out of descriptors refuses with this one.
@@ -225,11 +225,8 @@ impl Transport for Mesh {
         deadline: Instant,
         ready: Option<Ready>,
     ) -> Result<()> {
-        // Point-to-point keeps to one connection, so that it stays in order.
-        let spread = key.kind != KIND_P2P;
-        let link = self.core.lane(peer, key.sub as usize, spread, deadline)?;
-        link.send(SendReq::new(key, data, len, status, ready));
-        Ok(())
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.send_to(peer, key, data, len, status, deadline, ready) }
     }
 
     /// # Safety
@@ -243,33 +240,17 @@ impl Transport for Mesh {
         fold: Option<Fold>,
         status: Arc<Status>,
     ) -> Result<()> {
-        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: false };
-        self.core.peers[peer].mailbox.lock().unwrap().post(key, recv);
-        self.core.resume(peer);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.recv_from(peer, key, data, len, fold, status) };
         Ok(())
     }
 
     /// # Safety
     /// As for `Transport::recv_any`.
     unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
-        let core = &self.core;
-        // Post first, then look for a message that came early: a reader that
-        // gets one meanwhile finds the posted receive.
-        let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold: None }, status: status.clone(), any_source: true };
-        core.any.lock().unwrap().push(key, recv);
-        let others = || (0..core.peers.len()).filter(|&p| p != core.rank());
-        let early = others().any(|peer| core.peers[peer].mailbox.lock().unwrap().offer_early(key, &status, &core.any));
-        // A peer already lost fails it now; one lost later fails it then (mesh_core, Lost).
-        if !early {
-            if let Some(err) = others().find_map(|p| core.peers[p].mailbox.lock().unwrap().closed().cloned()) {
-                if core.any.lock().unwrap().remove(key, &status).is_some() {
-                    status.finish(Err(err));
-                }
-            }
-        }
-        for peer in others() {
-            core.resume(peer);
-        }
+        let others: Vec<usize> = (0..self.core.peers.len()).filter(|&p| p != self.core.rank()).collect();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.recv_from_any(&others, Sources::Owner, key, data, len, status) };
         Ok(())
     }
 
@@ -287,9 +268,7 @@ impl Transport for Mesh {
             Some(_) => return None,
             None => 0..self.core.peers.len(),
         };
-        let links: Vec<_> = peers.flat_map(|p| self.core.peers[p].links.lock().unwrap().clone()).collect();
-        links.iter().for_each(|l| l.poll_begin());
-        Some(Box::new(Pollers(links)))
+        Some(self.core.polling_of(peers))
     }
 
     fn break_peer(&self, peer: usize, reason: &Error) {
@@ -333,8 +312,7 @@ impl Transport for Mesh {
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
-        let links = self.core.peers.get(peer)?.links.lock().unwrap();
-        links.first().map(|l| if l.conn.is_shm() { "shm" } else { "tcp" })
+        self.core.link_kind_of(peer)
     }
 
     fn host_of(&self, peer: usize) -> usize {
@@ -354,29 +332,14 @@ impl Transport for Mesh {
     }
 
     fn lanes(&self, peer: usize) -> usize {
-        let Some(slot) = self.core.peers.get(peer) else { return 0 };
-        let open = slot.state.lock().unwrap().lanes().len();
-        open.min(slot.striping.lock().unwrap().lanes())
+        self.core.lanes_of(peer)
     }
 
     fn lanes_settled(&self, peer: usize) -> bool {
-        // Shared memory is one connection, never measured.
-        self.link_kind(peer) == Some("shm")
-            || self.core.peers.get(peer).is_none_or(|slot| slot.striping.lock().unwrap().settled())
+        self.core.lanes_settled_of(peer)
     }
-}
 
-/// Links a waiting thread polls.
-struct Pollers(Vec<Arc<Link>>);
-
-impl Polling for Pollers {
-    fn poll(&self) {
-        self.0.iter().for_each(|l| l.poll());
-    }
-}
-
-impl Drop for Pollers {
-    fn drop(&mut self) {
-        self.0.iter().for_each(|l| l.poll_end());
+    fn open_channel(&self, name: &str, members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
+        Some(Channel::open(&self.core, name, members.to_vec()).map(|c| Arc::new(c) as Arc<dyn Transport>))
     }
 }

@@ -71,6 +71,8 @@ pub struct Core {
     pub(super) arena_on_every_host: bool,
     /// Lets peers on this host read this process's memory until shutdown.
     pub(super) peer_reads: Mutex<Option<PeerReadsGrant>>,
+    /// How many channels of each name this rank has opened (channel.rs).
+    pub(super) channels: Mutex<super::channel::Channels>,
 }
 
 pub struct PeerSlot {
@@ -121,10 +123,15 @@ impl Drop for Answering {
 }
 
 pub(super) fn describe(addrs: &[PeerAddr], peer: usize) -> String {
+    describe_as(addrs, peer, peer)
+}
+
+/// `peer`, which its group calls rank `shown`.
+pub(super) fn describe_as(addrs: &[PeerAddr], peer: usize, shown: usize) -> String {
     let a = &addrs[peer];
     match a.shm {
-        Some(_) => format!("rank {peer} ({}, shared memory)", a.tcp),
-        None => format!("rank {peer} ({})", a.tcp),
+        Some(_) => format!("rank {shown} ({}, shared memory)", a.tcp),
+        None => format!("rank {shown} ({})", a.tcp),
     }
 }
 
@@ -181,7 +188,7 @@ impl Core {
         let recv = PostedRecv {
             buf: RecvBuf { ptr: answer.as_mut_ptr(), len: ANSWER_LEN, fold: None },
             status: got.clone(),
-            any_source: false,
+            any_source: None,
         };
         // A peer that gave up has said why: that is its answer.
         let mut mailbox = self.peers.get(peer)?.mailbox.lock().unwrap();

@@ -6,7 +6,9 @@
 mod accept;
 pub mod arena;
 pub mod auth;
+mod channel;
 pub mod conn;
+mod core_io;
 mod dial;
 pub mod fake;
 pub mod fd_limit;
@@ -154,6 +156,15 @@ pub trait Transport: Send + Sync {
     /// Whether `lanes(peer)` is final (with `nsocks=auto`, once measured).
     fn lanes_settled(&self, _peer: usize) -> bool {
         true
+    }
+
+    /// A group of `members` (ranks of this one, in the new group's order,
+    /// this rank among them) named `name` that sends over this group's
+    /// connections in a channel of its own (channel.rs): every member opens
+    /// it with the same name, in the same order as its other channels of
+    /// that name. None where the transport has no connections to share.
+    fn open_channel(&self, _name: &str, _members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
+        None
     }
 
     /// Which host `peer` runs on, as a number that every rank of the group

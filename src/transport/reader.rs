@@ -51,17 +51,9 @@ enum State {
     #[default]
     Start,
     /// A header, and the address that follows it for a message sent as one.
-    Header {
-        buf: [u8; HEADER_LEN + REMOTE_LEN],
-        got: usize,
-    },
+    Header { buf: [u8; HEADER_LEN + REMOTE_LEN], got: usize },
     /// A header whose message has no receive yet, waiting up to EARLY_GRACE.
-    Early {
-        key: Key,
-        len: u64,
-        since: Instant,
-        remote: Option<Remote>,
-    },
+    Early { key: Key, len: u64, since: Instant, remote: Option<Remote> },
     Body {
         len: u64,
         got: u64,
@@ -69,10 +61,9 @@ enum State {
         /// The bytes are read from the peer's memory there.
         remote: Option<Remote>,
     },
-    Reason {
-        buf: Vec<u8>,
-        got: usize,
-    },
+    /// Why the peer gives up: on every group (`group` 0, the connections'
+    /// owner) or on the group of that channel.
+    Reason { group: u64, buf: Vec<u8>, got: usize },
     /// The connection failed (or was closed) here: every later read says
     /// so again. Were it to start over, a thread reading next (a waiter
     /// polls) would take the end of a stream that broke within a frame
@@ -200,7 +191,7 @@ impl Reader {
                     if header.len > ABORT_MAX {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "oversized abort frame"));
                     }
-                    *state = State::Reason { buf: vec![0; header.len as usize], got: 0 };
+                    *state = State::Reason { group: header.key.group, buf: vec![0; header.len as usize], got: 0 };
                 } else {
                     let remote = header.remote.then(|| Remote::decode(buf[HEADER_LEN..].try_into().unwrap()));
                     *state = State::Early { key: header.key, len: header.len, since: Instant::now(), remote };
@@ -217,6 +208,7 @@ impl Reader {
                         fail_mismatch(p, len, peer);
                         Into::Drain
                     }
+                    Delivery::Drop => Into::Drain,
                     Delivery::Stash => {
                         let waited = since.elapsed();
                         if (len >= EARLY_GRACE_MIN_BYTES || remote.is_some()) && waited < EARLY_GRACE {
@@ -258,7 +250,7 @@ impl Reader {
                 }
             }
             State::Failed(kind, why) => return Err(io::Error::new(*kind, why.clone())),
-            State::Reason { buf, got } => {
+            State::Reason { group, buf, got } => {
                 if *got < buf.len() {
                     let n = read_some(conn, &mut buf[*got..])?;
                     if n == 0 {
@@ -267,9 +259,17 @@ impl Reader {
                     *got += n;
                     return Ok(None);
                 }
-                let why = String::from_utf8_lossy(buf).into_owned();
+                let why = Error::peer_lost(format!("gave up on the group: {}", String::from_utf8_lossy(buf)));
+                let group = *group;
                 *state = State::Start;
-                return Ok(Some(Stop::Reason(Error::peer_lost(format!("gave up on the group: {why}")))));
+                if group == 0 {
+                    return Ok(Some(Stop::Reason(why)));
+                }
+                // One group sharing the connection: its channel closes, the
+                // connection goes on. Lock order: mailbox, then `any`.
+                let mut mailbox = mailbox.lock().unwrap();
+                mailbox.close_group(group, why.clone());
+                any.lock().unwrap().fail_group(group, &why);
             }
         }
         Ok(None)
@@ -386,7 +386,7 @@ mod tests {
         let mailbox = Mutex::new(Mailbox::new(0));
         let status = Status::new();
         let buf = RecvBuf { ptr: got.as_mut_ptr(), len: got.len(), fold: None };
-        mailbox.lock().unwrap().post(key, PostedRecv { buf, status: status.clone(), any_source: false });
+        mailbox.lock().unwrap().post(key, PostedRecv { buf, status: status.clone(), any_source: None });
         (mailbox, status)
     }
 
@@ -559,7 +559,7 @@ mod tests {
             let mailbox = Mutex::new(Mailbox::new(1));
             let status = Status::new();
             let recv = RecvBuf { ptr: buf[16..].as_mut_ptr(), len: 64, fold: None };
-            mailbox.lock().unwrap().post(Key::p2p(7), PostedRecv { buf: recv, status: status.clone(), any_source: false });
+            mailbox.lock().unwrap().post(Key::p2p(7), PostedRecv { buf: recv, status: status.clone(), any_source: None });
             let any = Mutex::default();
             let mut reader = Reader::default();
             let deadline = Instant::now() + Duration::from_secs(10);

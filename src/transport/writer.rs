@@ -7,7 +7,7 @@
 //! and finishes when the peer acknowledges it.
 
 use super::conn::Conn;
-use super::frame::{FrameHeader, Key, Remote, HEADER_LEN, REMOTE_LEN};
+use super::frame::{FrameHeader, Key, Remote, HEADER_LEN, KIND_COLLECTIVE, KIND_P2P, REMOTE_LEN};
 use super::Ready;
 use crate::error::{Error, Result};
 use crate::status::Status;
@@ -105,7 +105,10 @@ impl Outbox {
                 }
             }
             let (key, data, len) = (req.key, req.data, req.len);
-            let head = req.head.get_or_insert_with(|| head(key, data, len, conn.sends_directly(len), last_id));
+            // Only messages go as their address: a reason, a question or an
+            // answer sent so would be refused by the peer (frame.rs).
+            let direct = matches!(key.kind, KIND_COLLECTIVE | KIND_P2P) && conn.sends_directly(len);
+            let head = req.head.get_or_insert_with(|| head(key, data, len, direct, last_id));
             let payload = match head.id {
                 Some(_) => &[][..],
                 // SAFETY: the sender keeps `len` bytes at `data` valid and unchanged until

@@ -1,0 +1,286 @@
+//! `Channel`: a group that sends over another group's connections instead of
+//! opening its own (issue #31). A process keeps one set of connections per
+//! peer process, owned by the group that opened them (the default group's
+//! `Mesh`); every group made from it (torch's new_group, split_group) is a
+//! channel there: its frames carry the channel's number, and each peer's
+//! mailbox matches them apart from every other group's. A channel has its
+//! own ordering (its engine's sequence numbers), matching, waits, call check
+//! and failure: a member that gives up on it closes it, for that member,
+//! and no other group. What fails a connection (a peer lost, a transfer cut)
+//! fails every group on it, as it does the owner.
+//!
+//! Members agree on a channel's number without a message: it is a hash of
+//! the group's name (the same on every member; torch's) and of how many
+//! channels of that name this rank has opened before (the same on every
+//! member too, as each opens every group it is in, in the same order). A
+//! number is never opened twice in a process, so a closed channel's late
+//! messages are dropped, never taken for a new group's.
+
+use super::arena::Arena;
+use super::frame::{Key, ABORT_MAX};
+use super::mailbox::Sources;
+use super::mesh_core::{describe_as, Core};
+use super::waits::Wait;
+use super::writer::SendReq;
+use super::{Fold, Ready, Transport};
+use crate::error::{Error, Result};
+use crate::status::{Polling, Status};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The channels a process's connections carry (`Core::channels`).
+#[derive(Default)]
+pub struct Channels {
+    /// How many channels of each name this rank has opened.
+    opened: HashMap<String, u64>,
+    /// Every number opened, ever.
+    numbers: HashSet<u64>,
+}
+
+pub struct Channel {
+    core: Arc<Core>,
+    /// Its number in frames (never 0: that is the owner's).
+    group: u64,
+    /// The owner's rank of each member, rank i of this group first.
+    members: Arc<[usize]>,
+    /// This rank's place in `members`.
+    me: usize,
+    /// Each member's host, numbered in the order of their lowest rank here.
+    hosts: Vec<usize>,
+    shut: AtomicBool,
+}
+
+/// A channel's number: FNV-1a of its name and how many of that name came before.
+fn number(name: &str, nth: u64) -> u64 {
+    let bytes = name.bytes().chain([0]).chain(nth.to_le_bytes());
+    let h = bytes.fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    h.max(1)
+}
+
+impl Channel {
+    /// Open the channel of group `name` whose rank i is the owner's rank `members[i]`.
+    pub(super) fn open(core: &Arc<Core>, name: &str, members: Vec<usize>) -> Result<Channel> {
+        let size = core.peers.len();
+        let mut seen = HashSet::new();
+        if let Some(&bad) = members.iter().find(|&&r| r >= size || !seen.insert(r)) {
+            return Err(Error::invalid(format!(
+                "rustc10d: a group's ranks must be distinct ranks of a group of {size}: got {bad} in {members:?}"
+            )));
+        }
+        let Some(me) = members.iter().position(|&r| r == core.rank()) else {
+            return Err(Error::invalid(format!("rustc10d: rank {} is not in the group {members:?}", core.rank())));
+        };
+        if core.stopping.load(Ordering::SeqCst) || core.gave_up.lock().unwrap().is_some() {
+            return Err(Error::aborted(format!(
+                "rustc10d: group {name:?} cannot share the connections of a process group that was shut down or broken"
+            )));
+        }
+        let group = {
+            let mut channels = core.channels.lock().unwrap();
+            let nth = channels.opened.entry(name.to_string()).or_default();
+            let group = number(name, *nth);
+            *nth += 1;
+            if !channels.numbers.insert(group) {
+                return Err(Error::invalid(format!(
+                    "rustc10d: group {name:?} hashes to the number of a group opened before ({group:#x}); \
+                     give it another name"
+                )));
+            }
+            group
+        };
+        let mut first_seen = HashMap::new();
+        let hosts = members.iter().map(|&r| {
+            let n = first_seen.len();
+            *first_seen.entry(core.hosts[r]).or_insert(n)
+        });
+        let hosts = hosts.collect();
+        Ok(Channel { core: core.clone(), group, members: members.into(), me, hosts, shut: AtomicBool::new(false) })
+    }
+
+    /// The other members, as the owner's ranks.
+    fn others(&self) -> Vec<usize> {
+        self.members.iter().copied().filter(|&r| r != self.core.rank()).collect()
+    }
+
+    /// Close the channel on this rank: its receives fail with `why`, now and
+    /// later, and its messages are dropped from now on.
+    fn close(&self, why: &Error) {
+        for p in self.others() {
+            self.core.peers[p].mailbox.lock().unwrap().close_group(self.group, why.clone());
+        }
+        self.core.any.lock().unwrap().fail_group(self.group, why);
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Transport for Channel {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn describe_peer(&self, peer: usize) -> String {
+        describe_as(&self.core.addrs, self.members[peer], peer)
+    }
+
+    /// # Safety
+    /// As for `Transport::send`.
+    unsafe fn send(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *const u8,
+        len: usize,
+        status: Arc<Status>,
+        deadline: Instant,
+        ready: Option<Ready>,
+    ) -> Result<()> {
+        let (peer, key) = (self.members[peer], key.in_group(self.group));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.send_to(peer, key, data, len, status, deadline, ready) }
+    }
+
+    /// # Safety
+    /// As for `Transport::recv`.
+    unsafe fn recv(
+        &self,
+        peer: usize,
+        key: Key,
+        data: *mut u8,
+        len: usize,
+        fold: Option<Fold>,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        let (peer, key) = (self.members[peer], key.in_group(self.group));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.recv_from(peer, key, data, len, fold, status) };
+        Ok(())
+    }
+
+    /// # Safety
+    /// As for `Transport::recv_any`.
+    unsafe fn recv_any(&self, key: Key, data: *mut u8, len: usize, status: Arc<Status>) -> Result<()> {
+        let sources = Sources::Members(self.members.clone());
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.recv_from_any(&self.others(), sources, key.in_group(self.group), data, len, status) };
+        Ok(())
+    }
+
+    fn cancel_recv_any(&self, key: Key, status: &Arc<Status>) -> bool {
+        self.core.any.lock().unwrap().remove(key.in_group(self.group), status).is_some()
+    }
+
+    fn cancel_recv(&self, peer: usize, key: Key, status: &Arc<Status>) -> bool {
+        let mailbox = &self.core.peers[self.members[peer]].mailbox;
+        mailbox.lock().unwrap().cancel(key.in_group(self.group), status)
+    }
+
+    fn polling(&self, peer: Option<usize>) -> Option<Box<dyn Polling + '_>> {
+        match peer {
+            Some(p) => Some(self.core.polling_of(std::iter::once(*self.members.get(p)?))),
+            None => Some(self.core.polling_of(self.others().into_iter())),
+        }
+    }
+
+    /// Cuts the connections to the peer, which every group on them shares:
+    /// only for a transfer that cannot be withdrawn otherwise.
+    fn break_peer(&self, peer: usize, reason: &Error) {
+        self.core.give_up(self.members[peer], reason);
+    }
+
+    /// Tells each member this rank has a connection to why it gives up on
+    /// the group, in the channel (the connections stay), then closes it here.
+    fn abort_all(&self, reason: &Error) {
+        let why = reason.message.as_bytes();
+        let why = &why[..why.len().min(ABORT_MAX as usize)];
+        for p in self.others() {
+            let link = self.core.peers[p].links.lock().unwrap().first().cloned();
+            let Some(link) = link else { continue };
+            let bytes = why.to_vec();
+            let (data, len) = (bytes.as_ptr(), bytes.len());
+            // The status keeps the bytes until they are written.
+            let status = Status::with_callback(Box::new(move |_| {
+                drop(bytes);
+                Ok(())
+            }));
+            link.send(SendReq::new(Key::abort().in_group(self.group), data, len, status, None));
+        }
+        self.close(reason);
+    }
+
+    /// Closes the channel here; the connections stay, for the other groups.
+    fn shutdown(&self) {
+        if !self.shut.swap(true, Ordering::SeqCst) {
+            self.close(&Error::aborted("rustc10d: the process group was shut down"));
+        }
+    }
+
+    fn single_copy_bytes(&self) -> Option<usize> {
+        self.core.single_copy_group.then_some(self.core.direct_from)
+    }
+
+    /// None: the owner's arena holds the owner's ranks, in its order.
+    fn shared_arena(&self) -> Option<(Arc<Arena>, &[usize])> {
+        None
+    }
+
+    fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.core.link_kind_of(*self.members.get(peer)?)
+    }
+
+    fn lanes(&self, peer: usize) -> usize {
+        self.members.get(peer).map_or(0, |&p| self.core.lanes_of(p))
+    }
+
+    fn lanes_settled(&self, peer: usize) -> bool {
+        self.members.get(peer).is_none_or(|&p| self.core.lanes_settled_of(p))
+    }
+
+    fn host_of(&self, peer: usize) -> usize {
+        self.hosts[peer]
+    }
+
+    fn begin_wait(&self, wait: Wait) -> u64 {
+        self.core.waits.lock().unwrap().begin(wait)
+    }
+
+    fn end_wait(&self, id: u64, said: Option<String>) {
+        self.core.waits.lock().unwrap().end(id, said)
+    }
+
+    fn ask(&self, peer: usize) -> Option<String> {
+        self.core.ask(*self.members.get(peer)?, 0)
+    }
+
+    fn open_channel(&self, name: &str, members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
+        let Some(owners) = members.iter().map(|&r| self.members.get(r).copied()).collect::<Option<Vec<_>>>() else {
+            let size = self.members.len();
+            return Some(Err(Error::invalid(format!("rustc10d: ranks {members:?} are not all in a group of {size}"))));
+        };
+        Some(Channel::open(&self.core, name, owners).map(|c| Arc::new(c) as Arc<dyn Transport>))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::number;
+
+    #[test]
+    fn numbers_differ_by_name_and_by_turn_and_are_never_the_owners() {
+        let all = [number("1", 0), number("1", 1), number("2", 0), number("", 0), number("10", 0)];
+        let distinct: std::collections::HashSet<_> = all.iter().collect();
+        assert_eq!(distinct.len(), all.len());
+        assert!(all.iter().all(|&n| n != 0));
+        assert_eq!(number("1", 0), number("1", 0), "the same on every member");
+    }
+}
