@@ -70,14 +70,14 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
 /// channel on `owner`'s connections, with `owner`'s settings; None where
 /// that group is gone, has no connections to share or cannot share them
 /// (shut down, broken): the new group then opens its own.
-fn channel_of(owner: &str, name: &str, members: &[usize], rank: usize) -> Option<(Arc<dyn Transport>, Config)> {
+fn channel_of(owner: &str, name: &str, members: &[usize], member: &Member) -> Option<(Arc<dyn Transport>, Config)> {
     let (transport, cfg) = {
         let groups = GROUPS.lock().unwrap();
         let owner = groups.get(owner)?;
         (owner.transport.upgrade()?, owner.cfg.clone())
     };
-    match transport.open_channel(name, members)? {
-        Ok(channel) if channel.rank() == rank => Some((channel, cfg)),
+    match transport.open_channel(name, members, member.timeout)? {
+        Ok(channel) if channel.rank() == member.rank => Some((channel, cfg)),
         Ok(_) => None,
         Err(e) => {
             tracing::info!("{}; group {name:?} opens connections of its own", e.message);
@@ -115,12 +115,12 @@ fn create_backend(
         timeout: Duration::from_millis(timeout_ms.max(0) as u64),
         store_host: Some(store_host(&store_ref)),
     };
-    let shared = (!share.is_empty() && members.len() == member.size)
-        .then(|| channel_of(&share, &group_name, &members, member.rank))
-        .flatten();
     // Rendezvous can take a while: let other Python threads run meanwhile.
     let group = py
         .detach(|| {
+            let shared = (!share.is_empty() && members.len() == member.size)
+                .then(|| channel_of(&share, &group_name, &members, &member))
+                .flatten();
             if let Some((channel, cfg)) = shared {
                 return Group::over(channel, GroupStore::new(store_ref)?, cfg, member.timeout);
             }

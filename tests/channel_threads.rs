@@ -11,16 +11,25 @@ use threads::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Group `name` of `members` (ranks of `parent`) on every member of it:
-/// None on the ranks outside it.
+/// Group `name` of `members` (ranks of `parent`) on every member of it, all
+/// at once (members on one host agree on an arena): None on the ranks
+/// outside it.
 fn channel(parent: &[Option<Engine>], mode: TransportMode, name: &str, members: &[usize]) -> Vec<Option<Engine>> {
     let cfg = Config { transport: mode, ..Config::default() };
-    let open = |(r, e): (usize, &Option<Engine>)| {
+    let open = |r: usize, e: &Option<Engine>| {
         let e = e.as_ref().filter(|_| members.contains(&r))?;
-        let t = e.open_channel(name, members).expect("a mesh shares its connections").unwrap();
+        let t = e.open_channel(name, members, TIMEOUT).expect("a mesh shares its connections").unwrap();
         Some(Engine::new(t, &cfg, TIMEOUT).unwrap())
     };
-    parent.iter().enumerate().map(open).collect()
+    std::thread::scope(|s| {
+        let hs: Vec<_> = parent.iter().enumerate().map(|(r, e)| s.spawn(move || open(r, e))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Whether rank `rank` of a group runs its collectives in an arena.
+fn has_arena(g: &[Option<Engine>], rank: usize) -> bool {
+    g[rank].as_ref().unwrap().transport().upgrade().unwrap().arena().is_some()
 }
 
 /// A group's engines (by world rank), its members, and how each scales its values.
@@ -73,7 +82,12 @@ fn groups_on_shared_connections_run_at_once_without_mixing_on(mode: TransportMod
             });
         }
     });
-    // Every group used the world's connections: none has an arena, and the links are the world's.
+    // Over shared memory, groups on one host run in arenas of their own (none over TCP).
+    for rank in 0..4 {
+        let arenas = [has_arena(&everyone, rank), rank % 2 == 1 && has_arena(&backwards, rank)];
+        let want = mode == TransportMode::Shm;
+        assert_eq!(arenas, [want, want && rank % 2 == 1], "{mode:?} rank {rank}");
+    }
     let e = everyone[1].as_ref().unwrap();
     assert_eq!(
         e.transport().upgrade().unwrap().link_kind(0),

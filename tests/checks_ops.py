@@ -339,6 +339,60 @@ def singleton_groups(ctx: Ctx):
     expect_group_works(ctx, groups[ctx.rank])
 
 
+@check("groups", worlds=(2, 4), skip_on={"gloo": "rustc10d's own connections"})
+def new_groups_share_the_default_groups_connections(ctx: Ctx):
+    """Groups made after the default group (new_group without pg_options, split_group) send
+    over its connections, each in a channel of its own: 16 of them (every rank's, and pairs)
+    cost this rank no descriptor once the default group is linked to every peer
+    (connections of their own cost 3 per peer each), and their ops, in flight on all of them at
+    once, are right. On one host, each runs in a shared arena of its own, as the world does."""
+    import os
+
+    import rustc10d
+
+    # Every link of the default group up (its collectives may run in its arena instead).
+    peers = [p for p in range(ctx.world) if p != ctx.rank]
+    got = [torch.empty(1) for _ in peers]
+    ops = [dist.P2POp(dist.isend, torch.ones(1), p) for p in peers]
+    ops += [dist.P2POp(dist.irecv, g, p) for g, p in zip(got, peers)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    before = len(os.listdir("/proc/self/fd"))
+    everyone = [new_group() for _ in range(8)]
+    pairs = [new_group(sorted({r, (r + 1) % ctx.world})) for r in range(ctx.world)]
+    pairs += [new_group([0, ctx.world - 1]) for _ in range(8 - ctx.world)]
+    expect_group_works(ctx, *everyone, *pairs)
+    after = len(os.listdir("/proc/self/fd"))
+    assert after <= before + 1, f"16 groups took {after - before} descriptors"
+    world_links = rustc10d.links()
+    for g in everyone:
+        assert rustc10d.links(g) == world_links, (rustc10d.links(g), world_links)
+    for g in everyone + pairs:
+        dist.destroy_process_group(g)
+
+
+@check("groups", worlds=(3,), skip_on={"gloo": "Gloo does not check that calls match"})
+def a_failed_group_leaves_the_others_working(ctx: Ctx):
+    """Rank 1 calls all_reduce with another length on one group: every rank's call raises, the
+    group stays broken, and a group on the same connections and the default group go on."""
+    doomed, sibling = new_group(), new_group()
+    expect_group_works(ctx, doomed, sibling)
+    t = torch.ones(9 if ctx.rank == 1 else 8)
+    try:
+        dist.all_reduce(t, group=doomed)
+    except RuntimeError as e:
+        assert "rustc10d" in str(e), e
+    else:
+        raise AssertionError("a mismatched all_reduce must raise")
+    expect_group_works(ctx, sibling)
+    check_group_usable(ctx, "after another group failed")
+    try:
+        dist.all_reduce(torch.ones(8), group=doomed)
+    except RuntimeError as e:
+        assert "broken" in str(e), e
+    else:
+        raise AssertionError("a failed group must stay broken")
+
 # torch 2.11-2.14 split only a default group bound to a device, and bind only accelerators.
 NO_CPU_SPLIT = (
     {b: f"torch {torch.__version__} splits only groups bound to an accelerator" for b in ("rustc10d", "gloo")}

@@ -134,9 +134,8 @@ else:
 dist.init_process_group("rustc10d", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10))
 print("limit", *resource.getrlimit(resource.RLIMIT_NOFILE), flush=True)
 groups = []
-# "own": each group opens connections of its own (settings of its own, pg_options, do that);
-# "shared": groups share the default group's.
-options = rustc10d.Options(transport="auto") if sys.argv[5] == "own" else None
+# "own": each group opens connections of its own; "shared": groups share the default group's.
+options = rustc10d.Options(share_connections=False) if sys.argv[5] == "own" else None
 try:
     for i in range(int(sys.argv[4])):
         groups.append(dist.new_group([0, 1], pg_options=options))

@@ -108,12 +108,21 @@ class Options:
     #: network part is done; "stream" returns at once and makes the caller's current stream
     #: wait for the results, as NCCL's does (RUSTC10D_CUDA_WAIT; "host", see the README).
     cuda_wait: str | None = None
+    #: For ``new_group``: False gives the group connections of its own (and, on one host, a
+    #: shared arena of its own) instead of a channel on the default group's connections; so does
+    #: any other field given. Every rank must give a group the same options. None: share.
+    share_connections: bool | None = None
 
     def _given(self) -> dict[str, str]:
+        """The settings given, as text for the engine (share_connections is for Python alone)."""
         def text(v: object) -> str:
             return str(int(v)) if isinstance(v, bool) else str(v)
 
-        return {f.name: text(getattr(self, f.name)) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        fields = (f.name for f in dataclasses.fields(self) if f.name != "share_connections")
+        return {name: text(getattr(self, name)) for name in fields if getattr(self, name) is not None}
+
+    def _shares(self) -> bool:
+        return self.share_connections is not False and not self._given()
 
 
 def _millis(t: timedelta) -> int:
@@ -130,7 +139,8 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
     # in a channel of its own, where that group is a live rustc10d group; one given settings of
     # its own (pg_options) opens connections of its own.
     world = dist.group.WORLD if dist.is_initialized() else None
-    share = world.group_name if world is not None and not given and opts.group_id else ""
+    shares = backend_options is None or backend_options._shares()
+    share = world.group_name if world is not None and shares and opts.group_id else ""
     members = list(getattr(opts, "global_ranks_in_group", None) or []) if share else []
     return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given,
                                   share, members)

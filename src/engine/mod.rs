@@ -278,8 +278,8 @@ impl Engine {
 
     /// A group of `members` (ranks of this one) on this group's connections
     /// (`Transport::open_channel`); None where there are none to share.
-    pub fn open_channel(&self, name: &str, members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
-        self.shared.transport.open_channel(name, members)
+    pub fn open_channel(&self, name: &str, members: &[usize], timeout: Duration) -> Option<Result<Arc<dyn Transport>>> {
+        self.shared.transport.open_channel(name, members, timeout)
     }
 
     /// This rank and the group's size.

@@ -250,7 +250,8 @@ impl Group {
         let store = GroupStore::new(store)?;
         let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
         let members: Vec<usize> = ranks.iter().map(|&r| r as usize).collect();
-        let channel = (!group_name.is_empty()).then(|| self.engine.open_channel(group_name, &members)).flatten();
+        let channel =
+            (!group_name.is_empty()).then(|| self.engine.open_channel(group_name, &members, timeout)).flatten();
         let child = match channel {
             Some(transport) => Group::over(transport?, store, self.cfg.clone(), timeout)?,
             None => {

@@ -255,6 +255,11 @@ impl Arena {
         self.fd.as_ref()
     }
 
+    /// Close the descriptor once every rank has the arena: the mapping stays.
+    pub fn close_fd(&mut self) {
+        self.fd = None;
+    }
+
     fn header(&self) -> &Header {
         header_of(&self.map)
     }

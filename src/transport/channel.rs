@@ -27,8 +27,8 @@ use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 /// The channels a process's connections carry (`Core::channels`).
 #[derive(Default)]
@@ -49,6 +49,10 @@ pub struct Channel {
     me: usize,
     /// Each member's host, numbered in the order of their lowest rank here.
     hosts: Vec<usize>,
+    /// The arena every member maps, where they all run on one host (channel_arena.rs).
+    arena: OnceLock<Arc<Arena>>,
+    /// 0..size: the arena's members, in its order.
+    everyone: Vec<usize>,
     shut: AtomicBool,
 }
 
@@ -60,8 +64,9 @@ fn number(name: &str, nth: u64) -> u64 {
 }
 
 impl Channel {
-    /// Open the channel of group `name` whose rank i is the owner's rank `members[i]`.
-    pub(super) fn open(core: &Arc<Core>, name: &str, members: Vec<usize>) -> Result<Channel> {
+    /// Open the channel of group `name` whose rank i is the owner's rank
+    /// `members[i]`; members on one host agree on an arena within `timeout`.
+    pub(super) fn open(core: &Arc<Core>, name: &str, members: Vec<usize>, timeout: Duration) -> Result<Arc<Channel>> {
         let size = core.peers.len();
         let mut seen = HashSet::new();
         if let Some(&bad) = members.iter().find(|&&r| r >= size || !seen.insert(r)) {
@@ -95,8 +100,32 @@ impl Channel {
             let n = first_seen.len();
             *first_seen.entry(core.hosts[r]).or_insert(n)
         });
-        let hosts = hosts.collect();
-        Ok(Channel { core: core.clone(), group, members: members.into(), me, hosts, shut: AtomicBool::new(false) })
+        let hosts: Vec<usize> = hosts.collect();
+        // Where every member may read every other's memory (single copy),
+        // rank 0's arena descriptor can be taken from its process.
+        let one_host = hosts.iter().all(|&h| h == 0);
+        let arena = members.len() > 1 && one_host && core.single_copy_group && core.arena_slot_bytes > 0;
+        let everyone = (0..members.len()).collect();
+        let channel = Arc::new(Channel {
+            core: core.clone(),
+            group,
+            members: members.into(),
+            me,
+            hosts,
+            arena: OnceLock::new(),
+            everyone,
+            shut: AtomicBool::new(false),
+        });
+        if arena {
+            let leader = channel.members[0];
+            let leader_pid = || core.peers[leader].links.lock().unwrap().first().and_then(|l| l.conn.readable_peer());
+            let made = super::channel_arena::agree(&*channel, core.arena_slot_bytes, leader_pid, timeout)
+                .map_err(|e| e.context(format_args!("rustc10d: group {name:?} could not start")))?;
+            if let Some(made) = made {
+                let _ = channel.arena.set(made);
+            }
+        }
+        Ok(channel)
     }
 
     /// The other members, as the owner's ranks.
@@ -107,6 +136,9 @@ impl Channel {
     /// Close the channel on this rank: its receives fail with `why`, now and
     /// later, and its messages are dropped from now on.
     fn close(&self, why: &Error) {
+        if let Some(arena) = self.arena.get() {
+            arena.abort(&format!("rank {}: {}", self.me, why.message));
+        }
         for p in self.others() {
             self.core.peers[p].mailbox.lock().unwrap().close_group(self.group, why.clone());
         }
@@ -229,9 +261,8 @@ impl Transport for Channel {
         self.core.single_copy_group.then_some(self.core.direct_from)
     }
 
-    /// None: the owner's arena holds the owner's ranks, in its order.
     fn shared_arena(&self) -> Option<(Arc<Arena>, &[usize])> {
-        None
+        Some((self.arena.get()?.clone(), &self.everyone))
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
@@ -262,12 +293,12 @@ impl Transport for Channel {
         self.core.ask(*self.members.get(peer)?, 0)
     }
 
-    fn open_channel(&self, name: &str, members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
+    fn open_channel(&self, name: &str, members: &[usize], timeout: Duration) -> Option<Result<Arc<dyn Transport>>> {
         let Some(owners) = members.iter().map(|&r| self.members.get(r).copied()).collect::<Option<Vec<_>>>() else {
             let size = self.members.len();
             return Some(Err(Error::invalid(format!("rustc10d: ranks {members:?} are not all in a group of {size}"))));
         };
-        Some(Channel::open(&self.core, name, owners).map(|c| Arc::new(c) as Arc<dyn Transport>))
+        Some(Channel::open(&self.core, name, owners, timeout).map(|c| c as Arc<dyn Transport>))
     }
 }
 

@@ -26,7 +26,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub struct Mesh {
     core: Arc<Core>,
@@ -147,6 +147,7 @@ impl Mesh {
             arena_on_every_host: layout.arena_on_every_host,
             peer_reads: Mutex::new(layout.peer_reads),
             channels: Mutex::default(),
+            arena_slot_bytes: cfg.arena_slot_bytes,
         });
         let mesh = Mesh { core: core.clone() };
         // A listener that runs out of descriptors refuses with this one.
@@ -339,7 +340,7 @@ impl Transport for Mesh {
         self.core.lanes_settled_of(peer)
     }
 
-    fn open_channel(&self, name: &str, members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
-        Some(Channel::open(&self.core, name, members.to_vec()).map(|c| Arc::new(c) as Arc<dyn Transport>))
+    fn open_channel(&self, name: &str, members: &[usize], timeout: Duration) -> Option<Result<Arc<dyn Transport>>> {
+        Some(Channel::open(&self.core, name, members.to_vec(), timeout).map(|c| c as Arc<dyn Transport>))
     }
 }

@@ -73,6 +73,8 @@ pub struct Core {
     pub(super) peer_reads: Mutex<Option<PeerReadsGrant>>,
     /// How many channels of each name this rank has opened (channel.rs).
     pub(super) channels: Mutex<super::channel::Channels>,
+    /// Slots of the arenas this rank's channels make (Config::arena_slot_bytes).
+    pub(super) arena_slot_bytes: usize,
 }
 
 pub struct PeerSlot {

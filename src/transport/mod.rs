@@ -7,6 +7,7 @@ mod accept;
 pub mod arena;
 pub mod auth;
 mod channel;
+mod channel_arena;
 pub mod conn;
 mod core_io;
 mod dial;
@@ -162,8 +163,9 @@ pub trait Transport: Send + Sync {
     /// this rank among them) named `name` that sends over this group's
     /// connections in a channel of its own (channel.rs): every member opens
     /// it with the same name, in the same order as its other channels of
-    /// that name. None where the transport has no connections to share.
-    fn open_channel(&self, _name: &str, _members: &[usize]) -> Option<Result<Arc<dyn Transport>>> {
+    /// that name, within `timeout` (members on one host agree on an arena).
+    /// None where the transport has no connections to share.
+    fn open_channel(&self, _name: &str, _members: &[usize], _timeout: Duration) -> Option<Result<Arc<dyn Transport>>> {
         None
     }
 
