@@ -7,6 +7,8 @@
 
 mod threads;
 
+use rustc10d::status::Status;
+use rustc10d::transport::{Key, Transfers, Transport};
 use threads::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -216,4 +218,40 @@ fn an_any_source_receive_names_the_sender_by_its_rank_in_the_group() {
     wait_ok(send(g[1].as_ref().unwrap(), &mut v, 0, 3));
     assert_eq!(r.wait(None), Waited::Done);
     assert_eq!((r.source_rank(), got), (2, vec![5.0; 2]), "group rank 2 is world rank 1");
+}
+
+/// A peer asked what it waits for in a group answers by the connections'
+/// ranks (those the asker's connections know it by, and asks on in turn):
+/// world rank 0 (group rank 1) waits for data from world rank 1 (group rank
+/// 2); world rank 2, asking it, is told rank 1 and rank 1's address.
+#[test]
+fn a_peer_asked_what_it_waits_for_in_a_group_names_the_rank_it_waits_for() {
+    let world: Vec<Option<Engine>> = group_via(TransportMode::Tcp, 3, TIMEOUT).into_iter().map(Some).collect();
+    let transport = |g: &[Option<Engine>], rank: usize| g[rank].as_ref().unwrap().transport().upgrade().unwrap();
+    let world_1 = transport(&world, 0).describe_peer(1);
+    // Group rank r is world rank [2, 0, 1][r].
+    let g = channel(&world, TransportMode::Tcp, "chain", &[2, 0, 1]);
+    let (on_0, on_1, on_2) = (transport(&g, 0), transport(&g, 1), transport(&g, 2));
+    let key = Key::collective(0, 0);
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let what = "allreduce #0 on rank 1".to_string();
+            let mut tr = Transfers::new(&*on_0, TIMEOUT, what, Duration::ZERO, Default::default());
+            let mut buf = [0u8; 8];
+            // SAFETY: `buf` outlives `tr`, which waits for the receive on the next line
+            // (and, dropped, withdraws it) before `buf` is returned.
+            let id = unsafe { tr.recv(2, key, buf.as_mut_ptr(), 8).unwrap() };
+            tr.wait(id).map(|()| buf)
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let told = on_2.ask(1).expect("world rank 0 answers");
+        let want = format!("allreduce #0 on rank 1 was waiting for data from {world_1}");
+        assert!(told.starts_with(&want), "told {told:?}, not {want:?}");
+        let (status, seven) = (Status::new(), [7u8; 8]);
+        // SAFETY: `seven` outlives the send, which is waited for below, before
+        // the scope ends; it is not changed.
+        unsafe { on_1.send(1, key, seven.as_ptr(), 8, status.clone(), Instant::now() + TIMEOUT, None) }.unwrap();
+        assert_eq!(waiter.join().unwrap().unwrap(), [7u8; 8]);
+        assert!(status.wait(Some(Instant::now() + TIMEOUT), Duration::ZERO).is_some());
+    });
 }

@@ -281,8 +281,11 @@ impl Transport for Channel {
         self.hosts[peer]
     }
 
+    /// Noted among the process's waits by the owner's rank of the peer: a
+    /// rank that asks is told, and asks on in turn, by the connections' ranks.
     fn begin_wait(&self, wait: Wait) -> u64 {
-        self.core.waits.lock().unwrap().begin(wait)
+        let peer = self.members.get(wait.peer).copied().unwrap_or(wait.peer);
+        self.core.waits.lock().unwrap().begin(Wait { peer, ..wait })
     }
 
     fn end_wait(&self, id: u64, said: Option<String>) {
