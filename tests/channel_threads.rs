@@ -8,7 +8,7 @@
 mod threads;
 
 use rustc10d::status::Status;
-use rustc10d::transport::{Key, Transfers, Transport};
+use rustc10d::transport::{Key, Transfers};
 use threads::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
