@@ -5,9 +5,9 @@
 //! (pidfd_getfd), which the kernel allows exactly where this rank may read
 //! rank 0's memory (single copy); the descriptor's number is all that
 //! crosses the wire, and what it names is checked (a sealed arena of this
-//! group's shape) before it is mapped. Members then tell rank 0 whether they
-//! could, and rank 0 tells them all whether every one did: the arena is used
-//! by all or by none, as the algorithms need (Transport::shared_arena).
+//! group's shape) before it is mapped. Every rank then tells every other
+//! whether it has the arena: it is used by all or by none, as the
+//! algorithms need (Transport::shared_arena).
 
 use super::arena::Arena;
 use super::frame::Key;
@@ -22,12 +22,13 @@ use std::time::Duration;
 /// engine reaches (one a microsecond would take 500,000 years).
 const SEQ: u64 = u64::MAX;
 const OFFER: u64 = 0;
-const MAPPED: u64 = 1;
-const AGREED: u64 = 2;
+const STATUS: u64 = 1;
 
 /// The arena every member of `channel` maps, made by its rank 0 with slots of
 /// `slot_bytes`; None where one could not be made or mapped by every member.
-/// Every member must call it, at once.
+/// Every member must call it, at once. Two messages deep: rank 0 offers its
+/// descriptor's number; then every rank tells every other whether it has
+/// the arena, and each decides alike from what all said.
 pub(super) fn agree(
     channel: &dyn Transport,
     slot_bytes: usize,
@@ -38,47 +39,42 @@ pub(super) fn agree(
     let what = format!("making the shared arena of a group of {n} on rank {me}");
     let mut t = Transfers::new(channel, timeout, what, Duration::ZERO, Arc::new(Cost::default()));
     let key = |step| Key::collective(SEQ, step);
-    if me == 0 {
+    let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+    let said: Vec<_> = others.iter().map(|&peer| t.recv_owned(peer, key(STATUS), 1)).collect::<Result<_>>()?;
+    let mine = if me == 0 {
         let made = Arena::create(n, slot_bytes, 0)
             .inspect_err(|e| tracing::debug!("rustc10d: no arena for a group of {n}: {}", e.message))
             .ok();
         let fd = made.as_ref().and_then(|a| a.fd()).map_or(-1, |fd| fd.as_raw_fd() as i64);
-        let mut replies = Vec::new();
-        for peer in 1..n {
+        for &peer in &others {
             t.send_copy(peer, key(OFFER), &fd.to_le_bytes())?;
-            replies.push(t.recv_owned(peer, key(MAPPED), 1)?);
         }
-        let mut every = made.is_some();
-        for id in replies {
-            t.wait(id)?;
-            every &= t.received(id) == [1];
-        }
-        for peer in 1..n {
-            t.send_copy(peer, key(AGREED), &[every as u8])?;
-        }
-        t.wait_all()?;
-        // Every member took its copy: this rank's descriptor is one a group need not keep.
-        Ok(made.filter(|_| every).map(|mut a| {
-            a.close_fd();
-            Arc::new(a)
-        }))
+        made
     } else {
         let offer = t.recv_owned(0, key(OFFER), 8)?;
-        let agreed = t.recv_owned(0, key(AGREED), 1)?;
         t.wait(offer)?;
         let fd = i64::from_le_bytes(t.received(offer).try_into().expect("8 bytes"));
-        let mapped = (fd >= 0)
+        (fd >= 0)
             .then(|| take(leader_pid(), fd).and_then(|fd| Arena::open(&fd, me, n)))
             .transpose()
             .inspect_err(|e| tracing::debug!("rustc10d: rank {me} could not map its group's arena: {}", e.message))
             .ok()
-            .flatten();
-        t.send_copy(0, key(MAPPED), &[mapped.is_some() as u8])?;
-        t.wait(agreed)?;
-        let every = t.received(agreed) == [1];
-        t.wait_all()?;
-        Ok(mapped.filter(|_| every).map(Arc::new))
+            .flatten()
+    };
+    for &peer in &others {
+        t.send_copy(peer, key(STATUS), &[mine.is_some() as u8])?;
     }
+    let mut every = mine.is_some();
+    for id in said {
+        t.wait(id)?;
+        every &= t.received(id) == [1];
+    }
+    t.wait_all()?;
+    // Every member has its copy now: rank 0's descriptor is one a group need not keep.
+    Ok(mine.filter(|_| every).map(|mut a| {
+        a.close_fd();
+        Arc::new(a)
+    }))
 }
 
 /// A copy of descriptor `fd` of process `pid` (the peer's word: whatever it
@@ -98,4 +94,40 @@ fn take(pid: Option<libc::pid_t>, fd: i64) -> Result<OwnedFd> {
     // SAFETY: pidfd_getfd takes a pidfd this process owns, a descriptor
     // number in that process, and flags; it returns a new descriptor or -1.
     sys("pidfd_getfd", unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::agree;
+    use crate::transport::fake::FakeNet;
+    use crate::transport::Transport;
+    use std::time::Duration;
+
+    /// Ranks as threads of this process, each taking rank 0's descriptor
+    /// from this process as `can_take[rank]` says: what each ends with.
+    fn agree_on(can_take: &[bool]) -> Vec<bool> {
+        let ranks = FakeNet::new(can_take.len());
+        let me = std::process::id() as libc::pid_t;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .iter()
+                .zip(can_take)
+                .map(|(t, &can)| {
+                    let pid = move || can.then_some(me);
+                    s.spawn(move || agree(&**t as &dyn Transport, 4096, pid, Duration::from_secs(10)).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().is_some()).collect()
+        })
+    }
+
+    #[test]
+    fn every_member_maps_the_arena_or_none_uses_it() {
+        assert_eq!(agree_on(&[true; 4]), [true; 4]);
+        for failing in 1..4 {
+            let mut can = [true; 4];
+            can[failing] = false;
+            assert_eq!(agree_on(&can), [false; 4], "rank {failing} could not map it");
+        }
+    }
 }
