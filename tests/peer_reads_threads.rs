@@ -1,5 +1,5 @@
 //! When a rank lets the processes of its user attach to it (Yama's
-//! PR_SET_PTRACER_ANY, for single copy; src/transport/peer_reads.rs): only
+//! PR_SET_PTRACER_ANY, for single copy; src/transport/links/peer_reads.rs): only
 //! while a group with single copy has a peer on its host, and no longer once
 //! the last such group is destroyed. The count of groups that hold it is the
 //! process's, so this file is a test binary of its own.

@@ -1,35 +1,20 @@
 //! The transport layer: move bytes to and from ranks. It knows nothing of
 //! collectives; algorithms see only `send`/`recv` of byte ranges keyed by `Key`.
-//! One `Mesh` carries frames over TCP to other hosts and through shared memory
-//! to ranks on the same host.
+//! `links/` is what a process shares with its peers: one set of connections
+//! (TCP to other hosts, shared memory on this one), served by one reactor.
+//! `group/` is what each group owns over them: the `Mesh` of the group that
+//! opened them, a `Channel` for each group that shares them, the matching of
+//! messages, the waits, the arena of a group's ranks on one host.
 
-mod accept;
-pub mod arena;
-pub mod auth;
-mod channel;
-mod channel_arena;
-pub mod conn;
-mod core_io;
-mod dial;
 pub mod fake;
-pub mod fd_limit;
-pub mod fdpass;
-pub mod frame;
-mod link;
-pub mod mailbox;
-pub mod mesh;
-mod mesh_core;
-pub mod peer;
-pub mod peer_reads;
-pub mod reactor;
-mod reader;
-mod readers;
-pub mod ring;
-pub mod shared_mem;
-pub mod striping;
-pub mod subgroup;
-pub mod waits;
-mod writer;
+pub mod group;
+pub mod links;
+
+// Every module keeps its path here too (`transport::frame`, ...).
+pub use group::{arena, mailbox, mesh, subgroup, waits};
+use group::{channel, channel_arena};
+use links::{accept, dial, link, mesh_core, reader, readers, writer};
+pub use links::{auth, conn, fd_limit, fdpass, frame, peer, peer_reads, reactor, ring, shared_mem, striping};
 
 pub use frame::Key;
 pub use mailbox::Fold;

@@ -7,8 +7,8 @@
 //! a proof is good for one connection only (the other side's nonce is new
 //! each time), and one side's proof cannot stand in for the other's.
 
-use super::frame::PROTOCOL_VERSION;
 use crate::error::{Error, Result};
+use crate::transport::frame::PROTOCOL_VERSION;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 

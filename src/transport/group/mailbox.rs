@@ -3,9 +3,9 @@
 //! posts buffers. Messages with the same key match in posting order; a message
 //! that arrives before its receive is posted is kept until it is.
 
-use super::frame::Key;
 use crate::error::Error;
 use crate::status::Status;
+use crate::transport::frame::Key;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 

@@ -16,15 +16,15 @@
 //! meanwhile tries again (dial.rs). The two listeners count apart, so a
 //! flood of one does not close the other.
 
-use super::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
-use super::conn::{Conn, ShmConn};
-use super::dial::{Timeouts, HANDSHAKE_TIMEOUT};
-use super::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
-use super::frame::{Challenge, Hello, Refusal, HELLO_LEN};
-use super::mesh_core::Core;
-use super::reactor::{Source, Token, READABLE};
-use super::ring::Segment;
 use crate::error::{Error, Result};
+use crate::transport::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
+use crate::transport::conn::{Conn, ShmConn};
+use crate::transport::dial::{Timeouts, HANDSHAKE_TIMEOUT};
+use crate::transport::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
+use crate::transport::frame::{Challenge, Hello, Refusal, HELLO_LEN};
+use crate::transport::mesh_core::Core;
+use crate::transport::reactor::{Source, Token, READABLE};
+use crate::transport::ring::Segment;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -97,7 +97,7 @@ impl Listening {
             tracing::warn!(
                 "rustc10d: rank {} could not accept a connection: {}",
                 core.rank(),
-                super::fd_limit::describe(e)
+                crate::transport::fd_limit::describe(e)
             );
         }
     }
@@ -108,9 +108,9 @@ impl Listening {
     /// (30 minutes by default for a new group). False where there was no
     /// spare, or nothing to take.
     fn refuse_one(&self) -> bool {
-        let Some((soft, hard)) = super::fd_limit::current() else { return false };
+        let Some((soft, hard)) = crate::transport::fd_limit::current() else { return false };
         let refusal = Refusal::OutOfDescriptors { soft, hard }.encode();
-        let refused = super::fd_limit::with_spare(|| match &self.listener {
+        let refused = crate::transport::fd_limit::with_spare(|| match &self.listener {
             Listener::Tcp(l) => l.accept().map(|(s, _)| refuse(s, &refusal)).is_ok(),
             Listener::Unix(l) => l.accept().map(|(s, _)| refuse(s, &refusal)).is_ok(),
         });
@@ -128,7 +128,7 @@ impl Listening {
                 Ok((stream, from)) => self.start(core, stream, from),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if super::fd_limit::hint(&e).is_some() => {
+                Err(e) if crate::transport::fd_limit::hint(&e).is_some() => {
                     self.out_of_descriptors(core, &e);
                     if !self.refuse_one() {
                         return;

@@ -11,13 +11,13 @@
 //! then drops the oldest handshakes it has not yet seen proved. An answer
 //! that is wrong ends the dialling at once: retrying would not make it right.
 
-use super::auth::{nonce, Identity, Side, Transcript, PROOF_LEN};
-use super::conn::{Conn, ShmConn};
-use super::fd_limit;
-use super::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
-use super::frame::{Challenge, Hello, CHALLENGE_LEN, PROTOCOL_VERSION};
-use super::ring::Segment;
 use crate::error::{Error, Result};
+use crate::transport::auth::{nonce, Identity, Side, Transcript, PROOF_LEN};
+use crate::transport::conn::{Conn, ShmConn};
+use crate::transport::fd_limit;
+use crate::transport::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
+use crate::transport::frame::{Challenge, Hello, CHALLENGE_LEN, PROTOCOL_VERSION};
+use crate::transport::ring::Segment;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -259,9 +259,9 @@ impl Timeouts for UnixStream {
 
 #[cfg(test)]
 mod tests {
-    use super::super::auth::{Proof, TOKEN_LEN};
-    use super::super::frame::HELLO_LEN;
     use super::*;
+    use crate::transport::auth::{Proof, TOKEN_LEN};
+    use crate::transport::frame::HELLO_LEN;
     use std::net::TcpListener;
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::process::CommandExt;
@@ -379,7 +379,7 @@ mod tests {
         let tag: String = nonce().unwrap()[..8].iter().map(|b| format!("{b:02x}")).collect();
         let name = format!("rustc10d-test-{tag}");
         let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "transport::dial::tests::foreign_listener_role", "--nocapture", "--test-threads=1"])
+            .args(["--exact", "transport::links::dial::tests::foreign_listener_role", "--nocapture", "--test-threads=1"])
             .env(FOREIGN_LISTENER, &name)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())

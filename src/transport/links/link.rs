@@ -5,16 +5,16 @@
 //! the connection ends is the peer state machine's business (peer.rs),
 //! through `Core::peer_event`.
 
-use super::conn::{Conn, Watch};
-use super::frame::{FrameHeader, Key, HEADER_LEN};
-use super::mesh_core::Core;
-use super::peer::{ConnId, Event};
-use super::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
-use super::reader::{Reader, Stop};
-use super::readers::{Next, Readers};
-use super::striping::Striping;
-use super::writer::{finish_written, Flushed, Outbox, SendReq};
 use crate::error::{Error, Result};
+use crate::transport::conn::{Conn, Watch};
+use crate::transport::frame::{FrameHeader, Key, HEADER_LEN};
+use crate::transport::mesh_core::Core;
+use crate::transport::peer::{ConnId, Event};
+use crate::transport::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
+use crate::transport::reader::{Reader, Stop};
+use crate::transport::readers::{Next, Readers};
+use crate::transport::striping::Striping;
+use crate::transport::writer::{finish_written, Flushed, Outbox, SendReq};
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};

@@ -16,15 +16,15 @@
 //! number is never opened twice in a process, so a closed channel's late
 //! messages are dropped, never taken for a new group's.
 
-use super::arena::Arena;
-use super::frame::{Key, ABORT_MAX};
-use super::mailbox::Sources;
-use super::mesh_core::{describe_as, Core};
-use super::waits::Wait;
-use super::writer::SendReq;
-use super::{Fold, Ready, Transport};
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
+use crate::transport::arena::Arena;
+use crate::transport::frame::{Key, ABORT_MAX};
+use crate::transport::mailbox::Sources;
+use crate::transport::mesh_core::{describe_as, Core};
+use crate::transport::waits::Wait;
+use crate::transport::writer::SendReq;
+use crate::transport::{Fold, Ready, Transport};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -66,7 +66,12 @@ fn number(name: &str, nth: u64) -> u64 {
 impl Channel {
     /// Open the channel of group `name` whose rank i is the owner's rank
     /// `members[i]`; members on one host agree on an arena within `timeout`.
-    pub(super) fn open(core: &Arc<Core>, name: &str, members: Vec<usize>, timeout: Duration) -> Result<Arc<Channel>> {
+    pub(in crate::transport) fn open(
+        core: &Arc<Core>,
+        name: &str,
+        members: Vec<usize>,
+        timeout: Duration,
+    ) -> Result<Arc<Channel>> {
         let size = core.peers.len();
         let mut seen = HashSet::new();
         if let Some(&bad) = members.iter().find(|&&r| r >= size || !seen.insert(r)) {
@@ -119,7 +124,7 @@ impl Channel {
         if arena {
             let leader = channel.members[0];
             let leader_pid = || core.peers[leader].links.lock().unwrap().first().and_then(|l| l.conn.readable_peer());
-            let made = super::channel_arena::agree(&*channel, core.arena_slot_bytes, leader_pid, timeout)
+            let made = crate::transport::channel_arena::agree(&*channel, core.arena_slot_bytes, leader_pid, timeout)
                 .map_err(|e| e.context(format_args!("rustc10d: group {name:?} could not start")))?;
             if let Some(made) = made {
                 let _ = channel.arena.set(made);

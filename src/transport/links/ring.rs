@@ -22,8 +22,8 @@
 // why its access is in bounds and race-free.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-use super::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use crate::error::{Error, Result};
+use crate::transport::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};

@@ -2,8 +2,8 @@
 //! handshake that opens every connection (a hello, a challenge, a proof each
 //! way: see auth.rs). Pure encode/decode, no I/O.
 
-use super::auth::{Nonce, NONCE_LEN};
 use crate::error::{Error, Result};
+use crate::transport::auth::{Nonce, NONCE_LEN};
 
 /// Bumped whenever ranks of two versions could not understand each other
 /// (v2: ranks publish their host and shared-memory socket; v3: and the
@@ -274,7 +274,7 @@ impl Refusal {
         match u32::from_le_bytes(b[4..8].try_into().unwrap()) {
             Self::OUT_OF_DESCRIPTORS => format!(
                 "it cannot take the connection: {}",
-                super::fd_limit::out_of_descriptors("its process", Some((word(8), word(16))))
+                crate::transport::fd_limit::out_of_descriptors("its process", Some((word(8), word(16))))
             ),
             code => format!("it refused the connection (reason {code}, unknown to this rank)"),
         }

@@ -5,10 +5,10 @@
 //! view of every rank in another order makes a ring follow the hosts. A view
 //! of one host's ranks has that host's shared arena, where there is one.
 
-use super::arena::Arena;
-use super::{Fold, Key, Ready, Transport, Wait};
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
+use crate::transport::arena::Arena;
+use crate::transport::{Fold, Key, Ready, Transport, Wait};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -6,11 +6,11 @@
 //! goes as its address (see `conn.rs`) is written as header and address,
 //! and finishes when the peer acknowledges it.
 
-use super::conn::Conn;
-use super::frame::{FrameHeader, Key, Remote, HEADER_LEN, KIND_COLLECTIVE, KIND_P2P, REMOTE_LEN};
-use super::Ready;
 use crate::error::{Error, Result};
 use crate::status::Status;
+use crate::transport::conn::Conn;
+use crate::transport::frame::{FrameHeader, Key, Remote, HEADER_LEN, KIND_COLLECTIVE, KIND_P2P, REMOTE_LEN};
+use crate::transport::Ready;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::Arc;
@@ -193,8 +193,8 @@ pub fn finish_written(reqs: Vec<SendReq>) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::conn::tests::pair_direct_from;
     use super::*;
+    use crate::transport::conn::tests::pair_direct_from;
 
     #[test]
     fn a_send_that_goes_as_its_address_finishes_only_once_read() {

@@ -9,11 +9,11 @@
 //! whether it has the arena: it is used by all or by none, as the
 //! algorithms need (Transport::shared_arena).
 
-use super::arena::Arena;
-use super::frame::Key;
-use super::{Transfers, Transport};
 use crate::error::{Error, Result};
 use crate::status::Cost;
+use crate::transport::arena::Arena;
+use crate::transport::frame::Key;
+use crate::transport::{Transfers, Transport};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,7 +29,7 @@ const STATUS: u64 = 1;
 /// Every member must call it, at once. Two messages deep: rank 0 offers its
 /// descriptor's number; then every rank tells every other whether it has
 /// the arena, and each decides alike from what all said.
-pub(super) fn agree(
+pub(in crate::transport) fn agree(
     channel: &dyn Transport,
     slot_bytes: usize,
     leader_pid: impl Fn() -> Option<libc::pid_t>,

@@ -3,14 +3,14 @@
 //! (`Channel`): peers here are ranks of the owner, and keys carry their
 //! group's channel number.
 
-use super::frame::{Key, KIND_P2P};
-use super::link::Link;
-use super::mailbox::{PostedRecv, RecvBuf, Sources};
-use super::mesh_core::Core;
-use super::writer::SendReq;
-use super::{Fold, Ready};
 use crate::error::Result;
 use crate::status::{Polling, Status};
+use crate::transport::frame::{Key, KIND_P2P};
+use crate::transport::link::Link;
+use crate::transport::mailbox::{PostedRecv, RecvBuf, Sources};
+use crate::transport::mesh_core::Core;
+use crate::transport::writer::SendReq;
+use crate::transport::{Fold, Ready};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +19,7 @@ impl Core {
     /// # Safety
     /// As for `Transport::send`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn send_to(
+    pub(in crate::transport) unsafe fn send_to(
         self: &Arc<Self>,
         peer: usize,
         key: Key,
@@ -39,7 +39,7 @@ impl Core {
     /// `Transport::recv` from `peer`.
     /// # Safety
     /// As for `Transport::recv`.
-    pub(super) unsafe fn recv_from(
+    pub(in crate::transport) unsafe fn recv_from(
         self: &Arc<Self>,
         peer: usize,
         key: Key,
@@ -56,7 +56,7 @@ impl Core {
     /// `Transport::recv_any` from whichever of `peers` sends first, named as `sources` says.
     /// # Safety
     /// As for `Transport::recv_any`.
-    pub(super) unsafe fn recv_from_any(
+    pub(in crate::transport) unsafe fn recv_from_any(
         self: &Arc<Self>,
         peers: &[usize],
         sources: Sources,
@@ -89,27 +89,27 @@ impl Core {
     }
 
     /// `Transport::polling` of `peers`' connections.
-    pub(super) fn polling_of(&self, peers: impl Iterator<Item = usize>) -> Box<dyn Polling + '_> {
+    pub(in crate::transport) fn polling_of(&self, peers: impl Iterator<Item = usize>) -> Box<dyn Polling + '_> {
         let links: Vec<_> = peers.flat_map(|p| self.peers[p].links.lock().unwrap().clone()).collect();
         links.iter().for_each(|l| l.poll_begin());
         Box::new(Pollers(links))
     }
 
     /// `Transport::link_kind` of `peer`.
-    pub(super) fn link_kind_of(&self, peer: usize) -> Option<&'static str> {
+    pub(in crate::transport) fn link_kind_of(&self, peer: usize) -> Option<&'static str> {
         let links = self.peers.get(peer)?.links.lock().unwrap();
         links.first().map(|l| if l.conn.is_shm() { "shm" } else { "tcp" })
     }
 
     /// `Transport::lanes` of `peer`.
-    pub(super) fn lanes_of(&self, peer: usize) -> usize {
+    pub(in crate::transport) fn lanes_of(&self, peer: usize) -> usize {
         let Some(slot) = self.peers.get(peer) else { return 0 };
         let open = slot.state.lock().unwrap().lanes().len();
         open.min(slot.striping.lock().unwrap().lanes())
     }
 
     /// `Transport::lanes_settled` of `peer`.
-    pub(super) fn lanes_settled_of(&self, peer: usize) -> bool {
+    pub(in crate::transport) fn lanes_settled_of(&self, peer: usize) -> bool {
         // Shared memory is one connection, never measured.
         self.link_kind_of(peer) == Some("shm")
             || self.peers.get(peer).is_none_or(|slot| slot.striping.lock().unwrap().settled())

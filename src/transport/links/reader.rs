@@ -5,10 +5,10 @@
 //! one stopped. A message sent as its address (see `conn.rs`) is read from
 //! the sender's memory the same way, then acknowledged.
 
-use super::conn::Conn;
-use super::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, REMOTE_LEN};
-use super::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use crate::error::Error;
+use crate::transport::conn::Conn;
+use crate::transport::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, REMOTE_LEN};
+use crate::transport::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use std::io;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -369,10 +369,10 @@ fn read_some(conn: &Conn, buf: &mut [u8]) -> io::Result<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::conn::tests::pair_direct_from;
-    use super::super::mailbox::RecvBuf;
     use super::*;
     use crate::status::Status;
+    use crate::transport::conn::tests::pair_direct_from;
+    use crate::transport::mailbox::RecvBuf;
     use std::io::IoSlice;
     use std::sync::Arc;
 
@@ -469,7 +469,7 @@ mod tests {
 
     fn sent() -> impl proptest::strategy::Strategy<Value = Sent> {
         use proptest::prelude::*;
-        let kind = prop_oneof![4 => Just(super::super::frame::KIND_P2P), 1 => 0u8..8];
+        let kind = prop_oneof![4 => Just(crate::transport::frame::KIND_P2P), 1 => 0u8..8];
         let len = prop_oneof![
             3 => Just(64u64),
             3 => 0u64..130,

@@ -15,8 +15,8 @@
 //! by reading the peer's mapping of the segment; otherwise the rings carry
 //! everything.
 
-use super::fdpass::{drain, notify, peer_cred};
-use super::ring::{Ring, Segment, FIRST_WORD};
+use crate::transport::fdpass::{drain, notify, peer_cred};
+use crate::transport::ring::{Ring, Segment, FIRST_WORD};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -332,8 +332,8 @@ fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
 
 #[cfg(test)]
 pub mod tests {
-    use super::super::fdpass::eventfd;
     use super::*;
+    use crate::transport::fdpass::eventfd;
 
     fn pair() -> (Conn, Conn) {
         pair_direct_from(0)

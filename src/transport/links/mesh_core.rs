@@ -3,24 +3,24 @@
 //! carrying out of the peer state machine's actions. Links, the listening
 //! side and the Mesh reach each other through it.
 
-use super::accept::Listening;
-use super::arena::Arena;
-use super::auth::Identity;
-use super::conn::Conn;
-use super::dial::Dialler;
-use super::frame::{Key, ANSWER_LEN};
-use super::link::Link;
-use super::mailbox::{AnyPosted, Mailbox};
-use super::mailbox::{PostedRecv, RecvBuf};
-use super::mesh::PeerAddr;
-use super::peer::{Action, ConnId, Event, Peer};
-use super::peer_reads::PeerReadsGrant;
-use super::reactor::{Membership, Reactor, Token};
-use super::striping::Striping;
-use super::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
-use super::writer::SendReq;
 use crate::error::{Error, Result};
 use crate::status::Status;
+use crate::transport::accept::Listening;
+use crate::transport::arena::Arena;
+use crate::transport::auth::Identity;
+use crate::transport::conn::Conn;
+use crate::transport::dial::Dialler;
+use crate::transport::frame::{Key, ANSWER_LEN};
+use crate::transport::link::Link;
+use crate::transport::mailbox::{AnyPosted, Mailbox};
+use crate::transport::mailbox::{PostedRecv, RecvBuf};
+use crate::transport::mesh::PeerAddr;
+use crate::transport::peer::{Action, ConnId, Event, Peer};
+use crate::transport::peer_reads::PeerReadsGrant;
+use crate::transport::reactor::{Membership, Reactor, Token};
+use crate::transport::striping::Striping;
+use crate::transport::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
+use crate::transport::writer::SendReq;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -35,63 +35,63 @@ pub const TELL_GRACE: Duration = Duration::from_millis(100);
 /// What every part of the mesh shares.
 pub struct Core {
     /// This rank, and the group's token it proves itself with.
-    pub(super) me: Identity,
-    pub(super) addrs: Vec<PeerAddr>,
+    pub(in crate::transport) me: Identity,
+    pub(in crate::transport) addrs: Vec<PeerAddr>,
     pub peers: Vec<PeerSlot>,
     /// Receives posted for any peer (recv with src=None).
     pub any: Mutex<AnyPosted>,
     pub reactor: Arc<Reactor>,
     /// Keeps the reactor running until this group shuts down.
-    pub(super) membership: Mutex<Option<Membership>>,
-    pub(super) listeners: Mutex<Vec<(Token, Arc<Listening>)>>,
-    pub(super) next_conn: AtomicU64,
-    pub(super) stopping: AtomicBool,
+    pub(in crate::transport) membership: Mutex<Option<Membership>>,
+    pub(in crate::transport) listeners: Mutex<Vec<(Token, Arc<Listening>)>>,
+    pub(in crate::transport) next_conn: AtomicU64,
+    pub(in crate::transport) stopping: AtomicBool,
     /// Why this rank gave up on the group (what it tells peers), once it has.
-    pub(super) gave_up: Mutex<Option<Vec<u8>>>,
-    pub(super) tcp_addr: SocketAddr,
-    pub(super) ring_bytes: Option<usize>,
+    pub(in crate::transport) gave_up: Mutex<Option<Vec<u8>>>,
+    pub(in crate::transport) tcp_addr: SocketAddr,
+    pub(in crate::transport) ring_bytes: Option<usize>,
     /// Shared memory: messages of this many bytes or more cross in one copy (0: never).
-    pub(super) direct_from: usize,
+    pub(in crate::transport) direct_from: usize,
     /// Every rank of the group reads every other's messages of at least
     /// `direct_from` bytes from the sender's memory (the rendezvous found out).
-    pub(super) single_copy_group: bool,
+    pub(in crate::transport) single_copy_group: bool,
     /// Each rank's host (`Transport::host_of`).
-    pub(super) hosts: Vec<usize>,
+    pub(in crate::transport) hosts: Vec<usize>,
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,
     /// What this rank's ops wait for, to answer a peer that asks.
-    pub(super) waits: Mutex<Waits>,
+    pub(in crate::transport) waits: Mutex<Waits>,
     /// This rank's shared arena, once it has it (arena.rs), until the group
     /// shuts down (ops still in it keep it mapped until they end).
-    pub(super) arena: Mutex<Option<Arc<Arena>>>,
+    pub(in crate::transport) arena: Mutex<Option<Arc<Arena>>>,
     /// The ranks that map it, in its order (empty: no arena); the first
     /// makes it and hands it out.
-    pub(super) arena_members: Vec<usize>,
+    pub(in crate::transport) arena_members: Vec<usize>,
     /// Every host's ranks share an arena (`Transport::arena_on_every_host`).
-    pub(super) arena_on_every_host: bool,
+    pub(in crate::transport) arena_on_every_host: bool,
     /// Lets peers on this host read this process's memory until shutdown.
-    pub(super) peer_reads: Mutex<Option<PeerReadsGrant>>,
+    pub(in crate::transport) peer_reads: Mutex<Option<PeerReadsGrant>>,
     /// How many channels of each name this rank has opened (channel.rs).
-    pub(super) channels: Mutex<super::channel::Channels>,
+    pub(in crate::transport) channels: Mutex<crate::transport::channel::Channels>,
     /// Slots of the arenas this rank's channels make (Config::arena_slot_bytes).
-    pub(super) arena_slot_bytes: usize,
+    pub(in crate::transport) arena_slot_bytes: usize,
 }
 
 pub struct PeerSlot {
     pub mailbox: Mutex<Mailbox>,
-    pub(super) state: Mutex<Peer>,
+    pub(in crate::transport) state: Mutex<Peer>,
     /// Notified when a connection is adopted or the peer is lost.
-    pub(super) linked: Condvar,
-    pub(super) links: Mutex<Vec<Arc<Link>>>,
+    pub(in crate::transport) linked: Condvar,
+    pub(in crate::transport) links: Mutex<Vec<Arc<Link>>>,
     /// How many TCP connections to send on, and its measurement.
-    pub(super) striping: Mutex<Striping>,
+    pub(in crate::transport) striping: Mutex<Striping>,
     /// Answers to the peer's questions being made now, each on a thread.
-    pub(super) answering: AtomicUsize,
+    pub(in crate::transport) answering: AtomicUsize,
 }
 
 impl PeerSlot {
     /// Bytes this rank's TCP connections to the peer hold, not yet delivered.
-    pub(super) fn unsent(&self) -> u64 {
+    pub(in crate::transport) fn unsent(&self) -> u64 {
         self.links.lock().unwrap().iter().map(|l| l.conn.unsent()).sum()
     }
 }
@@ -124,12 +124,12 @@ impl Drop for Answering {
     }
 }
 
-pub(super) fn describe(addrs: &[PeerAddr], peer: usize) -> String {
+pub(in crate::transport) fn describe(addrs: &[PeerAddr], peer: usize) -> String {
     describe_as(addrs, peer, peer)
 }
 
 /// `peer`, which its group calls rank `shown`.
-pub(super) fn describe_as(addrs: &[PeerAddr], peer: usize, shown: usize) -> String {
+pub(in crate::transport) fn describe_as(addrs: &[PeerAddr], peer: usize, shown: usize) -> String {
     let a = &addrs[peer];
     match a.shm {
         Some(_) => format!("rank {shown} ({}, shared memory)", a.tcp),
@@ -220,7 +220,7 @@ impl Core {
     /// `spread` sends go over as many TCP connections as the peer's striping
     /// says, others take the first), dialling the peer first, or more
     /// connections to it where there are too few.
-    pub(super) fn lane(
+    pub(in crate::transport) fn lane(
         self: &Arc<Self>,
         peer: usize,
         lane: usize,
@@ -291,18 +291,18 @@ impl Core {
     }
 
     /// The rank that makes this rank's arena and hands it out, if it has one.
-    pub(super) fn arena_leader(&self) -> Option<usize> {
+    pub(in crate::transport) fn arena_leader(&self) -> Option<usize> {
         self.arena_members.first().copied()
     }
 
     /// The arena, on the rank that hands it out (`Arena::fd`).
-    pub(super) fn arena_to_hand_out(&self) -> Option<Arc<Arena>> {
+    pub(in crate::transport) fn arena_to_hand_out(&self) -> Option<Arc<Arena>> {
         self.arena.lock().unwrap().clone().filter(|_| self.arena_leader() == Some(self.rank()))
     }
 
     /// Map the arena `peer` sent with its shared-memory connection; only
     /// the rank that makes it hands it out (anything else is dropped).
-    pub(super) fn take_arena(&self, peer: usize, fd: OwnedFd) -> Result<()> {
+    pub(in crate::transport) fn take_arena(&self, peer: usize, fd: OwnedFd) -> Result<()> {
         if self.arena_leader() != Some(peer) {
             tracing::warn!(
                 "rustc10d: rank {}: {} sent an arena it does not hand out",
@@ -321,7 +321,7 @@ impl Core {
     }
 
     /// Fail every round of the arena, now and later (ranks waiting in it wake).
-    pub(super) fn abort_arena(&self, reason: &str) {
+    pub(in crate::transport) fn abort_arena(&self, reason: &str) {
         if let Some(arena) = &*self.arena.lock().unwrap() {
             arena.abort(reason);
         }
@@ -415,11 +415,11 @@ impl Core {
         slot.linked.notify_all();
     }
 
-    pub(super) fn link(&self, peer: usize, conn: ConnId) -> Option<Arc<Link>> {
+    pub(in crate::transport) fn link(&self, peer: usize, conn: ConnId) -> Option<Arc<Link>> {
         self.peers[peer].links.lock().unwrap().iter().find(|l| l.id == conn).cloned()
     }
 
-    pub(super) fn wait_linked(&self, peer: usize, deadline: Instant) -> Result<()> {
+    pub(in crate::transport) fn wait_linked(&self, peer: usize, deadline: Instant) -> Result<()> {
         let slot = &self.peers[peer];
         let mut state = slot.state.lock().unwrap();
         while !state.is_linked() {
@@ -446,7 +446,7 @@ impl Core {
     /// first op that needs the peer fails with its reason, as the peers' ops
     /// did; failing the join instead would leave this rank without a group
     /// that its peers have, out of step with them from then on.
-    pub(super) fn unless_it_joined_and_gave_up(&self, peer: usize, failed: Error) -> Result<()> {
+    pub(in crate::transport) fn unless_it_joined_and_gave_up(&self, peer: usize, failed: Error) -> Result<()> {
         if self.peers[peer].state.lock().unwrap().said_why() {
             tracing::debug!(
                 "rustc10d: rank {} joins a group {} gave up on: {}",
@@ -460,18 +460,18 @@ impl Core {
     }
 
     /// Go on reading a peer's connections that wait for a receive.
-    pub(super) fn resume(&self, peer: usize) {
+    pub(in crate::transport) fn resume(&self, peer: usize) {
         let paused: Vec<_> = self.peers[peer].links.lock().unwrap().iter().filter(|l| l.is_paused()).cloned().collect();
         for link in paused {
             self.reactor.defer(Box::new(move || link.resume()));
         }
     }
 
-    pub(super) fn give_up(self: &Arc<Self>, peer: usize, why: &Error) {
+    pub(in crate::transport) fn give_up(self: &Arc<Self>, peer: usize, why: &Error) {
         self.peer_event(peer, Event::GiveUp { why: why.clone() });
     }
 
-    pub(super) fn shutdown(self: &Arc<Self>) {
+    pub(in crate::transport) fn shutdown(self: &Arc<Self>) {
         if self.stopping.swap(true, Ordering::SeqCst) {
             return;
         }

@@ -5,22 +5,22 @@
 //! connections come and go is decided by its state machine (peer.rs), whose
 //! actions are carried out here.
 
-use super::accept::{Listener, Listening};
-use super::arena::Arena;
-use super::auth::{fill_random, Identity};
-use super::channel::Channel;
-use super::frame::{Key, ABORT_MAX};
-use super::mailbox::{Fold, Mailbox, Sources};
-use super::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
-use super::peer::Peer;
-use super::peer_reads::PeerReadsGrant;
-use super::reactor::{Reactor, READABLE};
-use super::striping::Striping;
-use super::waits::Wait;
-use super::{Ready, Transport};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
+use crate::transport::accept::{Listener, Listening};
+use crate::transport::arena::Arena;
+use crate::transport::auth::{fill_random, Identity};
+use crate::transport::channel::Channel;
+use crate::transport::frame::{Key, ABORT_MAX};
+use crate::transport::mailbox::{Fold, Mailbox, Sources};
+use crate::transport::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
+use crate::transport::peer::Peer;
+use crate::transport::peer_reads::PeerReadsGrant;
+use crate::transport::reactor::{Reactor, READABLE};
+use crate::transport::striping::Striping;
+use crate::transport::waits::Wait;
+use crate::transport::{Ready, Transport};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixListener;
@@ -151,7 +151,7 @@ impl Mesh {
         });
         let mesh = Mesh { core: core.clone() };
         // A listener that runs out of descriptors refuses with this one.
-        super::fd_limit::keep_spare();
+        crate::transport::fd_limit::keep_spare();
         let mut listeners = vec![Listener::Tcp(listener)];
         listeners.extend(local.map(|l| Listener::Unix(l.listener)));
         for l in listeners {

@@ -1,0 +1,12 @@
+//! What a group owns over the connections it sends on: its transport (the
+//! owner's `Mesh`, or a `Channel` on another's), the matching of its
+//! messages, what it waits for, the views of some of its ranks, and the
+//! shared arena of its ranks on one host.
+
+pub mod arena;
+pub(in crate::transport) mod channel;
+pub(in crate::transport) mod channel_arena;
+pub mod mailbox;
+pub mod mesh;
+pub mod subgroup;
+pub mod waits;
