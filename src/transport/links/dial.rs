@@ -379,7 +379,12 @@ mod tests {
         let tag: String = nonce().unwrap()[..8].iter().map(|b| format!("{b:02x}")).collect();
         let name = format!("rustc10d-test-{tag}");
         let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "transport::links::dial::tests::foreign_listener_role", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "transport::links::dial::tests::foreign_listener_role",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(FOREIGN_LISTENER, &name)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
