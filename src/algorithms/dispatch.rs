@@ -8,7 +8,10 @@
 //! where each host's ranks share an arena, their phases on the host, and
 //! the trees' hops on the host, run there (`Hosts::arena`). Groups on one host with
 //! a shared arena run their collectives there (`in_arena`), but for those
-//! that take the single-copy algorithms.
+//! that take the single-copy algorithms. What a call depends on of its group
+//! (its arena, its hosts, single copy) is looked at once, in its `Plan`,
+//! which says both whether the algorithm checks the call itself and which
+//! algorithm runs.
 
 use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
@@ -30,39 +33,79 @@ use crate::ops::{Collective, Reduction};
 use crate::reduce::scale;
 use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
+use std::sync::Arc;
 
-/// Whether `part` checks the call itself, with every rank, rather than
-/// before it starts (`call_check::agree`): the smallest all-reduces and
-/// barriers (alongside their one exchange), and the single-copy algorithms
-/// (before any data moves), and whatever runs in the arena (in its first
-/// round). PREMUL_SUM all-reduce outside the arena scales the caller's
-/// buffer first, so it checks before.
-pub fn checks_inline(ctx: &OpCtx, part: &Collective) -> bool {
-    if in_arena(ctx, part) {
-        return true;
+/// How one collective runs on its group: decided once (`Plan::of`), the same
+/// on every rank for the same call, then followed by `run`.
+pub struct Plan {
+    /// The group's arena, where it has one (direct exchanges give way to it).
+    arena: Option<Arc<Arena>>,
+    /// The call runs in the arena (`in_arena`).
+    in_arena: bool,
+    /// The call's single-copy algorithm takes it (`single_copy`).
+    single_copy: bool,
+    /// The group's hosts, where it spans several.
+    hosts: Option<Hosts>,
+}
+
+impl Plan {
+    pub fn of(ctx: &OpCtx, part: &Collective) -> Plan {
+        let arena = ctx.transport.arena();
+        let single_copy = single_copy(ctx, part);
+        let in_arena = arena.as_ref().is_some_and(|a| in_arena(ctx, a, part, single_copy));
+        Plan { arena, in_arena, single_copy, hosts: Hosts::apart(ctx.transport) }
     }
-    let direct = |bytes| direct(ctx, bytes, ctx.transport.size());
-    match part {
-        Collective::AllReduce { buf, red } => red.premul.is_none() && (direct(buf.len) || single_copy(ctx, part)),
-        Collective::Barrier => direct(1),
-        _ => single_copy(ctx, part),
+
+    /// Whether the algorithm checks the call itself, with every rank,
+    /// rather than before it starts (`call_check::agree`): the smallest
+    /// all-reduces and barriers (alongside their one exchange), and the
+    /// single-copy algorithms (before any data moves), and whatever runs in
+    /// the arena (in its first round). PREMUL_SUM all-reduce outside the
+    /// arena scales the caller's buffer first, so it checks before.
+    pub fn checks_inline(&self, ctx: &OpCtx, part: &Collective) -> bool {
+        if self.in_arena {
+            return true;
+        }
+        let direct = |bytes| self.direct(ctx, bytes, ctx.transport.size());
+        match part {
+            Collective::AllReduce { buf, red } => red.premul.is_none() && (direct(buf.len) || self.single_copy),
+            Collective::Barrier => direct(1),
+            _ => self.single_copy,
+        }
+    }
+
+    /// Whether an all-reduce (or a tree) of `bytes` among `fanout` ranks takes
+    /// the direct exchange: small enough, and not in a group with an arena,
+    /// where the arena's algorithms do small ones in fewer steps.
+    fn direct(&self, ctx: &OpCtx, bytes: usize, fanout: usize) -> bool {
+        self.arena.is_none() && prefers_direct(bytes, fanout, ctx.small_allreduce_bytes)
+    }
+
+    /// Whether a broadcast or reduce of `bytes` takes the tree (two hops at
+    /// most) rather than the pipelined chain (W-1 hops): messages as small as the
+    /// direct all-reduce's, where the root exchanges with at most SMALL_MAX_WORLD ranks.
+    fn small_tree(&self, ctx: &OpCtx, bytes: usize) -> bool {
+        let fanout = match &self.hosts {
+            Some(hosts) => hosts.members.len() + hosts.members.iter().map(Vec::len).max().unwrap_or(0),
+            None => ctx.transport.size(),
+        };
+        self.direct(ctx, bytes, fanout)
     }
 }
 
-/// Whether `part` runs in the group's shared arena, where it has one: the
-/// collectives that move data among all ranks, but those whose every
-/// message is large enough to be read straight from the sender's memory
-/// (one copy less than through the arena). PREMUL_SUM all-reduce always,
-/// since there it scales a copy instead of the caller's buffer.
-fn in_arena(ctx: &OpCtx, part: &Collective) -> bool {
-    let Some(arena) = ctx.transport.arena() else { return false };
+/// Whether `part` runs in the group's shared `arena`: the collectives that
+/// move data among all ranks, but those whose every message is large enough
+/// to be read straight from the sender's memory (`single_copy`: one copy
+/// less than through the arena). PREMUL_SUM all-reduce always, since there
+/// it scales a copy instead of the caller's buffer.
+fn in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, single_copy: bool) -> bool {
     match part {
-        Collective::AllReduce { red, .. } => red.premul.is_some() || !single_copy(ctx, part),
-        Collective::Broadcast { .. } | Collective::AllGather { .. } => !single_copy(ctx, part),
+        Collective::AllReduce { red, .. } => red.premul.is_some() || !single_copy,
+        Collective::Broadcast { .. } | Collective::AllGather { .. } => !single_copy,
         // Every rank's slot holds a part of each of the W blocks.
-        Collective::ReduceScatter { .. } => !single_copy(ctx, part) && arena.slot_bytes() / ctx.transport.size() >= 16,
+        Collective::ReduceScatter { .. } => !single_copy && arena.slot_bytes() / ctx.transport.size() >= 16,
         Collective::Reduce { .. } | Collective::Barrier => true,
-        Collective::AllToAll { .. } => arena_alltoall::fits(&arena, ctx.transport.size()),
+        Collective::AllToAll { .. } => arena_alltoall::fits(arena, ctx.transport.size()),
         // Not `single_copy`: a large gather or scatter goes by direct messages,
         // its call checked before (`checks_inline`), not by a single-copy algorithm.
         Collective::Gather { input: block, .. } | Collective::Scatter { output: block, .. } => {
@@ -114,25 +157,25 @@ fn goes_as_address(ctx: &OpCtx, bytes: usize) -> bool {
     ctx.transport.single_copy_bytes().is_some_and(|from| bytes >= from)
 }
 
-/// Run one collective whose call has been checked (or, with `check`, is
-/// checked by the algorithm itself: see `checks_inline`; without it, as for
-/// the pieces of a staged op, the ring algorithms run).
-pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Result<()> {
-    if let Some(arena) = ctx.transport.arena().filter(|_| in_arena(ctx, part)) {
-        return run_in_arena(ctx, &arena, part, &check.copied().unwrap_or_else(|| Fingerprint::of(part)));
+/// Run one collective as `plan` says, its call checked before (or, with
+/// `check`, by the algorithm itself: see `Plan::checks_inline`; without it,
+/// as for the pieces of a staged op, the ring algorithms run).
+pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, check: Option<&Fingerprint>) -> Result<()> {
+    if let Some(arena) = plan.arena.as_ref().filter(|_| plan.in_arena) {
+        return run_in_arena(ctx, arena, part, &check.copied().unwrap_or_else(|| Fingerprint::of(part)));
     }
-    let hosts = Hosts::apart(ctx.transport);
-    let apart = hosts.as_ref();
+    let apart = plan.hosts.as_ref();
     // What the rounds in a host's arena compare (`Hosts::arena`).
     let fp = &check.copied().unwrap_or_else(|| Fingerprint::of(part));
+    let single_copy = check.filter(|_| plan.single_copy);
     match part {
         Collective::AllReduce { buf, red } => {
             let op = premultiply(buf, red);
-            let direct = direct(ctx, buf.len, ctx.transport.size());
-            match (check.filter(|_| !direct && single_copy(ctx, part)), apart.filter(|_| !direct)) {
+            let direct = plan.direct(ctx, buf.len, ctx.transport.size());
+            match (single_copy.filter(|_| !direct), apart.filter(|_| !direct)) {
                 (Some(check), _) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
                 (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts, fp),
-                _ => all_reduce(ctx, *buf, red.dtype, op, (check, fp), apart),
+                _ => all_reduce(ctx, plan, *buf, red.dtype, op, (check, fp)),
             }
         }
         Collective::Reduce { buf, root, red } => {
@@ -144,18 +187,18 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             } else {
                 (premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red)[0], red.op)
             };
-            if small_tree(ctx, buf.len, apart) {
+            if plan.small_tree(ctx, buf.len) {
                 tree_reduce(ctx, input, *root, red.dtype, op, apart, fp)
             } else {
                 chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input, root, red.dtype, op))
             }
         }
-        Collective::Broadcast { buf, root, .. } => match check.filter(|_| single_copy(ctx, part)) {
+        Collective::Broadcast { buf, root, .. } => match single_copy {
             Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
-            _ if small_tree(ctx, buf.len, apart) => tree_broadcast(ctx, *buf, *root, apart, fp),
+            _ if plan.small_tree(ctx, buf.len) => tree_broadcast(ctx, *buf, *root, apart, fp),
             _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
         },
-        Collective::AllGather { input, outputs, .. } => match (check.filter(|_| single_copy(ctx, part)), apart) {
+        Collective::AllGather { input, outputs, .. } => match (single_copy, apart) {
             (Some(check), _) => single_copy_allgather(ctx, *input, outputs, check),
             (None, Some(hosts)) => hierarchical_allgather(ctx, *input, outputs, hosts, fp),
             _ => ring_allgather(ctx, *input, outputs),
@@ -165,7 +208,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::ReduceScatter { inputs, output, red } => {
             let mut copy = Scratch::new(0);
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
-            match (check.filter(|_| single_copy(ctx, part)), apart) {
+            match (single_copy, apart) {
                 (Some(check), _) => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check),
                 (None, Some(hosts)) => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts, fp),
                 _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
@@ -176,7 +219,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
         Collective::Barrier => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            all_reduce(ctx, buf, DType::U8, ReduceOp::BOr, (check, fp), apart)
+            all_reduce(ctx, plan, buf, DType::U8, ReduceOp::BOr, (check, fp))
         }
         Collective::MonitoredBarrier { wait_all, timeout } => {
             monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
@@ -187,24 +230,6 @@ pub fn run(ctx: &OpCtx, part: &Collective, check: Option<&Fingerprint>) -> Resul
             Ok(())
         }
     }
-}
-
-/// Whether a broadcast or reduce of `bytes` takes the tree (two hops at
-/// most) rather than the pipelined chain (W-1 hops): messages as small as the
-/// direct all-reduce's, where the root exchanges with at most SMALL_MAX_WORLD ranks.
-fn small_tree(ctx: &OpCtx, bytes: usize, apart: Option<&Hosts>) -> bool {
-    let fanout = match apart {
-        Some(hosts) => hosts.members.len() + hosts.members.iter().map(Vec::len).max().unwrap_or(0),
-        None => ctx.transport.size(),
-    };
-    direct(ctx, bytes, fanout)
-}
-
-/// Whether an all-reduce (or a tree) of `bytes` among `fanout` ranks takes
-/// the direct exchange: small enough, and not in a group with an arena,
-/// where the arena's algorithms do small ones in fewer steps.
-fn direct(ctx: &OpCtx, bytes: usize, fanout: usize) -> bool {
-    ctx.transport.arena().is_none() && prefers_direct(bytes, fanout, ctx.small_allreduce_bytes)
 }
 
 /// Which way the data of a rooted chain flows.
@@ -238,14 +263,14 @@ fn chained(
 /// bandwidth-optimal ring. `check`: the call, if checked here; `fp`: the call.
 fn all_reduce(
     ctx: &OpCtx,
+    plan: &Plan,
     buf: RawBuf,
     dtype: DType,
     op: ReduceOp,
     (check, fp): (Option<&Fingerprint>, &Fingerprint),
-    apart: Option<&Hosts>,
 ) -> Result<()> {
-    if direct(ctx, buf.len, ctx.transport.size()) {
-        match apart.filter(|hosts| hosts.per_host().is_some()) {
+    if plan.direct(ctx, buf.len, ctx.transport.size()) {
+        match plan.hosts.as_ref().filter(|hosts| hosts.per_host().is_some()) {
             Some(hosts) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check, fp),
             None => direct_allreduce(ctx, buf, dtype, op, check),
         }

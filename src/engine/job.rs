@@ -4,7 +4,7 @@
 
 use super::staging::{run_in_pieces, Staging};
 use super::Shared;
-use crate::algorithms::{self, call_check::Fingerprint, OpCtx, What};
+use crate::algorithms::{self, call_check::Fingerprint, OpCtx, Plan, What};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::Collective;
@@ -69,7 +69,7 @@ impl Shared {
                             piece: i as u64,
                             ..*ctx
                         };
-                        algorithms::run(&piece_ctx, piece, None)
+                        algorithms::run(&piece_ctx, piece, &Plan::of(&piece_ctx, piece), None)
                     })
                 })
             }
@@ -80,11 +80,12 @@ impl Shared {
                     self.run_part(seq, part, job.timeout, job.spin, fingerprint, |ctx| {
                         // The smallest all-reduces and barriers check the call
                         // alongside their one exchange; the rest before they start.
-                        let inline = algorithms::checks_inline(ctx, part);
+                        let plan = Plan::of(ctx, part);
+                        let inline = plan.checks_inline(ctx, part);
                         if !inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
                             algorithms::call_check::agree(ctx, &fingerprint)?;
                         }
-                        algorithms::run(ctx, part, inline.then_some(&fingerprint))
+                        algorithms::run(ctx, part, &plan, inline.then_some(&fingerprint))
                     })?;
                 }
                 let staging = job.staging.as_mut().map_or(Ok(()), Staging::all_out);

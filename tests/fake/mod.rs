@@ -72,9 +72,10 @@ impl Rank<'_> {
             cost: &Default::default(),
         };
         let fingerprint = call_check::Fingerprint::of(&part);
-        let inline = algorithms::checks_inline(&ctx, &part);
+        let plan = algorithms::Plan::of(&ctx, &part);
+        let inline = plan.checks_inline(&ctx, &part);
         let checked = if inline { Ok(()) } else { call_check::agree(&ctx, &fingerprint) };
-        let r = checked.and_then(|()| algorithms::run(&ctx, &part, inline.then_some(&fingerprint)));
+        let r = checked.and_then(|()| algorithms::run(&ctx, &part, &plan, inline.then_some(&fingerprint)));
         if let Err(e) = &r {
             self.t.abort_all(e);
         }
