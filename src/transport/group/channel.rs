@@ -243,14 +243,7 @@ impl Transport for Channel {
         for p in self.others() {
             let link = self.core.peers[p].links.lock().unwrap().first().cloned();
             let Some(link) = link else { continue };
-            let bytes = why.to_vec();
-            let (data, len) = (bytes.as_ptr(), bytes.len());
-            // The status keeps the bytes until they are written.
-            let status = Status::with_callback(Box::new(move |_| {
-                drop(bytes);
-                Ok(())
-            }));
-            link.send(SendReq::new(Key::abort().in_group(self.group), data, len, status, None));
+            link.send(SendReq::owning(Key::abort().in_group(self.group), why.to_vec()));
         }
         self.close(reason);
     }

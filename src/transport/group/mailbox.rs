@@ -272,8 +272,6 @@ impl Mailbox {
         true
     }
 
-    /// The peer is gone: fail every waiting receive and all later ones.
-    /// Returns how many were waiting.
     /// Why the peer is gone, once it is.
     pub fn closed(&self) -> Option<&Error> {
         self.closed.as_ref()
@@ -293,6 +291,8 @@ impl Mailbox {
         fail_where(&mut self.posted, |k| k.group == group, &err)
     }
 
+    /// The peer is gone: fail every waiting receive and all later ones.
+    /// Returns how many were waiting.
     pub fn close(&mut self, err: Error) -> usize {
         if self.closed.is_none() {
             self.closed = Some(err.clone());

@@ -165,14 +165,8 @@ impl Core {
             };
             let deeper = ask_next(next, peer, depth).and_then(|q| core.ask(q, depth + 1));
             let bytes = encode_answer(&in_turn(text, deeper));
-            let (data, len) = (bytes.as_ptr(), bytes.len());
-            // The status keeps the bytes until they are written.
-            let status = Status::with_callback(Box::new(move |_| {
-                drop(bytes);
-                Ok(())
-            }));
             if let Ok(link) = core.lane(peer, 0, false, Instant::now() + ASK_GRACE) {
-                link.send(SendReq::new(Key::answer(), data, len, status, None));
+                link.send(SendReq::owning(Key::answer(), bytes));
             }
         });
         // Without a thread the peer goes unanswered, which it allows for.

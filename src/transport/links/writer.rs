@@ -48,6 +48,17 @@ impl SendReq {
         SendReq { key, data, len, status, ready: ready.map_or(Readiness::Now, Readiness::Later), head: None }
     }
 
+    /// A send of `bytes` it owns (a reason, an answer): its status keeps
+    /// them until they are written, or the send fails.
+    pub fn owning(key: Key, bytes: Vec<u8>) -> SendReq {
+        let (data, len) = (bytes.as_ptr(), bytes.len());
+        let status = Status::with_callback(Box::new(move |_| {
+            drop(bytes);
+            Ok(())
+        }));
+        SendReq::new(key, data, len, status, None)
+    }
+
     /// Payload bytes.
     pub fn len(&self) -> usize {
         self.len
