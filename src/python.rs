@@ -68,22 +68,35 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
 
 /// Group `name` of `members` (ranks of the live group named `owner`) as a
 /// channel on `owner`'s connections, with `owner`'s settings; None where
-/// that group is gone, has no connections to share or cannot share them
-/// (shut down, broken): the new group then opens its own.
-fn channel_of(owner: &str, name: &str, members: &[usize], member: &Member) -> Option<(Arc<dyn Transport>, Config)> {
+/// that group is gone or has no connections to share: the new group then
+/// opens its own, as every member does alike. A group that has connections
+/// but cannot share them (shut down, broken) is an error: falling back here
+/// alone would leave this rank waiting in the Store for members that took
+/// the channel, until the timeout.
+fn channel_of(
+    owner: &str,
+    name: &str,
+    members: &[usize],
+    member: &Member,
+) -> crate::error::Result<Option<(Arc<dyn Transport>, Config)>> {
     let (transport, cfg) = {
         let groups = GROUPS.lock().unwrap();
-        let owner = groups.get(owner)?;
-        (owner.transport.upgrade()?, owner.cfg.clone())
+        let Some((transport, cfg)) = groups.get(owner).and_then(|o| Some((o.transport.upgrade()?, o.cfg.clone())))
+        else {
+            return Ok(None);
+        };
+        (transport, cfg)
     };
-    match transport.open_channel(name, members, member.timeout)? {
-        Ok(channel) if channel.rank() == member.rank => Some((channel, cfg)),
-        Ok(_) => None,
-        Err(e) => {
-            tracing::info!("{}; group {name:?} opens connections of its own", e.message);
-            None
-        }
+    let Some(opened) = transport.open_channel(name, members, member.timeout) else { return Ok(None) };
+    let channel = opened?;
+    if channel.rank() != member.rank {
+        return Err(Error::invalid(format!(
+            "rustc10d: group {name:?}: torch gives this process rank {}, its ranks in group {owner:?} give {}",
+            member.rank,
+            channel.rank()
+        )));
     }
+    Ok(Some((channel, cfg)))
 }
 
 /// Rendezvous through `store` and return a `torch.distributed.Backend`.
@@ -120,6 +133,7 @@ fn create_backend(
         .detach(|| {
             let shared = (!share.is_empty() && members.len() == member.size)
                 .then(|| channel_of(&share, &group_name, &members, &member))
+                .transpose()?
                 .flatten();
             if let Some((channel, cfg)) = shared {
                 return Group::over(channel, GroupStore::new(store_ref)?, cfg, member.timeout);

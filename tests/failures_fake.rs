@@ -331,7 +331,7 @@ fn fake_break_peer_fails_both_sides_naming_the_peer() {
     // Other links are not cut; abort_all tells every peer why.
     assert!(send(&net[2], 0, k, &[1]).is_ok());
     let at2 = posted(&net[2], 1, k, &mut z, None);
-    net[1].abort_all(&Error::io("rank 1's op failed"));
+    net[1].abort_all(&Error::io("rank 1's op failed"), 0);
     assert_eq!(result(&at2).unwrap_err().message, "rank 1 (fake) gave up on the group: rank 1's op failed");
     assert!(result(&any_at2).unwrap_err().message.contains("rank 1 (fake) gave up"));
     // Shutdown closes what is left, for good.

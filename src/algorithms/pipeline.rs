@@ -39,18 +39,19 @@ pub fn piece(buf: RawBuf, unit: usize, count: usize, k: usize) -> RawBuf {
 /// will not come, and is what the op reports.
 struct FirstFailure<'a> {
     transport: &'a dyn crate::transport::Transport,
+    seq: u64,
     first: Mutex<Option<Error>>,
 }
 
 impl<'a> FirstFailure<'a> {
     fn new(ctx: &OpCtx<'a>) -> Self {
-        FirstFailure { transport: ctx.transport, first: Mutex::new(None) }
+        FirstFailure { transport: ctx.transport, seq: ctx.seq, first: Mutex::new(None) }
     }
 
     fn fail(&self, e: Error) {
         let mut first = self.first.lock().unwrap();
         if first.is_none() {
-            self.transport.abort_all(&e);
+            self.transport.abort_all(&e, self.seq);
             *first = Some(e);
         }
     }

@@ -155,7 +155,7 @@ impl Shared {
         self.stats.record(kind, part.bytes(), start.elapsed(), r.is_ok(), &cost);
         if let Err(e) = &r {
             if part.failure_breaks_group() && !matches!(e.kind, ErrorKind::InvalidArgument | ErrorKind::Unsupported) {
-                self.break_group(e);
+                self.break_group(e, seq);
             }
         }
         r
@@ -172,7 +172,7 @@ impl Shared {
                 e.message
             ),
         );
-        self.break_group(&e);
+        self.break_group(&e, first_seq);
         e
     }
 
@@ -187,8 +187,9 @@ impl Shared {
     /// every connection so that peers blocked in this or later collectives
     /// fail within moments instead of at their timeout; the failure spreads
     /// around the ring the same way.
-    pub(super) fn break_group(&self, cause: &Error) {
+    /// `seq`: the failed collective's (see `Transport::abort_all`).
+    pub(super) fn break_group(&self, cause: &Error, seq: u64) {
         self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());
-        self.transport.abort_all(cause);
+        self.transport.abort_all(cause, seq);
     }
 }

@@ -333,7 +333,7 @@ impl Shared {
     fn run_contained(&self, job: Job) {
         let (status, seq) = (job.status.clone(), job.first_seq);
         if let Err(e) = panics::contain(format_args!("op #{seq} on rank {}", self.transport.rank()), || self.run(job)) {
-            self.break_group(&e);
+            self.break_group(&e, seq);
             status.finish(Err(e));
         }
     }

@@ -364,7 +364,7 @@ impl Transport for FakeTransport {
 
     /// Every link is cut; ours fail with `reason` (as the mesh's do), every
     /// peer's with why we gave up, as the mesh's abort frame tells them.
-    fn abort_all(&self, reason: &Error) {
+    fn abort_all(&self, reason: &Error, _sent_below: u64) {
         let me = self.describe_peer(self.rank);
         let theirs = Error::peer_lost(format!("{me} gave up on the group: {}", reason.message));
         for peer in (0..self.size()).filter(|&p| p != self.rank) {

@@ -91,7 +91,12 @@ pub trait Transport: Send + Sync {
 
     /// Give up on every peer, telling each why first (best effort), so that
     /// ranks that are not our neighbours learn the original cause too.
-    fn abort_all(&self, reason: &Error);
+    /// `sent_below`: the first collective (sequence number) whose messages
+    /// this rank may not all have sent; those of earlier ones are all with
+    /// the connections (collectives run one at a time, and one finishes
+    /// only once its sends have). Where the connections outlive the group
+    /// (a channel), a peer still takes those.
+    fn abort_all(&self, reason: &Error, sent_below: u64);
 
     /// Close every connection; all pending transfers fail. Idempotent.
     fn shutdown(&self);

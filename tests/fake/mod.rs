@@ -77,7 +77,7 @@ impl Rank<'_> {
         let checked = if inline { Ok(()) } else { call_check::agree(&ctx, &fingerprint) };
         let r = checked.and_then(|()| algorithms::run(&ctx, &part, &plan, inline.then_some(&fingerprint)));
         if let Err(e) = &r {
-            self.t.abort_all(e);
+            self.t.abort_all(e, seq);
         }
         r
     }
@@ -171,7 +171,7 @@ pub fn on_net<T: Send>(net: &[Arc<FakeTransport>], small: usize, f: impl Fn(&mut
                     let mut rank = Rank { t, pool: ScratchPool::default(), seq: 0, small, timeout: TIMEOUT };
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut rank)));
                     if r.is_err() {
-                        t.abort_all(&Error::aborted(format!("rank {} panicked", t.rank())));
+                        t.abort_all(&Error::aborted(format!("rank {} panicked", t.rank())), 0);
                     }
                     r
                 })

@@ -84,7 +84,8 @@ impl Channel {
         };
         if core.stopping.load(Ordering::SeqCst) || core.gave_up.lock().unwrap().is_some() {
             return Err(Error::aborted(format!(
-                "rustc10d: group {name:?} cannot share the connections of a process group that was shut down or broken"
+                "rustc10d: group {name:?} cannot share the connections of a process group that was shut down or broken \
+                 (pg_options=rustc10d.Options(share_connections=False) gives a group connections of its own)"
             )));
         }
         let group = {
@@ -237,13 +238,15 @@ impl Transport for Channel {
 
     /// Tells each member this rank has a connection to why it gives up on
     /// the group, in the channel (the connections stay), then closes it here.
-    fn abort_all(&self, reason: &Error) {
+    /// The frame carries `sent_below`: the peer still takes the messages of
+    /// earlier collectives, which may come after it on another lane.
+    fn abort_all(&self, reason: &Error, sent_below: u64) {
         let why = reason.message.as_bytes();
         let why = &why[..why.len().min(ABORT_MAX as usize)];
         for p in self.others() {
             let link = self.core.peers[p].links.lock().unwrap().first().cloned();
             let Some(link) = link else { continue };
-            link.send(SendReq::owning(Key::abort().in_group(self.group), why.to_vec()));
+            link.send(SendReq::owning(Key::group_abort(self.group, sent_below), why.to_vec()));
         }
         self.close(reason);
     }

@@ -5,7 +5,7 @@
 
 use crate::error::Error;
 use crate::status::Status;
-use crate::transport::frame::Key;
+use crate::transport::frame::{Key, KIND_COLLECTIVE};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
@@ -191,10 +191,26 @@ pub struct Mailbox {
     early: HashMap<Key, VecDeque<Vec<u8>>>,
     closed: Option<Error>,
     /// Channels of groups that share the connections, closed for this
-    /// peer: the peer gave up on the group, or this rank left it. Their
-    /// later messages are dropped, never kept for a group of the same
-    /// number (channel numbers are not reused: see channel.rs).
-    closed_groups: HashMap<u64, Error>,
+    /// peer: the peer gave up on the group, or this rank left it.
+    closed_groups: HashMap<u64, ClosedGroup>,
+}
+
+/// Why a group's channel with one peer is closed, and what of it is still taken.
+struct ClosedGroup {
+    why: Error,
+    /// While only the peer has given up, the messages of collectives below
+    /// this sequence number it sent in full before: they are still taken,
+    /// arrived already or still on another lane, as after a lost peer
+    /// (`close`) what arrived is. Once this rank leaves the group (0), the
+    /// group's messages are all dropped, early and late: channel numbers
+    /// are not reused (see channel.rs).
+    sent_below: u64,
+}
+
+impl ClosedGroup {
+    fn takes(&self, key: &Key) -> bool {
+        key.kind == KIND_COLLECTIVE && key.channel < self.sent_below
+    }
 }
 
 impl Mailbox {
@@ -204,7 +220,7 @@ impl Mailbox {
 
     /// A frame header arrived from this peer. Lock order: mailbox, then `any`.
     pub fn on_header(&mut self, key: Key, len: u64, any: &Mutex<AnyPosted>) -> Delivery {
-        if self.closed_groups.contains_key(&key.group) {
+        if self.closed_groups.get(&key.group).is_some_and(|c| !c.takes(&key)) {
             return Delivery::Drop;
         }
         let posted = pop_front(&mut self.posted, key).or_else(|| any.lock().unwrap().pop(key));
@@ -230,6 +246,10 @@ impl Mailbox {
     /// Post a receive. It completes at once from an early message, fails at
     /// once if the peer is gone, or waits for the reader.
     pub fn post(&mut self, key: Key, recv: PostedRecv) {
+        if let Some(c) = self.closed_groups.get(&key.group).filter(|c| !c.takes(&key)) {
+            recv.status.finish(Err(c.why.clone()));
+            return;
+        }
         if let Some(data) = pop_front(&mut self.early, key) {
             if data.len() == recv.buf.len {
                 recv.fill(&data, self.peer);
@@ -279,16 +299,32 @@ impl Mailbox {
 
     /// Why group `group`'s messages from this peer will not come, once they will not.
     pub fn closed_for(&self, group: u64) -> Option<&Error> {
-        self.closed.as_ref().or_else(|| self.closed_groups.get(&group))
+        self.closed.as_ref().or_else(|| self.closed_groups.get(&group).map(|c| &c.why))
     }
 
-    /// Close group `group`'s channel with this peer: its waiting receives
-    /// fail with `err`, and so do later ones; its early messages are
-    /// dropped, and so are later ones. Returns how many receives were waiting.
+    /// The peer gave up on group `group`, having sent every message of the
+    /// group's collectives below `sent_below`: receives of those stay, the
+    /// group's other receives fail with `err`, now and later. Returns how
+    /// many receives failed.
+    pub fn peer_left_group(&mut self, group: u64, sent_below: u64, err: Error) -> usize {
+        self.close_group_where(group, ClosedGroup { why: err, sent_below })
+    }
+
+    /// This rank closes group `group`'s channel with this peer: its waiting
+    /// receives fail with `err`, and so do later ones; its messages are
+    /// dropped, early and late. Returns how many receives failed.
     pub fn close_group(&mut self, group: u64, err: Error) -> usize {
-        self.early.retain(|k, _| k.group != group);
-        self.closed_groups.entry(group).or_insert_with(|| err.clone());
-        fail_where(&mut self.posted, |k| k.group == group, &err)
+        self.close_group_where(group, ClosedGroup { why: err, sent_below: 0 })
+    }
+
+    /// Narrow what group `group` still takes to what `closed` takes (the
+    /// first reason stays), dropping and failing the rest.
+    fn close_group_where(&mut self, group: u64, closed: ClosedGroup) -> usize {
+        let c = self.closed_groups.entry(group).or_insert(ClosedGroup { why: closed.why, sent_below: u64::MAX });
+        c.sent_below = c.sent_below.min(closed.sent_below);
+        let c = &*c;
+        self.early.retain(|k, _| k.group != group || c.takes(k));
+        fail_where(&mut self.posted, |k| k.group == group && !c.takes(k), &c.why)
     }
 
     /// The peer is gone: fail every waiting receive and all later ones.
@@ -425,6 +461,51 @@ mod tests {
         let mut c = [0u8; 1];
         let sc = post(&mut mb, Key::p2p(1), &mut c);
         assert!(sc.result().unwrap().is_err(), "posting to a closed mailbox fails at once");
+    }
+
+    /// A peer finishes collective 0 of a group and gives up on it in
+    /// collective 1 (a mismatch, say). Its messages of collective 0 were all
+    /// sent, some on another lane that is read after its reason: they still
+    /// complete receives, posted before or after. Collective 1's fail, even
+    /// where a message of it came; other groups go on.
+    #[test]
+    fn a_peer_that_gave_up_on_a_group_still_delivers_what_it_sent_before() {
+        let any = Mutex::new(AnyPosted::default());
+        let (g, other) = (7, 8);
+        let key = |seq, step| Key::collective(seq, step).in_group(g);
+        let mut mb = Mailbox::default();
+        let (mut waiting, mut failing, mut sibling) = ([0u8], [0u8], [0u8]);
+        let s_waiting = post(&mut mb, key(0, 2), &mut waiting);
+        let s_failing = post(&mut mb, key(1, 0), &mut failing);
+        let s_sibling = post(&mut mb, Key::collective(1, 0).in_group(other), &mut sibling);
+        deliver(&mut mb, key(0, 0), &[4], &any);
+        deliver(&mut mb, key(1, 1), &[9], &any);
+        assert_eq!(mb.peer_left_group(g, 1, Error::peer_lost("gave up")), 1);
+        // Read after the reason, from other lanes.
+        deliver(&mut mb, key(0, 1), &[5], &any);
+        deliver(&mut mb, key(0, 2), &[6], &any);
+        deliver(&mut mb, key(1, 2), &[9], &any);
+
+        let (mut first, mut second, mut partial, mut p2p) = ([0u8], [0u8], [0u8], [0u8]);
+        let s_first = post(&mut mb, key(0, 0), &mut first);
+        let s_second = post(&mut mb, key(0, 1), &mut second);
+        let s_partial = post(&mut mb, key(1, 1), &mut partial);
+        let s_p2p = post(&mut mb, Key::p2p(0).in_group(g), &mut p2p);
+        for s in [&s_first, &s_second, &s_waiting] {
+            assert_eq!(s.result().unwrap().unwrap(), 1);
+        }
+        assert_eq!((first, second, waiting), ([4], [5], [6]));
+        for s in [&s_failing, &s_partial, &s_p2p] {
+            assert_eq!(s.result().unwrap().unwrap_err().message, "gave up");
+        }
+        assert_eq!(partial, [0], "a failed receive leaves its buffer as it was");
+        assert!(!s_sibling.is_done(), "another group's receive waits on");
+
+        // This rank leaves the group: what is left of it goes, and what comes later.
+        deliver(&mut mb, key(0, 3), &[7], &any);
+        mb.close_group(g, Error::aborted("left"));
+        deliver(&mut mb, key(0, 4), &[8], &any);
+        assert!(mb.early.keys().all(|k| k.group != g), "a group this rank left keeps no messages");
     }
 
     #[test]

@@ -276,7 +276,9 @@ impl Transport for Mesh {
         self.core.give_up(peer, reason);
     }
 
-    fn abort_all(&self, reason: &Error) {
+    /// The connections close (they are this group's), so `sent_below` has
+    /// nothing to keep: what arrived before the reason still counts.
+    fn abort_all(&self, reason: &Error, _sent_below: u64) {
         let core = &self.core;
         core.abort_arena(&reason.message);
         let why = reason.message.as_bytes();

@@ -98,8 +98,8 @@ impl Transport for Subgroup<'_> {
         self.group.break_peer(self.members[peer], reason)
     }
 
-    fn abort_all(&self, reason: &Error) {
-        self.group.abort_all(reason)
+    fn abort_all(&self, reason: &Error, sent_below: u64) {
+        self.group.abort_all(reason, sent_below)
     }
 
     fn shutdown(&self) {

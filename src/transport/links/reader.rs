@@ -61,9 +61,9 @@ enum State {
         /// The bytes are read from the peer's memory there.
         remote: Option<Remote>,
     },
-    /// Why the peer gives up: on every group (`group` 0, the connections'
-    /// owner) or on the group of that channel.
-    Reason { group: u64, buf: Vec<u8>, got: usize },
+    /// Why the peer gives up: on every group (`key.group` 0, the
+    /// connections' owner) or on the group of that channel.
+    Reason { key: Key, buf: Vec<u8>, got: usize },
     /// The connection failed (or was closed) here: every later read says
     /// so again. Were it to start over, a thread reading next (a waiter
     /// polls) would take the end of a stream that broke within a frame
@@ -191,7 +191,7 @@ impl Reader {
                     if header.len > ABORT_MAX {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "oversized abort frame"));
                     }
-                    *state = State::Reason { group: header.key.group, buf: vec![0; header.len as usize], got: 0 };
+                    *state = State::Reason { key: header.key, buf: vec![0; header.len as usize], got: 0 };
                 } else {
                     let remote = header.remote.then(|| Remote::decode(buf[HEADER_LEN..].try_into().unwrap()));
                     *state = State::Early { key: header.key, len: header.len, since: Instant::now(), remote };
@@ -250,7 +250,7 @@ impl Reader {
                 }
             }
             State::Failed(kind, why) => return Err(io::Error::new(*kind, why.clone())),
-            State::Reason { group, buf, got } => {
+            State::Reason { key, buf, got } => {
                 if *got < buf.len() {
                     let n = read_some(conn, &mut buf[*got..])?;
                     if n == 0 {
@@ -260,7 +260,7 @@ impl Reader {
                     return Ok(None);
                 }
                 let why = Error::peer_lost(format!("gave up on the group: {}", String::from_utf8_lossy(buf)));
-                let group = *group;
+                let (group, sent_below) = (key.group, key.channel);
                 *state = State::Start;
                 if group == 0 {
                     return Ok(Some(Stop::Reason(why)));
@@ -268,7 +268,7 @@ impl Reader {
                 // One group sharing the connection: its channel closes, the
                 // connection goes on. Lock order: mailbox, then `any`.
                 let mut mailbox = mailbox.lock().unwrap();
-                mailbox.close_group(group, why.clone());
+                mailbox.peer_left_group(group, sent_below, why.clone());
                 any.lock().unwrap().fail_group(group, &why);
             }
         }
