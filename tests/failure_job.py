@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import job_args
 import own_threads
-import rustc10d  # noqa: F401
+import rustc10d
 
 
 def report(**fields):
@@ -133,7 +133,14 @@ def mismatch(store, rank, world):
     t = torch.ones(64, dtype=torch.int32 if rank == 1 else torch.float32)
     before = t.clone()
     res = timed_failure(lambda: dist.all_reduce(t))
-    report(first=res, untouched=bool(torch.equal(t, before)))
+    # A group made from the broken default group cannot share its connections: it says so at
+    # once on every rank (before, a rank fell back to connections of its own alone and waited
+    # for its peers in the Store until the timeout). One asked for connections of its own works.
+    after = timed_failure(lambda: dist.all_reduce(torch.ones(1), group=dist.new_group()))
+    own = dist.new_group(pg_options=rustc10d.Options(share_connections=False))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=own)
+    report(first=res, untouched=bool(torch.equal(t, before)), new_group=after, own_group_sum=total.item())
 
 
 def late_mismatch(store, rank, world):

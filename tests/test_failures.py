@@ -116,6 +116,9 @@ def test_mismatched_calls_are_reported_not_reduced(tmp_path):
         r = results[rank]
         assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
         assert r["untouched"], f"rank {rank}'s tensor was changed"
+        assert r["new_group"]["raised"] and r["new_group"]["seconds"] < 10, (rank, r)
+        assert "share_connections=False" in r["new_group"]["error"], (rank, r["new_group"])
+        assert r["own_group_sum"] == 3, (rank, r)
     told = [results[r]["first"]["error"] for r in range(3) if "does not match" in results[r]["first"]["error"]]
     assert told and "torch.int32" in told[0] and "torch.float32" in told[0], told
 
