@@ -106,7 +106,8 @@ fn a_group_that_fails_breaks_itself_and_no_other_on(mode: TransportMode) {
     let world: Vec<Option<Engine>> = group_via(mode, 3, TIMEOUT).into_iter().map(Some).collect();
     let doomed = channel(&world, mode, "doomed", &[0, 1, 2]);
     let sibling = channel(&world, mode, "sibling", &[0, 1, 2]);
-    // Warm every connection first, so that the abort reaches every peer.
+    // Warm every connection first: the sibling and the world then run on
+    // connections that carried the abort (one connected later is told too: see below).
     for g in [&world, &doomed, &sibling] {
         let g: Vec<&Engine> = g.iter().map(|e| e.as_ref().unwrap()).collect();
         let out = std::thread::scope(|s| {
@@ -254,4 +255,27 @@ fn a_peer_asked_what_it_waits_for_in_a_group_names_the_rank_it_waits_for() {
         assert_eq!(waiter.join().unwrap().unwrap(), [7u8; 8]);
         assert!(status.wait(Some(Instant::now() + TIMEOUT), Duration::ZERO).is_some());
     });
+}
+
+/// A rank that gives up on a group tells a member it has no connection to
+/// yet once it has one: at W=4 over TCP, world ranks 0 and 2 are not
+/// neighbours, so not connected, when rank 0 gives up on group "g"; rank 2's
+/// receive from it fails once rank 2's send connects them, not at its timeout.
+#[test]
+fn a_member_that_connects_after_a_rank_gave_up_on_the_group_is_told() {
+    let world: Vec<Option<Engine>> = group_via(TransportMode::Tcp, 4, TIMEOUT).into_iter().map(Some).collect();
+    let g = channel(&world, TransportMode::Tcp, "g", &[0, 1, 2, 3]);
+    let why = rustc10d::error::Error::aborted("rank 0 gave up on g");
+    g[0].as_ref().unwrap().transport().upgrade().unwrap().abort_all(&why, 0);
+    let t0 = Instant::now();
+    let mut got = vec![0.0f32; 2];
+    let r = recv(g[2].as_ref().unwrap(), &mut got, Some(0), 3, TIMEOUT);
+    let mut v = vec![5.0f32; 2];
+    wait_ok(send(g[2].as_ref().unwrap(), &mut v, 0, 3));
+    match r.wait(None) {
+        Waited::Failed(e) => assert!(e.message.contains("rank 0 gave up on g"), "{}", e.message),
+        other => panic!("rank 2's receive from a rank that gave up must fail: {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "told at once, not at the timeout");
+    assert_eq!(got, vec![0.0; 2], "a failed receive leaves its buffer as it was");
 }

@@ -143,6 +143,26 @@ def mismatch(store, rank, world):
     report(first=res, untouched=bool(torch.equal(t, before)), new_group=after, own_group_sum=total.item())
 
 
+def world_failure_spares_groups(store, rank, world):
+    """Once a group shares the default group's connections, a mismatch on the default group
+    breaks the default group alone: it stays broken (collectives and sends refuse), while the
+    group made before it goes on, and one made after works too."""
+    init(store, rank, world)
+    dist.barrier()
+    sibling = dist.new_group()
+    dist.all_reduce(torch.ones(4), group=sibling)
+    t = torch.ones(64, dtype=torch.int32 if rank == 1 else torch.float32)
+    first = timed_failure(lambda: dist.all_reduce(t))
+    again = timed_failure(lambda: dist.all_reduce(torch.ones(1)))
+    send = timed_failure(lambda: dist.send(torch.ones(1), dst=(rank + 1) % world))
+    on_sibling = torch.full((100_000,), float(rank))
+    dist.all_reduce(on_sibling, group=sibling)
+    later = dist.new_group()
+    on_later = torch.ones(3)
+    dist.all_reduce(on_later, group=later)
+    report(first=first, again=again, send=send, sibling_sum=on_sibling[-1].item(), later_sum=on_later[0].item())
+
+
 def late_mismatch(store, rank, world):
     """The last rank, late, all_reduces one element more than the others, on the ring (too
     large for the direct exchange): the ranks whose neighbours called as they did must not start
@@ -252,7 +272,7 @@ def options_apply(store, rank, world):
     report(world_links=rustc10d.links(), group_links=rustc10d.links(group), sum=t.tolist(), wrong=wrong)
 
 
-SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch, late_mismatch,
+SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch, world_failure_spares_groups, late_mismatch,
                                       destroy_cleans_up, settings_differ, settings_differ_store_in_rank_0, bad_setting, no_threads, error_kinds,
                                       options_apply)}
 

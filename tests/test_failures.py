@@ -124,6 +124,18 @@ def test_mismatched_calls_are_reported_not_reduced(tmp_path):
 
 
 @pytest.mark.parametrize("transport", harness.TRANSPORTS)
+def test_a_failure_of_the_default_group_spares_the_groups_on_its_connections(tmp_path, transport):
+    results, procs = run("world_failure_spares_groups", 4, tmp_path, {"RUSTC10D_TRANSPORT": transport})
+    for rank in range(4):
+        r = results[rank]
+        assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
+        for later in ("again", "send"):
+            assert r[later]["raised"] and "broken by an earlier failure" in r[later]["error"], (rank, later, r)
+        assert r["sibling_sum"] == 0 + 1 + 2 + 3 and r["later_sum"] == 4, (rank, r)
+    assert any("does not match" in results[r]["first"]["error"] for r in range(4)), results
+
+
+@pytest.mark.parametrize("transport", harness.TRANSPORTS)
 def test_a_late_mismatch_far_from_a_rank_leaves_every_tensor_alone(tmp_path, transport):
     # W=5 over TCP: ranks 1-3 called as their neighbours did (the ring's check alone let them
     # start); over shared memory the arena checks every call.

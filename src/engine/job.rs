@@ -110,16 +110,7 @@ impl Shared {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(Error::aborted(format!("rustc10d: {what} was cancelled: the process group was shut down")));
         }
-        let broken = self.broken.lock().unwrap().clone();
-        if let Some(cause) = broken {
-            return Err(Error::new(
-                cause.kind,
-                format!(
-                    "rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}",
-                    cause.message
-                ),
-            ));
-        }
+        self.unless_broken(&what)?;
         let start = Instant::now();
         let cost = Arc::new(Cost::default());
         let ctx = OpCtx {
@@ -187,6 +178,20 @@ impl Shared {
     /// every connection so that peers blocked in this or later collectives
     /// fail within moments instead of at their timeout; the failure spreads
     /// around the ring the same way.
+    /// Refuse op `what` on a group that an earlier failure broke.
+    pub(super) fn unless_broken(&self, what: &dyn std::fmt::Display) -> Result<()> {
+        match &*self.broken.lock().unwrap() {
+            Some(cause) => Err(Error::new(
+                cause.kind,
+                format!(
+                    "rustc10d: {what} cannot run: the process group is broken by an earlier failure: {}",
+                    cause.message
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// `seq`: the failed collective's (see `Transport::abort_all`).
     pub(super) fn break_group(&self, cause: &Error, seq: u64) {
         self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());

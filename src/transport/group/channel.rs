@@ -37,6 +37,60 @@ pub struct Channels {
     opened: HashMap<String, u64>,
     /// Every number opened, ever.
     numbers: HashSet<u64>,
+    /// The groups this rank gave up on, and what it told their members: a
+    /// member it had no connection to then is told once it has one (`told_late`).
+    given_up: Vec<GivenUp>,
+}
+
+struct GivenUp {
+    key: Key,
+    why: Vec<u8>,
+    /// The group's members, as the connections' ranks.
+    members: Arc<[usize]>,
+}
+
+impl Channels {
+    /// Whether any group has shared these connections.
+    pub(in crate::transport) fn any_opened(&self) -> bool {
+        !self.numbers.is_empty()
+    }
+}
+
+impl Core {
+    /// Tell `members` (the connections' ranks) that this rank gives up on
+    /// group `group` having sent all of its collectives below `sent_below`
+    /// (`Transport::abort_all`), in a frame of that group's channel: the
+    /// connections stay, for the other groups. A member with no connection
+    /// yet is told when it connects.
+    pub(in crate::transport) fn tell_group_abort(
+        &self,
+        group: u64,
+        members: Arc<[usize]>,
+        sent_below: u64,
+        why: &Error,
+    ) {
+        let why = why.message.as_bytes();
+        let told = GivenUp {
+            key: Key::group_abort(group, sent_below),
+            why: why[..why.len().min(ABORT_MAX as usize)].to_vec(),
+            members,
+        };
+        for &p in told.members.iter().filter(|&&p| p != self.rank()) {
+            let link = self.peers[p].links.lock().unwrap().first().cloned();
+            if let Some(link) = link {
+                link.send(SendReq::owning(told.key, told.why.clone()));
+            }
+        }
+        self.channels.lock().unwrap().given_up.push(told);
+    }
+
+    /// What this rank told the groups it gave up on that `peer` is in, for
+    /// its first connection: it may have had none then.
+    pub(in crate::transport) fn told_late(&self, peer: usize) -> Vec<SendReq> {
+        let channels = self.channels.lock().unwrap();
+        let of_peer = channels.given_up.iter().filter(|g| g.members.contains(&peer));
+        of_peer.map(|g| SendReq::owning(g.key, g.why.clone())).collect()
+    }
 }
 
 pub struct Channel {
@@ -241,13 +295,7 @@ impl Transport for Channel {
     /// The frame carries `sent_below`: the peer still takes the messages of
     /// earlier collectives, which may come after it on another lane.
     fn abort_all(&self, reason: &Error, sent_below: u64) {
-        let why = reason.message.as_bytes();
-        let why = &why[..why.len().min(ABORT_MAX as usize)];
-        for p in self.others() {
-            let link = self.core.peers[p].links.lock().unwrap().first().cloned();
-            let Some(link) = link else { continue };
-            link.send(SendReq::owning(Key::group_abort(self.group, sent_below), why.to_vec()));
-        }
+        self.core.tell_group_abort(self.group, self.members.clone(), sent_below, reason);
         self.close(reason);
     }
 

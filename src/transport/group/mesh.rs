@@ -276,11 +276,22 @@ impl Transport for Mesh {
         self.core.give_up(peer, reason);
     }
 
-    /// The connections close (they are this group's), so `sent_below` has
-    /// nothing to keep: what arrived before the reason still counts.
-    fn abort_all(&self, reason: &Error, _sent_below: u64) {
+    /// Once groups share the connections, this group gives up on its own
+    /// channel (0) alone, as theirs do: a mismatch or a timeout here must
+    /// not fail the groups on them. Else the connections close, and peers
+    /// that connect later are told why (`gave_up`).
+    fn abort_all(&self, reason: &Error, sent_below: u64) {
         let core = &self.core;
         core.abort_arena(&reason.message);
+        if core.channels.lock().unwrap().any_opened() {
+            let everyone: Arc<[usize]> = (0..core.peers.len()).collect();
+            core.tell_group_abort(0, everyone, sent_below, reason);
+            for p in (0..core.peers.len()).filter(|&p| p != core.rank()) {
+                core.peers[p].mailbox.lock().unwrap().close_group(0, reason.clone());
+            }
+            core.any.lock().unwrap().fail_group(0, reason);
+            return;
+        }
         let why = reason.message.as_bytes();
         let why = &why[..why.len().min(ABORT_MAX as usize)];
         core.gave_up.lock().unwrap().get_or_insert_with(|| why.to_vec());

@@ -27,11 +27,13 @@ pub const CHALLENGE_LEN: usize = 4 + NONCE_LEN;
 /// Which matching space a message belongs to.
 pub const KIND_COLLECTIVE: u8 = 1;
 pub const KIND_P2P: u8 = 2;
-/// The sender gives up on the group; the payload says why (UTF-8, at most
-/// ABORT_MAX bytes). Of a group sharing the connections (group ≠ 0), the
+/// The sender gives up on a group; the payload says why (UTF-8, at most
+/// ABORT_MAX bytes). With sub `ABORT_CHANNEL` it gives up on that group's
+/// channel alone (the connections stay, for the other groups), and the
 /// channel field is the first collective whose messages it may not all have
-/// sent (`Key::group_abort`).
+/// sent (`Key::group_abort`); otherwise (group 0) on the connections.
 pub const KIND_ABORT: u8 = 3;
+pub const ABORT_CHANNEL: u64 = 1;
 pub const ABORT_MAX: u64 = 4096;
 /// "What are you waiting for?" (no payload), from a rank that timed out
 /// waiting for the receiver; answered with a message of `KIND_ANSWER`.
@@ -93,11 +95,12 @@ impl Key {
         Key { kind: KIND_ABORT, group: 0, channel: 0, sub: 0 }
     }
 
-    /// Why this rank gives up on group `group` (a channel); its channel
+    /// Why this rank gives up on group `group`'s channel; its channel
     /// field: the first collective whose messages it may not all have sent.
     pub fn group_abort(group: u64, sent_below: u64) -> Key {
-        Key { kind: KIND_ABORT, group, channel: sent_below, sub: 0 }
+        Key { kind: KIND_ABORT, group, channel: sent_below, sub: ABORT_CHANNEL }
     }
+
     /// A question `depth` ranks down a chain of waits (see waits.rs).
     pub fn ask(depth: u64) -> Key {
         Key { kind: KIND_ASK, group: 0, channel: depth, sub: 0 }

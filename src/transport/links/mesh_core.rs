@@ -330,12 +330,21 @@ impl Core {
         }
         // Adopted before it reads, so that its end always comes after.
         let link = Link::new(self, id, peer, conn);
-        self.peers[peer].links.lock().unwrap().push(link.clone());
+        let first = {
+            let mut links = self.peers[peer].links.lock().unwrap();
+            links.push(link.clone());
+            links.len() == 1
+        };
         self.peer_event(peer, Event::Adopted { conn: id, lanes });
         if self.link(peer, id).is_some() {
             if let Err(e) = link.start() {
                 let error = Error::peer_lost(format!("lost connection to {}: {}", self.describe(peer), e.message));
                 self.peer_event(peer, Event::Ended { conn: id, error: Some(error) });
+            } else if first {
+                // Groups this rank gave up on before it had a connection to the peer.
+                for told in self.told_late(peer) {
+                    link.send(told);
+                }
             }
         }
     }

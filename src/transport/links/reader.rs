@@ -7,7 +7,9 @@
 
 use crate::error::Error;
 use crate::transport::conn::Conn;
-use crate::transport::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, REMOTE_LEN};
+use crate::transport::frame::{
+    FrameHeader, Key, Remote, ABORT_CHANNEL, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, REMOTE_LEN,
+};
 use crate::transport::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use std::io;
 use std::sync::Mutex;
@@ -61,8 +63,8 @@ enum State {
         /// The bytes are read from the peer's memory there.
         remote: Option<Remote>,
     },
-    /// Why the peer gives up: on every group (`key.group` 0, the
-    /// connections' owner) or on the group of that channel.
+    /// Why the peer gives up: on the connections (`key.group` 0 and no
+    /// `ABORT_CHANNEL`), or on the group of that channel.
     Reason { key: Key, buf: Vec<u8>, got: usize },
     /// The connection failed (or was closed) here: every later read says
     /// so again. Were it to start over, a thread reading next (a waiter
@@ -260,13 +262,14 @@ impl Reader {
                     return Ok(None);
                 }
                 let why = Error::peer_lost(format!("gave up on the group: {}", String::from_utf8_lossy(buf)));
+                let key = *key;
                 let (group, sent_below) = (key.group, key.channel);
                 *state = State::Start;
-                if group == 0 {
+                if group == 0 && key.sub != ABORT_CHANNEL {
                     return Ok(Some(Stop::Reason(why)));
                 }
-                // One group sharing the connection: its channel closes, the
-                // connection goes on. Lock order: mailbox, then `any`.
+                // One group's channel closes, the connection goes on, for
+                // the other groups. Lock order: mailbox, then `any`.
                 let mut mailbox = mailbox.lock().unwrap();
                 mailbox.peer_left_group(group, sent_below, why.clone());
                 any.lock().unwrap().fail_group(group, &why);
