@@ -35,6 +35,7 @@ fn watched<T>(group_name: &str, f: impl FnOnce(&Watched) -> Option<T>) -> PyResu
 /// Let Python ask about `group` by its name (a group made by torch's split
 /// comes here from the shim, not through `create_backend`).
 pub(crate) fn watch(group_name: &str, group: &Group) {
+    *group.name.lock().unwrap() = group_name.to_string();
     let mut groups = GROUPS.lock().unwrap();
     groups.retain(|_, g| g.stats.strong_count() > 0);
     let watched = Watched {

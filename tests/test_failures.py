@@ -116,9 +116,6 @@ def test_mismatched_calls_are_reported_not_reduced(tmp_path):
         r = results[rank]
         assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
         assert r["untouched"], f"rank {rank}'s tensor was changed"
-        assert r["new_group"]["raised"] and r["new_group"]["seconds"] < 10, (rank, r)
-        assert "share_connections=False" in r["new_group"]["error"], (rank, r["new_group"])
-        assert r["own_group_sum"] == 3, (rank, r)
     told = [results[r]["first"]["error"] for r in range(3) if "does not match" in results[r]["first"]["error"]]
     assert told and "torch.int32" in told[0] and "torch.float32" in told[0], told
 
@@ -131,7 +128,7 @@ def test_a_failure_of_the_default_group_spares_the_groups_on_its_connections(tmp
         assert r["first"]["raised"] and r["first"]["seconds"] < 10, (rank, r)
         for later in ("again", "send"):
             assert r[later]["raised"] and "broken by an earlier failure" in r[later]["error"], (rank, later, r)
-        assert r["sibling_sum"] == 0 + 1 + 2 + 3 and r["later_sum"] == 4, (rank, r)
+        assert r["sibling_sum"] == 0 + 1 + 2 + 3 and r["later_sum"] == 4 and r["own_sum"] == 4, (rank, r)
     assert any("does not match" in results[r]["first"]["error"] for r in range(4)), results
 
 

@@ -282,6 +282,11 @@ impl Engine {
         self.shared.transport.open_channel(name, members, timeout)
     }
 
+    /// `Transport::connections_outlive_failure`.
+    pub fn connections_outlive_failure(&self) -> bool {
+        self.shared.transport.connections_outlive_failure()
+    }
+
     /// This rank and the group's size.
     pub fn rank_and_size(&self) -> (usize, usize) {
         (self.shared.transport.rank(), self.shared.transport.size())

@@ -264,11 +264,14 @@ impl Group {
     }
 
     /// The survivors' group: this group's ranks but `excluded`, in their
-    /// order, joined through this group's Store under a namespace of their
-    /// own (the n-th shrink of this group, which every survivor counts
-    /// alike). Who is gone is the caller's word, as torch's shrink_group
-    /// has it; survivors that disagree make groups of different sizes,
-    /// whose rendezvous fails at the timeout.
+    /// order (the n-th shrink of this group, which every survivor counts
+    /// alike). The connections outlive a group's failure: the survivors'
+    /// group is a channel on them, with no Store round trip and no new
+    /// connection. Once they are shut (SHRINK_ABORT of the last group on
+    /// them), it joins through this group's Store under a namespace of its own. Who is gone is the
+    /// caller's word, as torch's shrink_group has it; survivors that
+    /// disagree make groups of different sizes, which fail at their first
+    /// op or rendezvous, at the timeout.
     pub(crate) fn shrink(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {
         let (rank, size) = self.engine.rank_and_size();
         let survivors: Vec<usize> = (0..size).filter(|&r| !excluded.contains(&(r as i64))).collect();
@@ -277,6 +280,14 @@ impl Group {
         };
         let n = self.shrinks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let store = self.store.within(&format!("rustc10d/shrink/{n}"));
+        let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
+        let name = self.name.lock().unwrap().clone();
+        if !name.is_empty() && self.engine.connections_outlive_failure() {
+            let channel = self.engine.open_channel(&format!("{name}/shrink/{n}"), &survivors, timeout);
+            if let Some(channel) = channel {
+                return Ok(Box::new(Group::over(channel?, store, self.cfg.clone(), timeout)?));
+            }
+        }
         let member = member(new_rank, survivors.len(), timeout_ms, &store);
         Ok(Box::new(Group::join(store, &member, self.cfg.clone())?))
     }

@@ -304,6 +304,7 @@ impl Group {
             cfg,
             store,
             shrinks: Default::default(),
+            name: Default::default(),
             stream: Default::default(),
             gates: Default::default(),
         })
@@ -354,6 +355,9 @@ pub struct Group {
     /// Where it joined, for a shrink; and how many shrinks it has made.
     store: GroupStore,
     shrinks: std::sync::atomic::AtomicU64,
+    /// torch's name of the group, the same on every member, once torch
+    /// has given it: a shrink on shared connections names its channel after it.
+    pub name: std::sync::Mutex<String>,
     /// Under test staging: the stream the group's copies run on.
     pub stream: std::sync::Mutex<Option<std::sync::Arc<crate::engine::StreamThread>>>,
     /// With `cuda_wait=stream`: each CUDA device's gates, made with its first op.

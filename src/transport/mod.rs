@@ -159,6 +159,13 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// Whether the connections outlive this group's failure (a failure
+    /// closes its channel alone), so that its survivors can go on on them:
+    /// until it, or the last group on them, shuts down.
+    fn connections_outlive_failure(&self) -> bool {
+        false
+    }
+
     /// Which host `peer` runs on, as a number that every rank of the group
     /// gives the same host (hosts are numbered in the order of their lowest
     /// rank). Algorithms keep bytes off the links between hosts by it.

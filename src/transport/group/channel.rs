@@ -40,6 +40,11 @@ pub struct Channels {
     /// The groups this rank gave up on, and what it told their members: a
     /// member it had no connection to then is told once it has one (`told_late`).
     given_up: Vec<GivenUp>,
+    /// Channels open now. The connections close with the last group on
+    /// them: the owner, once it has shut down (`owner_shut`), or the last
+    /// channel after it.
+    live: usize,
+    owner_shut: bool,
 }
 
 struct GivenUp {
@@ -50,9 +55,11 @@ struct GivenUp {
 }
 
 impl Channels {
-    /// Whether any group has shared these connections.
-    pub(in crate::transport) fn any_opened(&self) -> bool {
-        !self.numbers.is_empty()
+    /// The owner shuts down: true if the connections are its alone now, to
+    /// close; else the last channel closes them.
+    pub(in crate::transport) fn owner_shuts(&mut self) -> bool {
+        self.owner_shut = true;
+        self.live == 0
     }
 }
 
@@ -136,9 +143,9 @@ impl Channel {
         let Some(me) = members.iter().position(|&r| r == core.rank()) else {
             return Err(Error::invalid(format!("rustc10d: rank {} is not in the group {members:?}", core.rank())));
         };
-        if core.stopping.load(Ordering::SeqCst) || core.gave_up.lock().unwrap().is_some() {
+        if core.stopping.load(Ordering::SeqCst) {
             return Err(Error::aborted(format!(
-                "rustc10d: group {name:?} cannot share the connections of a process group that was shut down or broken \
+                "rustc10d: group {name:?} cannot share the connections of a process group that was shut down \
                  (pg_options=rustc10d.Options(share_connections=False) gives a group connections of its own)"
             )));
         }
@@ -153,6 +160,9 @@ impl Channel {
                      give it another name"
                 )));
             }
+            // Counted from here: the Channel made below, dropped on any
+            // failure, counts itself out (`shutdown`).
+            channels.live += 1;
             group
         };
         let mut first_seen = HashMap::new();
@@ -299,11 +309,25 @@ impl Transport for Channel {
         self.close(reason);
     }
 
-    /// Closes the channel here; the connections stay, for the other groups.
+    /// Closes the channel here; the last group on the connections, once
+    /// their owner has shut down, closes them.
     fn shutdown(&self) {
-        if !self.shut.swap(true, Ordering::SeqCst) {
-            self.close(&Error::aborted("rustc10d: the process group was shut down"));
+        if self.shut.swap(true, Ordering::SeqCst) {
+            return;
         }
+        self.close(&Error::aborted("rustc10d: the process group was shut down"));
+        let last = {
+            let mut channels = self.core.channels.lock().unwrap();
+            channels.live -= 1;
+            channels.live == 0 && channels.owner_shut
+        };
+        if last {
+            self.core.shutdown();
+        }
+    }
+
+    fn connections_outlive_failure(&self) -> bool {
+        !self.core.stopping.load(Ordering::SeqCst)
     }
 
     fn single_copy_bytes(&self) -> Option<usize> {

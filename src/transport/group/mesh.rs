@@ -12,9 +12,9 @@ use crate::transport::accept::{Listener, Listening};
 use crate::transport::arena::Arena;
 use crate::transport::auth::{fill_random, Identity};
 use crate::transport::channel::Channel;
-use crate::transport::frame::{Key, ABORT_MAX};
+use crate::transport::frame::Key;
 use crate::transport::mailbox::{Fold, Mailbox, Sources};
-use crate::transport::mesh_core::{describe, Core, PeerSlot, TELL_GRACE};
+use crate::transport::mesh_core::{describe, Core, PeerSlot};
 use crate::transport::peer::Peer;
 use crate::transport::peer_reads::PeerReadsGrant;
 use crate::transport::reactor::{Reactor, READABLE};
@@ -24,7 +24,7 @@ use crate::transport::{Ready, Transport};
 use std::net::{SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixListener;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -134,7 +134,6 @@ impl Mesh {
             listeners: Mutex::default(),
             next_conn: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
-            gave_up: Mutex::new(None),
             tcp_addr,
             ring_bytes: local.as_ref().map(|l| l.ring_bytes),
             direct_from: cfg.single_copy_bytes,
@@ -195,7 +194,19 @@ impl Mesh {
 
 impl Drop for Mesh {
     fn drop(&mut self) {
-        self.core.shutdown();
+        self.shutdown();
+    }
+}
+
+impl Mesh {
+    /// Close this group's own channel (0) here: its receives fail with
+    /// `why`, now and later; the connections stay, for the groups on them.
+    fn close_own_channel(&self, why: &Error) {
+        let core = &self.core;
+        for p in (0..core.peers.len()).filter(|&p| p != core.rank()) {
+            core.peers[p].mailbox.lock().unwrap().close_group(0, why.clone());
+        }
+        core.any.lock().unwrap().fail_group(0, why);
     }
 }
 
@@ -276,40 +287,30 @@ impl Transport for Mesh {
         self.core.give_up(peer, reason);
     }
 
-    /// Once groups share the connections, this group gives up on its own
-    /// channel (0) alone, as theirs do: a mismatch or a timeout here must
-    /// not fail the groups on them. Else the connections close, and peers
-    /// that connect later are told why (`gave_up`).
+    /// This group gives up on its own channel (0) alone, as a channel does:
+    /// the connections stay, for the groups that share them (a mismatch or
+    /// a timeout here must not fail those) and for a shrink's survivors.
     fn abort_all(&self, reason: &Error, sent_below: u64) {
         let core = &self.core;
         core.abort_arena(&reason.message);
-        if core.channels.lock().unwrap().any_opened() {
-            let everyone: Arc<[usize]> = (0..core.peers.len()).collect();
-            core.tell_group_abort(0, everyone, sent_below, reason);
-            for p in (0..core.peers.len()).filter(|&p| p != core.rank()) {
-                core.peers[p].mailbox.lock().unwrap().close_group(0, reason.clone());
-            }
-            core.any.lock().unwrap().fail_group(0, reason);
-            return;
-        }
-        let why = reason.message.as_bytes();
-        let why = &why[..why.len().min(ABORT_MAX as usize)];
-        core.gave_up.lock().unwrap().get_or_insert_with(|| why.to_vec());
-        let peers = || (0..core.peers.len()).filter(|&p| p != core.rank());
-        // Tell every connection, between frames: the peer may read only one of them yet.
-        for peer in peers() {
-            let links: Vec<_> = core.peers[peer].links.lock().unwrap().clone();
-            for link in links {
-                link.tell(why, TELL_GRACE);
-            }
-        }
-        for peer in peers() {
-            core.give_up(peer, reason);
-        }
+        let everyone: Arc<[usize]> = (0..core.peers.len()).collect();
+        core.tell_group_abort(0, everyone, sent_below, reason);
+        self.close_own_channel(reason);
     }
 
+    /// While groups share the connections, this group closes its own
+    /// channel alone, and the last of them closes the connections.
     fn shutdown(&self) {
-        self.core.shutdown();
+        let core = &self.core;
+        if core.channels.lock().unwrap().owner_shuts() {
+            return core.shutdown();
+        }
+        core.abort_arena(&format!("rank {} shut the process group down", core.rank()));
+        self.close_own_channel(&Error::aborted("rustc10d: the process group was shut down"));
+    }
+
+    fn connections_outlive_failure(&self) -> bool {
+        !self.core.stopping.load(Ordering::SeqCst)
     }
 
     fn single_copy_bytes(&self) -> Option<usize> {

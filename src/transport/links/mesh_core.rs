@@ -46,8 +46,6 @@ pub struct Core {
     pub(in crate::transport) listeners: Mutex<Vec<(Token, Arc<Listening>)>>,
     pub(in crate::transport) next_conn: AtomicU64,
     pub(in crate::transport) stopping: AtomicBool,
-    /// Why this rank gave up on the group (what it tells peers), once it has.
-    pub(in crate::transport) gave_up: Mutex<Option<Vec<u8>>>,
     pub(in crate::transport) tcp_addr: SocketAddr,
     pub(in crate::transport) ring_bytes: Option<usize>,
     /// Shared memory: messages of this many bytes or more cross in one copy (0: never).
@@ -257,8 +255,7 @@ impl Core {
             // No more attempts once the group is shutting down, this rank has
             // given up on it, or the peer is known lost: the op has failed.
             let lost = || slot.state.lock().unwrap().lost().cloned();
-            let stopping =
-                || self.stopping.load(Ordering::SeqCst) || self.gave_up.lock().unwrap().is_some() || lost().is_some();
+            let stopping = || self.stopping.load(Ordering::SeqCst) || lost().is_some();
             // A peer lost meanwhile (it gave up, and said why on a connection
             // it had dialled) is why the dial failed: say that, not the dial's error.
             let why = |e: Error| lost().unwrap_or(e);
@@ -356,8 +353,10 @@ impl Core {
             Event::Reason { conn, .. } | Event::Ended { conn, .. } => Some(*conn),
             _ => None,
         };
-        let gave_up = self.gave_up.lock().unwrap().is_some() || self.stopping.load(Ordering::SeqCst);
-        let actions = slot.state.lock().unwrap().on(event, gave_up);
+        // A group's failure closes its channel alone (`tell_group_abort`):
+        // the connections are given up on only when they shut down.
+        let shut = self.stopping.load(Ordering::SeqCst);
+        let actions = slot.state.lock().unwrap().on(event, shut);
         let take = |conn: ConnId| {
             let mut links = slot.links.lock().unwrap();
             links.iter().position(|l| l.id == conn).map(|i| links.remove(i))
@@ -378,9 +377,8 @@ impl Core {
             match action {
                 Action::Send(_) => {}
                 Action::TellWhy(conn) => {
-                    let why = self.gave_up.lock().unwrap().clone().unwrap_or_default();
                     if let Some(l) = self.link(peer, conn) {
-                        l.tell(&why, TELL_GRACE);
+                        l.tell(b"the process group was shut down", TELL_GRACE);
                     }
                 }
                 Action::Close(conn) => {

@@ -83,7 +83,8 @@ impl Peer {
     }
 
     /// What to do about `event`. `gave_up`: this rank has given up on the
-    /// whole group (a connection that arrives now gets told why, then closed).
+    /// connections (shut down: a connection that arrives now gets told why,
+    /// then closed).
     pub fn on(&mut self, event: Event, gave_up: bool) -> Vec<Action> {
         match event {
             Event::Adopted { conn, lanes } => {
