@@ -5,9 +5,11 @@
 //! channel there: its frames carry the channel's number, and each peer's
 //! mailbox matches them apart from every other group's. A channel has its
 //! own ordering (its engine's sequence numbers), matching, waits, call check
-//! and failure: a member that gives up on it closes it, for that member,
-//! and no other group. What fails a connection (a peer lost, a transfer cut)
-//! fails every group on it, as it does the owner.
+//! and failure: a member that gives up on it tells the others (the abort
+//! says from which collective on it may not have sent everything: messages
+//! of earlier ones still count) and closes it, for that member, and no other
+//! group; the owner gives up on its channel 0 the same way. What fails a
+//! connection (a peer lost, a transfer cut) fails every group on it.
 //!
 //! Members agree on a channel's number without a message: it is a hash of
 //! the group's name (the same on every member; torch's) and of how many

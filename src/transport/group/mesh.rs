@@ -3,7 +3,10 @@
 //! shared memory to a peer on this host, TCP to the others. Every connection
 //! is a Link served by the process's one reactor; what happens to a peer as
 //! connections come and go is decided by its state machine (peer.rs), whose
-//! actions are carried out here.
+//! actions are carried out here. The group's own frames are channel 0 of its
+//! connections; groups made from it are channels on them too (channel.rs).
+//! Its failure closes channel 0 alone, as a channel's failure closes that
+//! channel; the connections close with the last group on them.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
