@@ -174,10 +174,6 @@ impl Shared {
         }
     }
 
-    /// A collective failed: the ranks no longer agree on where they are. Close
-    /// every connection so that peers blocked in this or later collectives
-    /// fail within moments instead of at their timeout; the failure spreads
-    /// around the ring the same way.
     /// Refuse op `what` on a group that an earlier failure broke.
     pub(super) fn unless_broken(&self, what: &dyn std::fmt::Display) -> Result<()> {
         match &*self.broken.lock().unwrap() {
@@ -192,7 +188,12 @@ impl Shared {
         }
     }
 
-    /// `seq`: the failed collective's (see `Transport::abort_all`).
+    /// A collective failed: the ranks no longer agree on where they are.
+    /// Tell every peer and close the group (its channel: the connections
+    /// stay for the other groups), so that peers blocked in this or later
+    /// collectives fail within moments instead of at their timeout; the
+    /// failure spreads the same way. `seq`: the failed collective's (see
+    /// `Transport::abort_all`).
     pub(super) fn break_group(&self, cause: &Error, seq: u64) {
         self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());
         self.transport.abort_all(cause, seq);
