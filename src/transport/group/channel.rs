@@ -84,13 +84,16 @@ impl Core {
             why: why[..why.len().min(ABORT_MAX as usize)].to_vec(),
             members,
         };
-        for &p in told.members.iter().filter(|&&p| p != self.rank()) {
+        let (key, why, members) = (told.key, told.why.clone(), told.members.clone());
+        // Recorded first: a connection adopted meanwhile finds it there (or
+        // is found below; told twice, the peer closes the channel once).
+        self.channels.lock().unwrap().given_up.push(told);
+        for &p in members.iter().filter(|&&p| p != self.rank()) {
             let link = self.peers[p].links.lock().unwrap().first().cloned();
             if let Some(link) = link {
-                link.send(SendReq::owning(told.key, told.why.clone()));
+                link.send(SendReq::owning(key, why.clone()));
             }
         }
-        self.channels.lock().unwrap().given_up.push(told);
     }
 
     /// What this rank told the groups it gave up on that `peer` is in, for
