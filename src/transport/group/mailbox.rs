@@ -258,7 +258,9 @@ impl Mailbox {
             }
             return;
         }
-        if let Some(err) = self.closed_for(key.group) {
+        // A group closed for the peer but still taking this key (above)
+        // waits for it: it may be on another lane yet.
+        if let Some(err) = &self.closed {
             recv.status.finish(Err(err.clone()));
             return;
         }
@@ -495,6 +497,12 @@ mod tests {
             assert_eq!(s.result().unwrap().unwrap(), 1);
         }
         assert_eq!((first, second, waiting), ([4], [5], [6]));
+        // Posted after the reason, before its message (still on its lane).
+        let mut late = [0u8];
+        let s_late = post(&mut mb, key(0, 5), &mut late);
+        assert!(!s_late.is_done(), "a receive of a collective the peer sent in full waits for its message");
+        deliver(&mut mb, key(0, 5), &[3], &any);
+        assert_eq!((s_late.result().unwrap().unwrap(), late), (1, [3]));
         for s in [&s_failing, &s_partial, &s_p2p] {
             assert_eq!(s.result().unwrap().unwrap_err().message, "gave up");
         }
