@@ -71,23 +71,17 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
 /// channel on `owner`'s connections, with `owner`'s settings; None where
 /// that group is gone or has no connections to share: the new group then
 /// opens its own, as every member does alike. A group that has connections
-/// but cannot share them (shut down, broken) is an error: falling back here
-/// alone would leave this rank waiting in the Store for members that took
-/// the channel, until the timeout.
+/// but cannot share them (shut down) is an error: falling back here alone
+/// would leave this rank waiting in the Store for members that took the
+/// channel, until the timeout.
 fn channel_of(
     owner: &str,
     name: &str,
     members: &[usize],
     member: &Member,
 ) -> crate::error::Result<Option<(Arc<dyn Transport>, Config)>> {
-    let (transport, cfg) = {
-        let groups = GROUPS.lock().unwrap();
-        let Some((transport, cfg)) = groups.get(owner).and_then(|o| Some((o.transport.upgrade()?, o.cfg.clone())))
-        else {
-            return Ok(None);
-        };
-        (transport, cfg)
-    };
+    let owner_of = GROUPS.lock().unwrap().get(owner).and_then(|o| Some((o.transport.upgrade()?, o.cfg.clone())));
+    let Some((transport, cfg)) = owner_of else { return Ok(None) };
     let Some(opened) = transport.open_channel(name, members, member.timeout) else { return Ok(None) };
     let channel = opened?;
     if channel.rank() != member.rank {

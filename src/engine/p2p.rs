@@ -33,8 +33,8 @@ impl Engine {
         let seq = self.shared.sends.fetch_add(1, Ordering::SeqCst);
         let t = &self.shared.transport;
         let op = format!("send #{seq} to {} (tag {tag}) on rank {}", t.describe_peer(dst), self.rank());
-        // Where the group's connections outlive it (it shares them, or others
-        // share its), the peer would drop the message: say so here instead.
+        // The group's connections outlive its failure, and the peer would
+        // drop the message: say so here instead.
         self.shared.unless_broken(&op)?;
         self.p2p_fault(OpKind::Send, seq, &op, Some(dst))?;
         let timeout = timeout.unwrap_or_else(|| self.shared.timeout());

@@ -268,10 +268,10 @@ impl Group {
     /// alike). The connections outlive a group's failure: the survivors'
     /// group is a channel on them, with no Store round trip and no new
     /// connection. Once they are shut (SHRINK_ABORT of the last group on
-    /// them), it joins through this group's Store under a namespace of its own. Who is gone is the
-    /// caller's word, as torch's shrink_group has it; survivors that
-    /// disagree make groups of different sizes, which fail at their first
-    /// op or rendezvous, at the timeout.
+    /// them), it joins through this group's Store under a namespace of its
+    /// own. Who is gone is the caller's word, as torch's shrink_group has
+    /// it; survivors that disagree make groups of different sizes, which
+    /// fail at their first op or rendezvous, at the timeout.
     pub(crate) fn shrink(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {
         let (rank, size) = self.engine.rank_and_size();
         let survivors: Vec<usize> = (0..size).filter(|&r| !excluded.contains(&(r as i64))).collect();

@@ -252,8 +252,8 @@ impl Core {
                 lanes.len()
             };
             let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
-            // No more attempts once the group is shutting down, this rank has
-            // given up on it, or the peer is known lost: the op has failed.
+            // No more attempts once the connections are shutting down or the
+            // peer is known lost: the op has failed.
             let lost = || slot.state.lock().unwrap().lost().cloned();
             let stopping = || self.stopping.load(Ordering::SeqCst) || lost().is_some();
             // A peer lost meanwhile (it gave up, and said why on a connection
