@@ -92,7 +92,7 @@ print("|".join(ext.library_paths()))
     /// 2.15): (feature, header under torch/csrc/distributed/c10d, an
     /// identifier only that feature declares there). cpp/torch_compat.h turns
     /// each RUSTC10D_TORCH_HAS_<feature> into what the shim uses.
-    const TORCH_FEATURES: [(&str, &str, &str); 5] = [
+    const TORCH_FEATURES: [(&str, &str, &str); 6] = [
         // Backend::registerCompletionHook and friends (2.15).
         ("COMPLETION_HOOKS", "Backend.hpp", "registerCompletionHook"),
         // Work::getCompletionKey (2.15).
@@ -103,6 +103,8 @@ print("|".join(ext.library_paths()))
         ("TENSOR_COALESCED_OPTYPES", "Work.hpp", "ALLGATHER_INTO_TENSOR_COALESCED"),
         // Backend::gather_into_tensor.
         ("GATHER_INTO_TENSOR", "Backend.hpp", "gather_into_tensor"),
+        // Backend::supportsReconfigure, get_reconfigure_handle, reconfigure (2.15).
+        ("RECONFIGURE", "Backend.hpp", "get_reconfigure_handle"),
     ];
 
     /// Which of TORCH_FEATURES the torch headers in `include_dirs` declare.

@@ -314,10 +314,11 @@ class OpBuilder {
 class RustBackend final : public compat::Backend<RustBackend> {
  public:
   RustBackend(rust::Box<Group> group, int rank, int size)
-      : compat::Backend<RustBackend>(rank, size),
-        group_(std::move(group)),
-        cuda_allowed_(group_->cuda_allowed()),
-        test_staging_(group_->test_staging()) {}
+      : compat::Backend<RustBackend>(rank, size), membership_(group->membership()), group_(std::move(group)) {}
+
+  // A backend made with enable_reconfigure: no group until reconfigure() forms one.
+  RustBackend(rust::Box<Membership> membership, int rank, int size)
+      : compat::Backend<RustBackend>(rank, size), membership_(std::move(membership)) {}
 
   ~RustBackend() override { stop(); }
 
@@ -331,13 +332,13 @@ class RustBackend final : public compat::Backend<RustBackend> {
 
   // What torch's split_group hands the child when the caller gives no options.
   c10::intrusive_ptr<Options> getBackendOptions() override {
-    return c10::make_intrusive<Options>(getBackendName(), milliseconds(group_->timeout_ms()));
+    return c10::make_intrusive<Options>(getBackendName(), milliseconds(membership_->timeout_ms()));
   }
 
   // torch names the group after making it; Python asks about it by that name.
   void setGroupUid(const std::string& pg_uid) override {
     compat::Backend<RustBackend>::setGroupUid(pg_uid);
-    group_->watch_as(pg_uid);
+    if (group_) (*group_)->watch_as(pg_uid);
   }
 
   bool supportsShrinking() const override { return true; }
@@ -348,10 +349,10 @@ class RustBackend final : public compat::Backend<RustBackend> {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
                                            const c10::intrusive_ptr<Options>& opts_override) override {
     if (shrink_flags & 1) stop();
-    const int64_t timeout = opts_override ? to_ms(opts_override->timeout) : group_->timeout_ms();
+    const int64_t timeout = opts_override ? to_ms(opts_override->timeout) : membership_->timeout_ms();
     rust::Slice<const int64_t> excluded(ranks_to_exclude.data(), ranks_to_exclude.size());
     try {
-      auto join = [&] { return group_->shrink(excluded, timeout); };
+      auto join = [&] { return group().shrink(excluded, timeout); };
       auto make = [](rust::Box<Group> child) {
         const int rank = child->rank(), size = child->size();
         return c10::make_intrusive<RustBackend>(std::move(child), rank, size);
@@ -375,13 +376,13 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto me = std::find(ranks.begin(), ranks.end(), getRank());
     if (me == ranks.end()) return nullptr;
     const int rank = static_cast<int>(me - ranks.begin()), size = static_cast<int>(ranks.size());
-    const int64_t timeout = opts ? to_ms(opts->timeout) : group_->timeout_ms();
+    const int64_t timeout = opts ? to_ms(opts->timeout) : membership_->timeout_ms();
     const std::string name = opts ? opts->group_name : std::string();
     // torch before 2.15 splits once per device type, and this backend serves
     // CPU and CUDA: the second device's split of a group is the first's child.
     if (auto last = last_split_.lock(); last && !name.empty() && last_split_name_ == name) return last;
     rust::Slice<const int32_t> members(ranks.data(), ranks.size());
-    auto join = [&] { return group_->split(store_ref_of(store), members, rank, size, timeout, name); };
+    auto join = [&] { return group().split(store_ref_of(store), members, rank, size, timeout, name); };
     c10::intrusive_ptr<c10d::Backend> child;
     try {
       // The rendezvous waits for the other members: let Python threads run.
@@ -398,14 +399,59 @@ class RustBackend final : public compat::Backend<RustBackend> {
     last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(child);
     return child;
   }
-  uint64_t getSequenceNumberForGroup() override { return group_->sequence_number(); }
+  uint64_t getSequenceNumberForGroup() override { return group_ ? (*group_)->sequence_number() : 0; }
   void setSequenceNumberForGroup() override {}  // starts at 0 on every rank
-  void setTimeout(milliseconds timeout) override { group_->set_timeout(to_ms(timeout)); }
+  void setTimeout(milliseconds timeout) override {
+    membership_->set_timeout(to_ms(timeout));
+    if (group_) (*group_)->set_timeout(to_ms(timeout));
+  }
+
+  // This backend's reconfigure handle for now: see src/membership.rs.
+  std::string reconfigure_handle() const { return std::string(membership_->reconfigure_handle(getRank())); }
+
+  // The group re-formed of the processes whose handles are `handles`, from
+  // the Store under a namespace of `uuid`'s own (every member calls it with
+  // the same handles and uuid). On success, this backend's last group is shut
+  // down (what was pending on it fails) and the new one takes its place, rank
+  // and size; on a failure, nothing changes. As with torch's other backends,
+  // no op of this group may be issued meanwhile on another thread.
+  c10::intrusive_ptr<c10d::Work> reconfigure_to(const std::vector<std::string>& handles, bool ordered, int64_t uuid,
+                                                int64_t timeout_ms) {
+    rust::Vec<rust::String> given;
+    for (const auto& h : handles) given.push_back(rust::String(h));
+    try {
+      membership_->check_handles(getRank(), given, ordered);
+    } catch (const rust::Error& e) {
+      raise(ErrorKind::InvalidArgument, e.what());
+    }
+    auto form = [&] {
+      return membership_->reconfigure(getRank(), uuid, std::move(given), ordered, timeout_ms, getGroupUid());
+    };
+    std::optional<rust::Box<Group>> formed;
+    try {
+      // The rendezvous waits for the other members: let Python threads run.
+      if (Py_IsInitialized() && PyGILState_Check()) {
+        py::gil_scoped_release nogil;
+        formed.emplace(form());
+      } else {
+        formed.emplace(form());
+      }
+    } catch (const rust::Error& e) {
+      raise(ErrorKind::Io, e.what());
+    }
+    stop();
+    group_ = std::move(formed);
+    rank_ = (*group_)->rank();
+    size_ = (*group_)->size();
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    done->markCompleted(c10::IValue(std::vector<at::Tensor>()));
+    return c10d::Work::create_from_future(done);
+  }
 
   // Every op issued until endCoalescing() is waited for by its Work.
   void startCoalescing() override {
     try {
-      group_->start_coalescing();
+      group().start_coalescing();
     } catch (const rust::Error& e) {
       throw c10::Error(here(__func__), e.what());
     }
@@ -426,7 +472,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
       }
     }
     auto [done, state] = b.finish(hooks_, next_key_++);
-    return work(OpType::COALESCED, group_->end_coalescing(std::move(done)), std::move(state));
+    return work(OpType::COALESCED, group().end_coalescing(std::move(done)), std::move(state));
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -654,7 +700,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
   void all_reduce_now(at::Tensor& t, int64_t op) {
     TORCH_CHECK(op >= 0 && op < static_cast<int64_t>(c10d::ReduceOp::PREMUL_SUM),
                 "rustc10d.all_reduce_: reduce op ", op, " is not one of SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR");
-    if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || test_staging_) {
+    if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || membership_->test_staging()) {
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
       opts.asyncOp = false;
@@ -669,7 +715,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     call.timeout_ms = -1;
     call.sync_op = true;
     call.outputs = rvec({desc_of(t)});
-    auto done = group_->run_now(call);
+    auto done = group().run_now(call);
     if (done->failed_at_issue()) raise(done->error_kind(), std::string(done->error_message()));
     if (done->wait(-1) != WaitOutcome::Done) raise(done->error_kind(), std::string(done->error_message()));
   }
@@ -688,7 +734,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   OpBuilder builder(const char* op, OpKind kind, std::vector<at::Tensor> results) {
-    return OpBuilder(op, kind, std::move(results), cuda_allowed_, test_staging_);
+    group();  // refuses before anything is staged on a backend not formed yet
+    return OpBuilder(op, kind, std::move(results), membership_->cuda_allowed(), membership_->test_staging());
   }
 
   // One collective per tensor, one Work for all of them.
@@ -729,7 +776,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto call = std::move(b.call);
     if (coalescing_) coalesced_.insert(coalesced_.end(), b.impl().outputs.begin(), b.impl().outputs.end());
     auto [done, state] = b.finish(hooks_, next_key_++);
-    return work(type, group_->submit(call, std::move(done)), std::move(state));
+    return work(type, group().submit(call, std::move(done)), std::move(state));
   }
 
   c10::intrusive_ptr<c10d::Work> work(OpType type, rust::Box<Op> op, WorkState state) {
@@ -738,21 +785,29 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   void stop() {
+    if (!group_) return;
     // Engine threads may be finishing futures whose callbacks need the GIL.
     if (Py_IsInitialized() && PyGILState_Check()) {
       py::gil_scoped_release nogil;
-      group_->shutdown();
+      (*group_)->shutdown();
     } else {
-      group_->shutdown();
+      (*group_)->shutdown();
     }
   }
 
-  rust::Box<Group> group_;
+  // The group ops run on; a backend made with enable_reconfigure has none
+  // until its first reconfigure.
+  const Group& group() const {
+    TORCH_CHECK(group_, "rustc10d: this process group was made with enable_reconfigure=True and has no members yet: "
+                        "call torch.distributed._reconfigure(uuid, handles) on every process first");
+    return **group_;
+  }
+
+  rust::Box<Membership> membership_;
+  std::optional<rust::Box<Group>> group_;
   // The last child split off and its group name, held weakly: see split().
   std::string last_split_name_;
   c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
-  bool cuda_allowed_;
-  bool test_staging_;
   std::atomic<uint64_t> next_key_{1};
   bool coalescing_ = false;
   std::vector<at::Tensor> coalesced_;  // the results of the ops issued while coalescing
@@ -840,6 +895,12 @@ void register_python_class() {
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size) {
   register_python_class();
   c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<RustBackend>(std::move(group), rank, size);
+  return reinterpret_cast<size_t>(py::cast(backend).release().ptr());
+}
+
+size_t unformed_backend_to_python(rust::Box<Membership> membership, int32_t rank, int32_t size) {
+  register_python_class();
+  c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<RustBackend>(std::move(membership), rank, size);
   return reinterpret_cast<size_t>(py::cast(backend).release().ptr());
 }
 

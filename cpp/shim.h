@@ -7,7 +7,8 @@
 
 namespace rustc10d {
 
-struct Group;  // Rust: the engine of one process group
+struct Group;       // Rust: the engine of one process group
+struct Membership;  // Rust: what a backend keeps to re-form its group (reconfigure)
 enum class ErrorKind : uint8_t;
 
 // A c10d::Store handed over by torch.
@@ -46,5 +47,7 @@ void restore(const Completion& done, size_t side, size_t buffer, size_t start, s
 
 // Wrap the engine in a c10d::Backend and return a new reference to its Python object.
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size);
+// The same for a backend made with enable_reconfigure: no group until its first reconfigure.
+size_t unformed_backend_to_python(rust::Box<Membership> membership, int32_t rank, int32_t size);
 
 }  // namespace rustc10d

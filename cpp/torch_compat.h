@@ -9,13 +9,16 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <variant>
+#include <vector>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #if !defined(RUSTC10D_TORCH_HAS_COMPLETION_HOOKS) || !defined(RUSTC10D_TORCH_HAS_COMPLETION_KEY) || \
     !defined(RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT) || !defined(RUSTC10D_TORCH_HAS_TENSOR_COALESCED_OPTYPES) || \
-    !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR)
+    !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR) || !defined(RUSTC10D_TORCH_HAS_RECONFIGURE)
 #error "build.rs defines every RUSTC10D_TORCH_HAS_* feature macro"
 #endif
 
@@ -66,7 +69,9 @@ class CompletionHooks {
 };
 
 // c10d::Backend plus the virtuals that only some releases declare. `Impl`
-// (the real backend) provides gather_single(), the gather into one tensor.
+// (the real backend) provides gather_single(), the gather into one tensor,
+// and reconfigure_handle() and reconfigure_to(handles, ordered, uuid,
+// timeout_ms), torch's reconfigure with its options taken apart.
 template <class Impl>
 class Backend : public c10d::Backend {
  public:
@@ -82,6 +87,22 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
                                                     const c10d::GatherOptions& opts) override {
     return static_cast<Impl*>(this)->gather_single(output, input, opts);
+  }
+#endif
+
+#if RUSTC10D_TORCH_HAS_RECONFIGURE
+  bool supportsReconfigure() const override { return true; }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override {
+    return static_cast<const Impl*>(this)->reconfigure_handle();
+  }
+  // A list of handles places ranks by position; a set leaves the order to us.
+  // Hints name nothing rustc10d has, and are ignored.
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override {
+    std::vector<std::string> handles;
+    std::visit([&](const auto& given) { handles.assign(given.begin(), given.end()); }, opts.handles);
+    const bool ordered = std::holds_alternative<std::vector<c10d::ReconfigureHandle>>(opts.handles);
+    const int64_t timeout_ms = opts.timeout ? opts.timeout->count() : -1;
+    return static_cast<Impl*>(this)->reconfigure_to(handles, ordered, opts.uuid, timeout_ms);
   }
 #endif
 

@@ -3,7 +3,8 @@
 //! Layers, bottom up: `transport` moves bytes between ranks; `algorithms` are
 //! collectives written against it (`ops` says what a call is); `engine`
 //! orders ops and completes them; `rendezvous` brings a group up through a
-//! Store; `config` holds every setting. The torch shim (C++, `cpp/`) and the
+//! Store; `membership` says who is in a group torch re-forms (reconfigure);
+//! `config` holds every setting. The torch shim (C++, `cpp/`) and the
 //! Python module sit on top, behind the `extension` feature.
 
 // Every unsafe block and impl says, in a `// SAFETY:` comment, which
@@ -20,6 +21,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod membership;
 pub mod ops;
 pub mod panics;
 pub mod reduce;

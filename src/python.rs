@@ -3,7 +3,9 @@
 
 use crate::config::{self, Config, LogLevel};
 use crate::error::{Error, ErrorKind};
-use crate::ffi::{backend_to_python, store_from_python, store_host, Group, GroupStore};
+use crate::ffi::{
+    backend_to_python, store_from_python, store_host, unformed_backend_to_python, Group, GroupStore, Membership,
+};
 use crate::rendezvous::{self, Member};
 use crate::stats::Stats;
 use crate::transport::Transport;
@@ -111,6 +113,7 @@ fn create_backend(
     options: BTreeMap<String, String>,
     share: String,
     members: Vec<usize>,
+    unformed: bool,
 ) -> PyResult<Py<PyAny>> {
     let err = |e: cxx::Exception| PyRuntimeError::new_err(e.what().to_string());
     // SAFETY: `store` is a live Python object (bound to `py`, so the GIL is
@@ -123,6 +126,14 @@ fn create_backend(
         timeout: Duration::from_millis(timeout_ms.max(0) as u64),
         store_host: Some(store_host(&store_ref)),
     };
+    // enable_reconfigure: no rendezvous, no connection until the first reconfigure.
+    if unformed {
+        let cfg = Config::from_env(&options).map_err(|e| to_py(py, e))?;
+        let membership = Membership::new(GroupStore::new(store_ref).map_err(|e| to_py(py, e))?, cfg, timeout_ms);
+        let ptr = unformed_backend_to_python(Box::new(membership), rank, size).map_err(err)?;
+        // SAFETY: as below, a new reference to the backend's Python object; the GIL is held.
+        return Ok(unsafe { Bound::from_owned_ptr(py, ptr as *mut pyo3::ffi::PyObject) }.unbind());
+    }
     // Rendezvous can take a while: let other Python threads run meanwhile.
     let group = py
         .detach(|| {

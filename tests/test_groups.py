@@ -136,3 +136,103 @@ def test_survivors_shrink_the_group_and_go_on(tmp_path, world):
             assert proc.returncode == -9, proc.describe()
         else:
             assert proc.returncode == 0 and f"rank {rank} ok" in proc.stdout, proc.describe()
+
+
+RECONFIGURE_JOB = r"""
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import rustc10d
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+rank, world = int(args["--rank"]), int(args["--world"])
+host, port = args["--store"].split(":")
+store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+first = world - 1  # processes 0 .. first-1 start; the last one replaces the victim once it is gone
+victim = 1
+replacement = rank == world - 1
+def handles(generation, processes):  # by launch index, whatever rank each has now
+    store.set(f"{generation}/{rank}", dist._get_reconfigure_handle())
+    return [store.get(f"{generation}/{p}").decode() for p in processes]
+if replacement:
+    store.wait(["replace"], timedelta(seconds=30))
+dist.init_process_group("rustc10d", store=store, rank=victim if replacement else rank, world_size=first,
+                        timeout=timedelta(seconds=20), enable_reconfigure=True)
+assert dist._supports_reconfigure()
+if not replacement:
+    # No members yet: ops refuse, saying what to do, and leave the backend usable.
+    try:
+        dist.all_reduce(torch.ones(1))
+        raise AssertionError("an all_reduce before the first reconfigure did not raise")
+    except RuntimeError as e:
+        assert "enable_reconfigure" in str(e) and "_reconfigure" in str(e), e
+    hs = handles("g1", range(first))
+    # A list without this process, and one with a handle twice, are refused at once.
+    for bad, says in ((hs[:rank] + hs[rank + 1:], "not among"), (hs + hs[:1], "twice")):
+        try:
+            dist._reconfigure(uuid=1, handles=bad)
+            raise AssertionError(f"a bad list of handles was taken: {bad}")
+        except RuntimeError as e:
+            assert says in str(e), e
+    dist._reconfigure(uuid=1, handles=hs[::-1]).wait()  # a list places by position
+    assert (dist.get_rank(), dist.get_world_size()) == (first - 1 - rank, first)
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    assert t.tolist() == [float(sum(range(first)))] * 3, t
+    try:
+        dist._reconfigure(uuid=1, handles=[dist._get_reconfigure_handle()])
+        raise AssertionError("a reused uuid was taken")
+    except RuntimeError as e:
+        assert "uuid 1 was already used" in str(e), e
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), 9)
+    try:
+        dist.all_reduce(torch.ones(1))
+        raise AssertionError("an all_reduce without the lost rank did not raise")
+    except dist.DistError as e:
+        assert f"rank {first - 1 - victim}" in str(e), e
+    if rank == 0:
+        store.set("replace", "1")
+t0 = time.perf_counter()
+# The survivors and the replacement, as a set: ranks in the order of the ranks they have now, the
+# newcomer (which claims the lost rank) after the survivor of the same rank.
+hs = handles("g2", [p for p in range(world) if p != victim])
+dist._reconfigure(uuid=2, handles=set(hs)).wait()
+formed = time.perf_counter()
+want = {r: i for i, r in enumerate(sorted(hs, key=lambda h: (int(h.split(":")[1]), int(h.split(":")[2]))))}
+me = dist._get_reconfigure_handle().rsplit(":", 1)[1]
+assert dist.get_world_size() == first, dist.get_world_size()
+assert dist.get_rank() == next(i for h, i in want.items() if h.endswith(me)), (dist.get_rank(), hs)
+t = torch.full((2,), float(rank))
+dist.all_reduce(t)
+assert t.tolist() == [float(sum(p for p in range(world) if p != victim))] * 2, t
+b = torch.full((2,), float(rank))
+newcomer = next(i for h, i in want.items() if h.split(":")[2] == "-1")
+dist.broadcast(b, src=newcomer)
+assert b.tolist() == [float(world - 1)] * 2, b
+print(f"rank {rank} ok: reconfigured {(formed - t0) * 1e3:.1f} ms", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_survivors_and_a_replacement_reconfigure_the_group(tmp_path):
+    """init_process_group(enable_reconfigure=True) on 3 ranks: ops refuse until the first
+    dist._reconfigure, bad handle lists and a reused uuid are refused, and a list of handles
+    places ranks by position. Then rank 1 is killed (SIGKILL); a new process inits in its
+    place, and the survivors and it reconfigure (a set of handles) into a group of 3 whose
+    all_reduce and a broadcast from the newcomer are right."""
+    import checks
+    import torch.distributed as dist
+    if checks.BACKEND != "rustc10d":
+        pytest.skip("rustc10d's reconfigure")
+    if not hasattr(dist, "_reconfigure"):
+        pytest.skip("torch before 2.14 has no reconfigure")
+    script = tmp_path / "reconfigure_job.py"
+    script.write_text(RECONFIGURE_JOB)
+    procs = harness.launch_ranks(4, [], timeout=90, log_dir=tmp_path, script=script, env=harness.worker_env())
+    for rank, proc in enumerate(procs):
+        if rank == 1:
+            assert proc.returncode == -9, proc.describe()
+        else:
+            assert proc.returncode == 0 and f"rank {rank} ok" in proc.stdout, proc.describe()

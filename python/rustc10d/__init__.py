@@ -142,8 +142,11 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
     shares = backend_options is None or backend_options._shares()
     share = world.group_name if world is not None and shares and opts.group_id else ""
     members = list(getattr(opts, "global_ranks_in_group", None) or []) if share else []
+    # init_process_group(..., enable_reconfigure=True) (torch 2.14 on): no members until the first
+    # dist._reconfigure.
+    unformed = bool(getattr(opts, "enable_reconfigure", False))
     return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given,
-                                  share, members)
+                                  share, members, unformed)
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,

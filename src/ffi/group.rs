@@ -297,7 +297,7 @@ impl Group {
     }
 }
 
-fn member(rank: usize, size: usize, timeout_ms: i64, store: &GroupStore) -> Member {
+pub(super) fn member(rank: usize, size: usize, timeout_ms: i64, store: &GroupStore) -> Member {
     Member { rank, size, timeout: Duration::from_millis(timeout_ms.max(0) as u64), store_host: Some(store.host()) }
 }
 

@@ -4,7 +4,10 @@
 //! Store. Enums are shared with C++ with the core's own values.
 
 mod group;
+mod reconfigure;
 mod translate;
+
+pub use reconfigure::Membership;
 
 use crate::config::Config;
 use crate::dtype;
@@ -185,6 +188,24 @@ pub mod bridge {
         fn shrink(self: &Group, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>>;
         /// torch named the group (ProcessGroup::setGroupName): Python asks about it by that name.
         fn watch_as(self: &Group, group_name: &str);
+        fn membership(self: &Group) -> Box<Membership>;
+
+        type Membership;
+        fn reconfigure_handle(self: &Membership, rank: i32) -> String;
+        fn cuda_allowed(self: &Membership) -> bool;
+        fn test_staging(self: &Membership) -> bool;
+        fn timeout_ms(self: &Membership) -> i64;
+        fn set_timeout(self: &Membership, timeout_ms: i64);
+        fn check_handles(self: &Membership, rank: i32, handles: &Vec<String>, ordered: bool) -> Result<()>;
+        fn reconfigure(
+            self: &Membership,
+            rank: i32,
+            uuid: i64,
+            handles: Vec<String>,
+            ordered: bool,
+            timeout_ms: i64,
+            group_name: &str,
+        ) -> Result<Box<Group>>;
 
         fn is_done(self: &Op) -> bool;
         fn failed_at_issue(self: &Op) -> bool;
@@ -256,6 +277,7 @@ pub mod bridge {
         unsafe fn restore(done: &Completion, side: usize, buffer: usize, start: usize, len: usize) -> Result<()>;
 
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
+        fn unformed_backend_to_python(membership: Box<Membership>, rank: i32, size: i32) -> Result<usize>;
     }
 }
 
@@ -272,7 +294,7 @@ unsafe impl Send for bridge::StoreRef {}
 // to a server); shared references only call them.
 unsafe impl Sync for bridge::StoreRef {}
 
-pub use bridge::{backend_to_python, store_from_python, store_host, StoreRef};
+pub use bridge::{backend_to_python, store_from_python, store_host, unformed_backend_to_python, StoreRef};
 
 impl Store for StoreRef {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
@@ -329,6 +351,11 @@ impl GroupStore {
     /// Another handle on the same Store, under `namespace` within this one's.
     pub fn within(&self, namespace: &str) -> GroupStore {
         GroupStore { store: bridge::store_clone(&self.store), prefix: format!("{}{namespace}/", self.prefix) }
+    }
+
+    /// The same Store under the same namespace.
+    pub fn again(&self) -> GroupStore {
+        GroupStore { store: bridge::store_clone(&self.store), prefix: self.prefix.clone() }
     }
 
     pub fn host(&self) -> String {
