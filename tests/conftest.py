@@ -20,3 +20,25 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def jobs(tmp_path_factory) -> harness.JobCache:
     return harness.JobCache(tmp_path_factory)
+
+
+@pytest.fixture
+def make_hosts():
+    """make_hosts(count, **Hosts options): a test bed of rustc10d.testbed, torn down after the
+    test; skips the test where namespaces cannot be made."""
+    from rustc10d import testbed
+
+    beds = []
+
+    def make(count: int, **options) -> testbed.Hosts:
+        bed = testbed.Hosts(count, **options)
+        try:
+            bed.start()
+        except testbed.TestbedUnavailable as e:
+            pytest.skip(f"no network namespaces here: {e}")
+        beds.append(bed)
+        return bed
+
+    yield make
+    for bed in beds:
+        bed.close()
