@@ -1,11 +1,63 @@
-"""Builds rustc10d against the torch installed in this environment.
+"""Builds rustc10d: the Rust core (once, for the Python that builds it, with no torch in it) and
+the shim, rustc10d's torch side (build_shim.py), for the torch installed in this environment:
 
-torch must already be installed, and the build must see it, so install with
-build isolation off:  pip install --no-build-isolation .
+    pip install --no-build-isolation .
+
+torch must already be installed, and the build must see it, so build isolation stays off. A
+wheel for every supported torch (scripts/build_wheels.sh) sets RUSTC10D_SHIM_TORCH_PYTHONS to
+the Pythons of environments that have those torches, separated by ":".
 """
 
-from setuptools import setup
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Command, setup
+from setuptools.command.build import build
 from setuptools_rust import Binding, RustExtension
+
+sys.path.insert(0, str(Path(__file__).parent))
+import build_shim  # noqa: E402
+
+
+class BuildShims(Command):
+    """After the core: a shim per torch (this environment's, or RUSTC10D_SHIM_TORCH_PYTHONS's),
+    into the package's _torch folder, linked against the core just built."""
+
+    description = "build rustc10d's torch side for each torch"
+    user_options = []
+
+    def initialize_options(self):
+        self.build_lib = None
+
+    def finalize_options(self):
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def run(self):
+        package = Path(self.build_lib) / "rustc10d"
+        cores = sorted(package.glob("_native*.so"))
+        if len(cores) != 1:
+            raise SystemExit(f"rustc10d: expected one core module in {package}, found {cores}")
+        meta = json.loads(subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps"],
+                                         capture_output=True, text=True, check=True).stdout)
+        sources = Path(meta["target_directory"]) / "release" / "rustc10d-shim-sources"
+        if not (sources / "bridge.cc").exists():
+            raise SystemExit(f"rustc10d: the core's build left no shim sources in {sources}: remove "
+                             f"{meta['target_directory']} and build again")
+        # A shim left from an earlier build may not match the core built now.
+        for stale in (package / "_torch").glob("shim_*.so"):
+            stale.unlink()
+        pythons = [p for p in os.environ.get("RUSTC10D_SHIM_TORCH_PYTHONS", "").split(":") if p] or [sys.executable]
+        python_include = build_shim.probe_python_include(sys.executable)
+        for python in pythons:
+            shim = build_shim.build(sources, cores[0], package / "_torch", python, python_include,
+                                    cache=Path(meta["target_directory"]) / "release" / "rustc10d-shims")
+            print(f"rustc10d: built {shim} against the torch of {python}", flush=True)
+
+
+build.sub_commands.append(("build_shims", None))
 
 setup(
     name="rustc10d",
@@ -19,8 +71,9 @@ setup(
             "rustc10d._native", binding=Binding.PyO3, features=["extension"], py_limited_api=False, debug=False
         )
     ],
+    cmdclass={"build_shims": BuildShims},
     entry_points={"torch.distributed.backends": ["rustc10d = rustc10d:register"]},
-    install_requires=["torch"],
+    install_requires=["torch>=2.11,<2.16"],
     extras_require={"test": ["pytest", "pytest-timeout", "numpy"], "bench": ["matplotlib"]},
     python_requires=">=3.10",
     zip_safe=False,

@@ -905,3 +905,12 @@ size_t unformed_backend_to_python(rust::Box<Membership> membership, int32_t rank
 }
 
 }  // namespace rustc10d
+
+// Which torch this shim was built against, and which of the torch APIs that differ across
+// releases it found there (build_shim.py): the package reads them when it loads the shim.
+extern "C" __attribute__((visibility("default"))) const char* rustc10d_shim_torch_version() {
+  return RUSTC10D_SHIM_TORCH_VERSION;
+}
+extern "C" __attribute__((visibility("default"))) const char* rustc10d_shim_torch_features() {
+  return RUSTC10D_SHIM_TORCH_FEATURES;
+}

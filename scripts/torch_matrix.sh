@@ -30,7 +30,7 @@ for spec in "$@"; do
     if { ensure_env "$dir" "$torch" "$py" && build_rustc10d "$dir"; } >>"$log" 2>&1; then
         build=ok
         if lacks=$("$dir/bin/python" -c '
-import rustc10d._native as n
+import rustc10d as n
 print(", ".join(f for f, has in n.TORCH_FEATURES.items() if not has) or "nothing")' 2>>"$log"); then
             imported=ok
             for mode in plain staged; do

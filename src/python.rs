@@ -242,14 +242,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(links, m)?)?;
     m.add_function(wrap_pyfunction!(connections, m)?)?;
     m.add_function(wrap_pyfunction!(connections_settled, m)?)?;
-    m.add("TORCH_VERSION", env!("RUSTC10D_TORCH_VERSION"))?;
-    // Which of the torch APIs that differ across releases this build found (build.rs).
-    let features = PyDict::new(m.py());
-    for pair in env!("RUSTC10D_TORCH_FEATURES").split(',') {
-        let (name, bit) = pair.split_once('=').expect("build.rs writes name=0|1");
-        features.set_item(name, bit == "1")?;
-    }
-    m.add("TORCH_FEATURES", features)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

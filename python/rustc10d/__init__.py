@@ -35,22 +35,15 @@ def _rebuild_command() -> str:
     return f"{shlex.quote(sys.executable)} -m pip install --no-build-isolation --force-reinstall --no-deps {source}"
 
 
-# The C++ ABI differs between torch releases, so a build works with the one torch it was built
-# against (scripts/torch-versions.txt lists those supported).
-try:
-    from . import _native
-except ImportError as exc:  # usually a torch upgraded under a built rustc10d
-    raise ImportError(
-        f"rustc10d's native module could not be loaded with torch {torch.__version__}: {exc}. "
-        f"If torch was upgraded or downgraded since rustc10d was built, rebuild it against this torch: "
-        f"{_rebuild_command()}"
-    ) from exc
+# The C++ ABI differs between torch releases: the core is built once, and the torch side (the
+# shim) once per release; _load picks the one for the torch installed now.
+from . import _load
 
-if _native.TORCH_VERSION != torch.__version__:
-    raise ImportError(
-        f"rustc10d was built against torch {_native.TORCH_VERSION}, but torch {torch.__version__} is installed. "
-        f"Rebuild it against this torch: {_rebuild_command()}"
-    )
+_native, BUILT_FOR_TORCH, TORCH_FEATURES = _load.load(_rebuild_command())
+#: The torch version the loaded shim was built against (the installed torch's release).
+BUILT_FOR_TORCH: str
+#: Which of the torch APIs that differ across releases the loaded shim found ({name: bool}).
+TORCH_FEATURES: dict[str, bool]
 
 __version__: str = _native.__version__
 BACKEND_NAME = "rustc10d"

@@ -87,7 +87,7 @@ def node_facts() -> dict:
         "address": _local_address(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "rustc10d": f"{rustc10d.__version__} (for torch {rustc10d._native.TORCH_VERSION})",
+        "rustc10d": f"{rustc10d.__version__} (for torch {rustc10d.BUILT_FOR_TORCH})",
         "fd_limit": f"{soft}/{hard}",
         "shm": f"{shm_free / 2**30:.1f}/{shm_total / 2**30:.1f} GiB",
         "single_copy": single_copy(),
