@@ -413,10 +413,10 @@ class RustBackend final : public compat::Backend<RustBackend> {
   // the Store under a namespace of `uuid`'s own (every member calls it with
   // the same handles and uuid). On success, this backend's last group is shut
   // down (what was pending on it fails) and the new one takes its place, rank
-  // and size; on a failure, nothing changes. As with torch's other backends,
+  // and size (the new ones returned); on a failure, nothing changes. As with torch's other backends,
   // no op of this group may be issued meanwhile on another thread.
-  c10::intrusive_ptr<c10d::Work> reconfigure_to(const std::vector<std::string>& handles, bool ordered, int64_t uuid,
-                                                int64_t timeout_ms) {
+  std::pair<int, int> reconfigure_to(const std::vector<std::string>& handles, bool ordered, int64_t uuid,
+                                     int64_t timeout_ms) {
     rust::Vec<rust::String> given;
     for (const auto& h : handles) given.push_back(rust::String(h));
     try {
@@ -441,11 +441,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     }
     stop();
     group_ = std::move(formed);
-    rank_ = (*group_)->rank();
-    size_ = (*group_)->size();
-    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    done->markCompleted(c10::IValue(std::vector<at::Tensor>()));
-    return c10d::Work::create_from_future(done);
+    return {(*group_)->rank(), (*group_)->size()};
   }
 
   // Every op issued until endCoalescing() is waited for by its Work.

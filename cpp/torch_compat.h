@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <variant>
 #include <vector>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -71,7 +72,8 @@ class CompletionHooks {
 // c10d::Backend plus the virtuals that only some releases declare. `Impl`
 // (the real backend) provides gather_single(), the gather into one tensor,
 // and reconfigure_handle() and reconfigure_to(handles, ordered, uuid,
-// timeout_ms), torch's reconfigure with its options taken apart.
+// timeout_ms), torch's reconfigure with its options taken apart, which
+// returns the new rank and size (torch before 2.14 keeps them const).
 template <class Impl>
 class Backend : public c10d::Backend {
  public:
@@ -102,7 +104,10 @@ class Backend : public c10d::Backend {
     std::visit([&](const auto& given) { handles.assign(given.begin(), given.end()); }, opts.handles);
     const bool ordered = std::holds_alternative<std::vector<c10d::ReconfigureHandle>>(opts.handles);
     const int64_t timeout_ms = opts.timeout ? opts.timeout->count() : -1;
-    return static_cast<Impl*>(this)->reconfigure_to(handles, ordered, opts.uuid, timeout_ms);
+    std::tie(rank_, size_) = static_cast<Impl*>(this)->reconfigure_to(handles, ordered, opts.uuid, timeout_ms);
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    done->markCompleted(c10::IValue(std::vector<at::Tensor>()));
+    return c10d::Work::create_from_future(done);
   }
 #endif
 
