@@ -8,6 +8,8 @@
 #
 #   bash scripts/torch_matrix.sh                            # every row of scripts/torch-versions.txt
 #   bash scripts/torch_matrix.sh 2.13.0:3.13 2.11.0:3.12    # TORCH:PYTHON pairs
+#   RUSTC10D_WHEELS=dist bash scripts/torch_matrix.sh       # and the wheels there, installed as a
+#                                                           # user does (scripts/check_wheel.sh)
 #
 # Each pair gets an environment of its own under $RUSTC10D_ENVS (default ~/.cache/rustc10d/envs),
 # kept for the next run unless less than RUSTC10D_MIN_FREE_GB (default 20) of disk is then left.
@@ -26,7 +28,7 @@ for spec in "$@"; do
     dir=$(env_dir "$torch" "$py") log="$logs/torch-$torch-py$py.log"
     echo "=== torch $torch, Python $py (log: $log)"
     t0=$SECONDS
-    build=FAILED imported=- plain=- staged=- lacks=- entry=-
+    build=FAILED imported=- plain=- staged=- lacks=- entry=- wheel=-
     if { ensure_env "$dir" "$torch" "$py" && build_rustc10d "$dir"; } >>"$log" 2>&1; then
         build=ok
         if lacks=$("$dir/bin/python" -c '
@@ -47,18 +49,22 @@ print(", ".join(f for f, has in n.TORCH_FEATURES.items() if not has) or "nothing
             imported=FAILED lacks=-
         fi
     fi
-    [ "$build/$imported/$plain/$staged" = ok/ok/ok/ok ] || { status=1; tail -30 "$log"; }
+    if [ -n "${RUSTC10D_WHEELS:-}" ]; then
+        wheel=FAILED
+        bash scripts/check_wheel.sh "$RUSTC10D_WHEELS" "$torch" "$py" >>"$log" 2>&1 && wheel=ok
+    fi
+    [ "$build/$imported/$plain/$staged" = ok/ok/ok/ok ] && [ "$wheel" != FAILED ] || { status=1; tail -30 "$log"; }
     grep -h "ops checked" "$log" | tail -1
     free_gb=$(df -Pk "$ENVS" | awk 'NR == 2 {print int($4 / 1048576)}')
     if [ "$free_gb" -lt "$min_free_gb" ]; then
         echo "only $free_gb GB free: removing $dir"
         rm -rf "$dir"
     fi
-    rows+=("| $torch | $py | $build | $imported | $plain | $staged | $entry | $lacks | $((SECONDS - t0)) s |")
+    rows+=("| $torch | $py | $build | $imported | $plain | $staged | $entry | $wheel | $lacks | $((SECONDS - t0)) s |")
 done
 
 echo
-echo "| torch | Python | build | import | every op | staged | init without import | torch APIs it lacks | time |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| torch | Python | build | import | every op | staged | init without import | wheel | torch APIs it lacks | time |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
 exit $status
