@@ -95,12 +95,6 @@ def shim_name(torch_version: str) -> str:
     return f"shim_{major}_{minor}.so"
 
 
-def probe_python_include(python: str) -> str:
-    """The C headers of `python`, the Python the shim will run in."""
-    return subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['include'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-
-
 def build(sources: Path, core: Path, out_dir: Path, torch_python: str = sys.executable,
           python_include: str | None = None, verbose: bool = False, cache: Path | None = None) -> Path:
     """Compile and link the shim for torch_python's torch into out_dir (the package's _torch/),

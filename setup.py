@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Command, setup
@@ -50,7 +51,7 @@ class BuildShims(Command):
         for stale in (package / "_torch").glob("shim_*.so"):
             stale.unlink()
         pythons = [p for p in os.environ.get("RUSTC10D_SHIM_TORCH_PYTHONS", "").split(":") if p] or [sys.executable]
-        python_include = build_shim.probe_python_include(sys.executable)
+        python_include = sysconfig.get_paths()["include"]  # the Python the wheel is for
         for python in pythons:
             shim = build_shim.build(sources, cores[0], package / "_torch", python, python_include,
                                     cache=Path(meta["target_directory"]) / "release" / "rustc10d-shims")

@@ -26,6 +26,18 @@ int64_t to_ms(milliseconds t) {
   std::rethrow_exception(error_of(kind, msg));
 }
 
+// f(), with the GIL let go where this thread holds it: what waits for other
+// processes (a rendezvous, an op) lets Python threads run, and engine threads
+// may need the GIL to finish futures while a group shuts down.
+template <class F>
+decltype(auto) without_gil(F&& f) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    return f();
+  }
+  return f();
+}
+
 static_assert(static_cast<int>(at::ScalarType::NumOptions) + static_cast<int>(DType::Opaque) < 255,
               "a dtype code of a type the engine only moves must fit below the call check's NONE");
 
@@ -357,11 +369,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
         const int rank = child->rank(), size = child->size();
         return c10::make_intrusive<RustBackend>(std::move(child), rank, size);
       };
-      if (Py_IsInitialized() && PyGILState_Check()) {
-        py::gil_scoped_release nogil;
-        return make(join());
-      }
-      return make(join());
+      return without_gil([&] { return make(join()); });
     } catch (const rust::Error& e) {
       raise(ErrorKind::Io, e.what());
     }
@@ -385,13 +393,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto join = [&] { return group().split(store_ref_of(store), members, rank, size, timeout, name); };
     c10::intrusive_ptr<c10d::Backend> child;
     try {
-      // The rendezvous waits for the other members: let Python threads run.
-      if (Py_IsInitialized() && PyGILState_Check()) {
-        py::gil_scoped_release nogil;
-        child = c10::make_intrusive<RustBackend>(join(), rank, size);
-      } else {
-        child = c10::make_intrusive<RustBackend>(join(), rank, size);
-      }
+      child = without_gil([&] { return c10::make_intrusive<RustBackend>(join(), rank, size); });
     } catch (const rust::Error& e) {
       raise(ErrorKind::Io, e.what());
     }
@@ -429,13 +431,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     };
     std::optional<rust::Box<Group>> formed;
     try {
-      // The rendezvous waits for the other members: let Python threads run.
-      if (Py_IsInitialized() && PyGILState_Check()) {
-        py::gil_scoped_release nogil;
-        formed.emplace(form());
-      } else {
-        formed.emplace(form());
-      }
+      formed.emplace(without_gil(form));
     } catch (const rust::Error& e) {
       raise(ErrorKind::Io, e.what());
     }
@@ -781,14 +777,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   void stop() {
-    if (!group_) return;
-    // Engine threads may be finishing futures whose callbacks need the GIL.
-    if (Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      (*group_)->shutdown();
-    } else {
-      (*group_)->shutdown();
-    }
+    if (group_) without_gil([&] { (*group_)->shutdown(); });
   }
 
   // The group ops run on; a backend made with enable_reconfigure has none
@@ -821,12 +810,7 @@ at::Tensor& direct_all_reduce(at::Tensor& tensor, c10::string_view group_name, i
   auto* ours = dynamic_cast<RustBackend*>(backend.get());
   TORCH_CHECK(ours, "rustc10d.all_reduce_: the backend of group ", group_name, " for ", tensor.device().type(),
               " tensors is ", backend->getBackendName(), ", not rustc10d");
-  if (Py_IsInitialized() && PyGILState_Check()) {
-    py::gil_scoped_release nogil;
-    ours->all_reduce_now(tensor, op);
-  } else {
-    ours->all_reduce_now(tensor, op);
-  }
+  without_gil([&] { ours->all_reduce_now(tensor, op); });
   return tensor;
 }
 

@@ -1,7 +1,7 @@
 // What differs between the torch releases rustc10d builds against (2.11 to
-// 2.15), in one place. build.rs looks for each feature in the headers of the
-// torch it builds against and defines RUSTC10D_TORCH_HAS_<FEATURE> to 0 or 1
-// (see TORCH_FEATURES there); no other file reads those macros. What a torch
+// 2.15), in one place. build_shim.py looks for each feature in the headers of
+// the torch it builds a shim against and defines RUSTC10D_TORCH_HAS_<FEATURE>
+// to 0 or 1 (see TORCH_FEATURES there); no other file reads those macros. What a torch
 // lacks is left out, never imitated: on 2.11 the backend simply has no
 // completion hooks and no gather_into_tensor, as torch's own backends there.
 #pragma once
@@ -20,7 +20,7 @@
 #if !defined(RUSTC10D_TORCH_HAS_COMPLETION_HOOKS) || !defined(RUSTC10D_TORCH_HAS_COMPLETION_KEY) || \
     !defined(RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT) || !defined(RUSTC10D_TORCH_HAS_TENSOR_COALESCED_OPTYPES) || \
     !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR) || !defined(RUSTC10D_TORCH_HAS_RECONFIGURE)
-#error "build.rs defines every RUSTC10D_TORCH_HAS_* feature macro"
+#error "build_shim.py defines every RUSTC10D_TORCH_HAS_* feature macro"
 #endif
 
 namespace rustc10d::compat {

@@ -109,7 +109,7 @@ def rounds(world: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _ping_pong(me: int, peer: int, first: bool) -> float:
+def _ping_pong(peer: int, first: bool) -> float:
     """Half the round trip of 4 bytes, in seconds (median of LATENCY_ROUNDS after a warm-up)."""
     t = torch.zeros(1)
     times = []
@@ -126,7 +126,7 @@ def _ping_pong(me: int, peer: int, first: bool) -> float:
     return statistics.median(times)
 
 
-def _stream(me: int, peer: int, sending: bool, nbytes: int) -> float | None:
+def _stream(peer: int, sending: bool, nbytes: int) -> float | None:
     """Bytes per second of `nbytes` in BANDWIDTH_MESSAGES messages, on the sender (until the
     receiver's ack), the best of BANDWIDTH_TRIES (what the link can do, not what a busy moment
     let it); None on the receiver."""
@@ -168,9 +168,9 @@ def measure(rank: int, world: int, nbytes: int, store: dist.Store, stopped: str)
         try:
             # The warm-up opens the connection (rustc10d connects on first use).
             dist.send(torch.zeros(1), peer) if first else dist.recv(torch.zeros(1), peer)
-            latency = _ping_pong(rank, peer, first)
-            out = _stream(rank, peer, first, nbytes)
-            back = _stream(rank, peer, not first, nbytes)
+            latency = _ping_pong(peer, first)
+            out = _stream(peer, first, nbytes)
+            back = _stream(peer, not first, nbytes)
             links[peer] = {"latency_s": latency, "send_Bps": out if first else back}
         except Exception as e:  # noqa: BLE001 - any failure is the answer, and ends the group
             error = _said(e)

@@ -9,7 +9,6 @@ use crate::membership::{place, Handle};
 use crate::rendezvous::Store;
 use crate::transport::auth::fill_random;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Mutex;
 
 /// A backend's identity across configurations and what a new one needs:
 /// its settings, its Store, its timeout. The shim holds one for as long as
@@ -22,9 +21,6 @@ pub struct Membership {
     cfg: Config,
     store: GroupStore,
     timeout_ms: AtomicI64,
-    /// The uuids this backend has formed groups under, so that a reuse here
-    /// fails at once (the Store tells other processes' reuses).
-    used: Mutex<Vec<i64>>,
 }
 
 impl Membership {
@@ -42,13 +38,16 @@ impl Membership {
             cfg,
             store,
             timeout_ms: AtomicI64::new(timeout_ms),
-            used: Mutex::new(Vec::new()),
         }
     }
 
     /// This backend's handle while it has rank `rank`.
+    fn handle(&self, rank: i32) -> Handle {
+        Handle { rank: rank.into(), uuid: self.uuid.load(Ordering::SeqCst), process: self.process }
+    }
+
     pub(crate) fn reconfigure_handle(&self, rank: i32) -> String {
-        Handle { rank: rank.into(), uuid: self.uuid.load(Ordering::SeqCst), process: self.process }.to_string()
+        self.handle(rank).to_string()
     }
 
     pub(crate) fn cuda_allowed(&self) -> bool {
@@ -70,7 +69,7 @@ impl Membership {
     /// Whether `handles` place this backend, at rank `rank` now, somewhere.
     #[allow(clippy::ptr_arg)] // the bridge passes a rust::Vec
     pub(crate) fn check_handles(&self, rank: i32, handles: &Vec<String>, ordered: bool) -> Result<()> {
-        place(&Handle::parse(&self.reconfigure_handle(rank))?, handles, ordered).map(|_| ())
+        place(&self.handle(rank), handles, ordered).map(|_| ())
     }
 
     /// The group of the processes whose handles are `handles`, this one at
@@ -87,18 +86,14 @@ impl Membership {
         timeout_ms: i64,
         group_name: &str,
     ) -> Result<Box<Group>> {
-        let mine = Handle::parse(&self.reconfigure_handle(rank))?;
-        let place = place(&mine, &handles, ordered)?;
-        let reused = || Error::invalid(format!("rustc10d: reconfigure uuid {uuid} was already used: pass a new one"));
-        if self.used.lock().unwrap().contains(&uuid) {
-            return Err(reused());
-        }
+        let place = place(&self.handle(rank), &handles, ordered)?;
         let join_ms = if timeout_ms < 0 { self.timeout_ms() } else { timeout_ms };
         let store = self.store.within(&format!("rustc10d/reconfigure/{uuid}"));
         // Every member counts itself in: a count past the size is a uuid some
-        // earlier configuration met under, whose keys would mislead this one.
+        // earlier configuration met under (here or elsewhere), whose keys would
+        // mislead this one.
         if store.add("members", 1)? > place.size as i64 {
-            return Err(reused());
+            return Err(Error::invalid(format!("rustc10d: reconfigure uuid {uuid} was already used: pass a new one")));
         }
         let member = member(place.rank, place.size, join_ms, &store);
         let group = Group::join(store, &member, self.cfg.clone())
@@ -106,7 +101,6 @@ impl Membership {
         // The timeout given is the reconfigure's; the group's ops keep the backend's, as in Gloo.
         group.set_timeout(self.timeout_ms());
         crate::python::watch(group_name, &group);
-        self.used.lock().unwrap().push(uuid);
         self.uuid.store(uuid, Ordering::SeqCst);
         Ok(Box::new(group))
     }
