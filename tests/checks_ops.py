@@ -11,6 +11,7 @@ other ops run a few dtypes that between them cover every element size and bool.
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import re
 import time
@@ -368,6 +369,46 @@ def new_groups_share_the_default_groups_connections(ctx: Ctx):
     for g in everyone:
         assert rustc10d.links(g) == world_links, (rustc10d.links(g), world_links)
     for g in everyone + pairs:
+        dist.destroy_process_group(g)
+
+
+@check("groups", worlds=(2, 4), skip_on={"gloo": "rustc10d's shared arenas"})
+def one_host_groups_lease_arenas_from_the_hosts_pool(ctx: Ctx):
+    """Groups whose ranks share a host lease their arena from the pool that comes with the
+    host's arena, without a message: an 8-float all_reduce there copies 32 bytes in, reads each
+    peer's 32 and copies the sum out, (world + 1) * 32 bytes, where the rings copy several times
+    that. The pool holds 64 arenas: of 70 groups alive at once (and those earlier checks left
+    alive), those that came after it ran out, at least 6, run over the rings alike on every
+    rank; once 8 of them are destroyed on every rank, 8 new groups lease their regions. Over TCP
+    and staged (copies of their own) only the results are checked."""
+    import os
+
+    import rustc10d
+
+    shm = os.environ.get("RUSTC10D_TRANSPORT", "auto") != "tcp" and os.environ.get("RUSTC10D_TEST_STAGING") != "1"
+    in_arena = (ctx.world + 1) * 32
+
+    def copied(g) -> int:
+        x = torch.ones(8)
+        dist.all_reduce(x, group=g)
+        ctx.expect_equal(x, torch.full((8,), float(ctx.world)), "all_reduce on a new group")
+        return int(rustc10d.stats(g)["allreduce"]["copied_bytes"])
+
+    groups = [new_group() for _ in range(70)]
+    costs = [copied(g) for g in groups]
+    if shm:
+        leased = [c == in_arena for c in costs]
+        k = leased.index(False)
+        assert 8 <= k <= 64 and not any(leased[k:]), f"copies per group: {costs}"
+    for g in groups[:8]:
+        dist.destroy_process_group(g)
+    gc.collect()
+    dist.barrier()
+    again = [new_group() for _ in range(8)]
+    costs = [copied(g) for g in again]
+    if shm:
+        assert costs == [in_arena] * 8, f"copies per group after 8 were destroyed: {costs}"
+    for g in groups[8:] + again:
         dist.destroy_process_group(g)
 
 

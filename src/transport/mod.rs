@@ -11,8 +11,8 @@ pub mod group;
 pub mod links;
 
 // Every module keeps its path here too (`transport::frame`, ...).
-pub use group::{arena, mailbox, mesh, subgroup, waits};
-use group::{channel, channel_arena};
+use group::channel;
+pub use group::{arena, arena_pool, mailbox, mesh, subgroup, waits};
 use links::{accept, dial, link, mesh_core, reader, readers, writer};
 pub use links::{auth, conn, fd_limit, fdpass, frame, peer, peer_reads, reactor, ring, shared_mem, striping};
 

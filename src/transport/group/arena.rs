@@ -46,6 +46,7 @@
 
 use crate::error::{Error, Result};
 use crate::status::Cost;
+use crate::transport::arena_pool::{ArenaPool, Lease};
 use crate::transport::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -161,6 +162,8 @@ pub enum Stuck {
 /// One rank's view of its group's arena.
 pub struct Arena {
     map: Arc<Mapping>,
+    /// Where in the mapping the arena starts (a page): 0, or its region of a pool.
+    offset: usize,
     rank: usize,
     world: usize,
     slot_bytes: usize,
@@ -171,6 +174,11 @@ pub struct Arena {
     local: Mutex<Local>,
     /// The descriptor, kept by the rank that hands it out.
     fd: Option<OwnedFd>,
+    /// The pool of arenas that follows a host's arena in its memory, for
+    /// groups of its ranks to lease (arena_pool.rs).
+    pool: Option<Arc<ArenaPool>>,
+    /// The region of a pool this arena is, given back when it is dropped.
+    _lease: Option<Lease>,
 }
 
 /// What only this rank counts.
@@ -181,23 +189,40 @@ struct Local {
 }
 
 impl Arena {
-    fn bytes_for(world: usize, slot_bytes: usize) -> Option<usize> {
+    pub(in crate::transport) fn bytes_for(world: usize, slot_bytes: usize) -> Option<usize> {
         let lines = (world * LINE_BYTES).div_ceil(4096) * 4096;
         world.checked_mul(2)?.checked_mul(slot_bytes)?.checked_add(HEADER_BYTES + lines)
     }
 
-    /// A new arena for `world` ranks with slots of `slot_bytes`, as `rank`
-    /// sees it; it keeps the descriptor to hand out (`fd`).
-    pub fn create(world: usize, slot_bytes: usize, rank: usize) -> Result<Arena> {
-        assert!(slot_bytes.is_multiple_of(SLOT_ALIGN), "slots of {slot_bytes} bytes");
-        let len = Self::bytes_for(world, slot_bytes).ok_or_else(|| Error::invalid("rustc10d: arena too large"))?;
-        let fd = sealed_memfd(len)?;
-        let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
-        Self::init(&map, world, slot_bytes);
-        Ok(Arena { fd: Some(fd), ..Arena::view(map, rank, world, slot_bytes) })
+    /// Where a pool starts after an arena of `world` with slots of
+    /// `slot_bytes` (the next page).
+    fn pool_offset(world: usize, slot_bytes: usize) -> Option<usize> {
+        Self::bytes_for(world, slot_bytes)?.checked_next_multiple_of(4096)
     }
 
-    /// Map the arena a peer sent, after checking it is one, made for `world` ranks.
+    /// A new arena for `world` ranks with slots of `slot_bytes`, as `rank`
+    /// sees it, followed by a pool of `pool_regions` arenas for groups of
+    /// up to `world` of its ranks (none: 0); it keeps the descriptor to
+    /// hand out (`fd`).
+    pub fn create(world: usize, slot_bytes: usize, rank: usize, pool_regions: usize) -> Result<Arena> {
+        assert!(slot_bytes.is_multiple_of(SLOT_ALIGN), "slots of {slot_bytes} bytes");
+        let too_large = || Error::invalid("rustc10d: arena too large");
+        let mut len = Self::bytes_for(world, slot_bytes).ok_or_else(too_large)?;
+        let at = Self::pool_offset(world, slot_bytes).ok_or_else(too_large)?;
+        if pool_regions > 0 {
+            let pool = ArenaPool::bytes_for(world, slot_bytes, pool_regions);
+            len = pool.and_then(|p| at.checked_add(p)).ok_or_else(too_large)?;
+        }
+        let fd = sealed_memfd(len)?;
+        let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
+        Self::init(&map, 0, world, slot_bytes);
+        let pool =
+            (pool_regions > 0).then(|| Arc::new(ArenaPool::init(map.clone(), at, world, slot_bytes, pool_regions)));
+        Ok(Arena { fd: Some(fd), pool, ..Arena::view(map, 0, rank, world, slot_bytes) })
+    }
+
+    /// Map the arena a peer sent, after checking it is one, made for `world`
+    /// ranks (with the pool that follows it, if one does).
     pub fn open(fd: &OwnedFd, rank: usize, world: usize) -> Result<Arena> {
         let len = sealed_len(fd, "shared arena")?;
         let malformed = || Error::io("rustc10d: malformed shared arena from a peer");
@@ -205,7 +230,7 @@ impl Arena {
             return Err(malformed());
         }
         let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
-        let h = header_of(&map);
+        let h = header_at(&map, 0);
         let (magic, theirs, slot_bytes) = (
             h.magic.load(Ordering::Acquire),
             h.world.load(Ordering::Relaxed) as usize,
@@ -213,10 +238,16 @@ impl Arena {
         );
         // Slots of another size than SLOT_ALIGN's multiples (none is made) would be misaligned.
         let aligned = slot_bytes.is_multiple_of(SLOT_ALIGN);
-        if magic != MAGIC || theirs != world || !aligned || Self::bytes_for(world, slot_bytes) != Some(len) {
+        let own = Self::bytes_for(world, slot_bytes).filter(|&own| own <= len);
+        if magic != MAGIC || theirs != world || !aligned || own.is_none() {
             return Err(malformed());
         }
-        Ok(Arena::view(map, rank, world, slot_bytes))
+        let pool = match Self::pool_offset(world, slot_bytes) {
+            _ if own == Some(len) => None,
+            Some(at) if at < len => Some(Arc::new(ArenaPool::open(map.clone(), at, world, slot_bytes)?)),
+            _ => return Err(malformed()),
+        };
+        Ok(Arena { pool, ..Arena::view(map, 0, rank, world, slot_bytes) })
     }
 
     /// The views of every rank of an arena in this process's memory (tests:
@@ -225,20 +256,68 @@ impl Arena {
         assert!(slot_bytes.is_multiple_of(SLOT_ALIGN), "slots of {slot_bytes} bytes");
         let len = Self::bytes_for(world, slot_bytes).ok_or_else(|| Error::invalid("rustc10d: arena too large"))?;
         let map = Arc::new(Mapping::anonymous(len)?);
-        Self::init(&map, world, slot_bytes);
-        Ok((0..world).map(|rank| Arena::view(map.clone(), rank, world, slot_bytes)).collect())
+        Self::init(&map, 0, world, slot_bytes);
+        Ok((0..world).map(|rank| Arena::view(map.clone(), 0, rank, world, slot_bytes)).collect())
     }
 
-    fn init(map: &Mapping, world: usize, slot_bytes: usize) {
-        let h = header_of(map);
+    /// Write the header of an arena at `offset` of `map`. A pool's region is
+    /// used again: every field of its header and its first `world` lines
+    /// starts over (its slots need not: every round writes before it reads).
+    pub(in crate::transport) fn init(map: &Mapping, offset: usize, world: usize, slot_bytes: usize) {
+        let h = header_at(map, offset);
+        for word in [&h.wake, &h.sleepers, &h.aborted, &h.aborted_by, &h.reason_len] {
+            word.store(0, Ordering::Relaxed);
+        }
+        for rank in 0..world {
+            for stamp in &line_at(map, offset, world, rank).stamps {
+                stamp.arrived.store(0, Ordering::Relaxed);
+                stamp.set_tag(&[0; TAG_BYTES]);
+            }
+        }
         h.world.store(world as u64, Ordering::Relaxed);
         h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
         h.magic.store(MAGIC, Ordering::Release);
     }
 
-    fn view(map: Arc<Mapping>, rank: usize, world: usize, slot_bytes: usize) -> Arena {
+    /// Rank `rank`'s view of the arena of `world` at `offset` of `map`, which
+    /// `init` wrote.
+    pub(in crate::transport) fn view(
+        map: Arc<Mapping>,
+        offset: usize,
+        rank: usize,
+        world: usize,
+        slot_bytes: usize,
+    ) -> Arena {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Arena { map, rank, world, slot_bytes, crowded: world > cores, local: Mutex::default(), fd: None }
+        let crowded = world > cores;
+        Arena {
+            map,
+            offset,
+            rank,
+            world,
+            slot_bytes,
+            crowded,
+            local: Mutex::default(),
+            fd: None,
+            pool: None,
+            _lease: None,
+        }
+    }
+
+    /// This view, holding `lease` until it is dropped.
+    pub(in crate::transport) fn leased(self, lease: Lease) -> Arena {
+        Arena { _lease: Some(lease), ..self }
+    }
+
+    /// Where the arena starts in its mapping (tests: which region of a pool).
+    #[cfg(test)]
+    pub(in crate::transport) fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The pool of arenas that follows this host's arena, if one does.
+    pub(in crate::transport) fn pool(&self) -> Option<&Arc<ArenaPool>> {
+        self.pool.as_ref()
     }
 
     pub fn rank(&self) -> usize {
@@ -261,20 +340,12 @@ impl Arena {
     }
 
     fn header(&self) -> &Header {
-        header_of(&self.map)
+        header_at(&self.map, self.offset)
     }
 
     /// The control line of `rank` (< world).
     fn line(&self, rank: usize) -> &Line {
-        assert!(rank < self.world, "rank {rank} of an arena of {}", self.world);
-        // SAFETY: the mapping is `bytes_for(world, slot_bytes)` long (made so,
-        // or checked in `open`), which holds the header and `world` lines of
-        // LINE_BYTES >= size_of::<Line>() after it, so line `rank` is in
-        // bounds; it is aligned (the const assertions above, and mmap's page
-        // alignment). Every field of a Line is an atomic, valid as zeroes (a
-        // memfd starts zeroed), so sharing it with other processes' writes
-        // is sound. `self.map` keeps the mapping alive as long as the borrow.
-        unsafe { &*(self.map.base.add(HEADER_BYTES + rank * LINE_BYTES) as *const Line) }
+        line_at(&self.map, self.offset, self.world, rank)
     }
 
     /// What `rank` wrote in its rounds of `parity`.
@@ -286,11 +357,14 @@ impl Arena {
     fn slot_ptr(&self, rank: usize, parity: usize) -> *mut u8 {
         assert!(rank < self.world && parity < 2, "slot {parity} of rank {rank} of an arena of {}", self.world);
         let lines = (self.world * LINE_BYTES).div_ceil(4096) * 4096;
-        // SAFETY: the mapping is `bytes_for(world, slot_bytes)` long: the
+        let at = self.offset + HEADER_BYTES + lines + (rank * 2 + parity) * self.slot_bytes;
+        assert!(at + self.slot_bytes <= self.map.len);
+        // SAFETY: the arena at `offset` is `bytes_for(world, slot_bytes)`
+        // long (made so, or checked in `open` and `ArenaPool::open`): the
         // header, the lines rounded up to pages, then 2 * world slots, so
-        // this offset (slot 2 rank + parity) and the slot_bytes after it are
-        // inside the one mapping `self.map` keeps alive.
-        unsafe { self.map.base.add(HEADER_BYTES + lines + (rank * 2 + parity) * self.slot_bytes) }
+        // this slot (2 rank + parity) and the slot_bytes after it are inside
+        // the one mapping `self.map` keeps alive (asserted above too).
+        unsafe { self.map.base.add(at) }
     }
 
     /// Start this rank's next round, with what it was called to do (`tag`).
@@ -353,15 +427,28 @@ impl Arena {
     }
 }
 
-/// The header at the start of an arena's mapping.
-fn header_of(map: &Mapping) -> &Header {
-    assert!(map.len >= HEADER_BYTES);
-    // SAFETY: the mapping starts on a page (aligned for Header) and holds at
-    // least HEADER_BYTES >= size_of::<Header>() bytes, which stay mapped as
-    // long as `map` is borrowed. Every field of Header is an atomic, valid
-    // as zeroes (a new memfd or anonymous mapping), so this reference may
-    // alias other processes' writes.
-    unsafe { &*(map.base as *const Header) }
+/// The header of the arena at `offset` (a page) of `map`.
+fn header_at(map: &Mapping, offset: usize) -> &Header {
+    assert!(offset.is_multiple_of(4096) && offset + HEADER_BYTES <= map.len);
+    // SAFETY: the header is at a page of the mapping (aligned for Header),
+    // and HEADER_BYTES >= size_of::<Header>() bytes from there are mapped
+    // (asserted), as long as `map` is borrowed. Every field of Header is an
+    // atomic, valid as zeroes (a new memfd or anonymous mapping), so this
+    // reference may alias other processes' writes.
+    unsafe { &*(map.base.add(offset) as *const Header) }
+}
+
+/// The control line of `rank` (< world) of the arena of `world` at `offset` of `map`.
+fn line_at(map: &Mapping, offset: usize, world: usize, rank: usize) -> &Line {
+    assert!(rank < world, "rank {rank} of an arena of {world}");
+    let at = offset + HEADER_BYTES + rank * LINE_BYTES;
+    assert!(at + LINE_BYTES <= map.len);
+    // SAFETY: the line is inside the mapping (asserted), which `map` keeps
+    // alive as long as the borrow, and aligned (a page plus multiples of
+    // LINE_BYTES: the const assertions above). Every field of a Line is an
+    // atomic, valid as zeroes (a memfd starts zeroed), so sharing it with
+    // other processes' writes is sound.
+    unsafe { &*(map.base.add(at) as *const Line) }
 }
 
 /// One round of this rank in the arena; no other round starts until it ends.
@@ -702,7 +789,7 @@ mod tests {
     fn an_arena_with_misaligned_slots_is_refused() {
         let len = Arena::bytes_for(2, 4097).unwrap();
         let fd = sealed_memfd(len).unwrap();
-        Arena::init(&Mapping::of(fd.as_raw_fd(), len).unwrap(), 2, 4097);
+        Arena::init(&Mapping::of(fd.as_raw_fd(), len).unwrap(), 0, 2, 4097);
         assert!(Arena::open(&fd, 1, 2).is_err());
     }
 
@@ -730,7 +817,7 @@ mod tests {
 
     #[test]
     fn an_arena_travels_by_its_descriptor_and_is_checked() {
-        let made = Arena::create(2, 4096, 0).unwrap();
+        let made = Arena::create(2, 4096, 0, 0).unwrap();
         let opened = Arena::open(made.fd().unwrap(), 1, 2).unwrap();
         assert_eq!(opened.slot_bytes(), 4096);
         assert!(Arena::open(made.fd().unwrap(), 1, 3).is_err(), "made for another world size");

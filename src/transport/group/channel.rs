@@ -29,7 +29,7 @@ use crate::transport::writer::SendReq;
 use crate::transport::{Fold, Ready, Transport};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The channels a process's connections carry (`Core::channels`).
@@ -115,8 +115,10 @@ pub struct Channel {
     me: usize,
     /// Each member's host, numbered in the order of their lowest rank here.
     hosts: Vec<usize>,
-    /// The arena every member maps, where they all run on one host (channel_arena.rs).
-    arena: OnceLock<Arc<Arena>>,
+    /// The arena every member maps, where they all run on one host
+    /// (arena_pool.rs), until the channel shuts down: ops still in it hold
+    /// their own, and the last one out gives the lease back.
+    arena: Mutex<Option<Arc<Arena>>>,
     /// 0..size: the arena's members, in its order.
     everyone: Vec<usize>,
     shut: AtomicBool,
@@ -129,9 +131,17 @@ fn number(name: &str, nth: u64) -> u64 {
     h.max(1)
 }
 
+/// The key of a channel's arena in its host's pool: its number and its
+/// members (torch names the halves of a split alike; their members differ).
+fn lease_key(group: u64, members: &[usize]) -> u64 {
+    let bytes = group.to_le_bytes().into_iter().chain(members.iter().flat_map(|&r| (r as u64).to_le_bytes()));
+    bytes.fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
 impl Channel {
     /// Open the channel of group `name` whose rank i is the owner's rank
-    /// `members[i]`; members on one host agree on an arena within `timeout`.
+    /// `members[i]`; members on one host lease an arena (waiting for the
+    /// pool's lock at most `timeout`).
     pub(in crate::transport) fn open(
         core: &Arc<Core>,
         name: &str,
@@ -176,10 +186,12 @@ impl Channel {
             *first_seen.entry(core.hosts[r]).or_insert(n)
         });
         let hosts: Vec<usize> = hosts.collect();
-        // Where every member may read every other's memory (single copy),
-        // rank 0's arena descriptor can be taken from its process.
+        // Members on one host, which has an arena with a pool, lease theirs
+        // there: every member maps the pool already, since init.
         let one_host = hosts.iter().all(|&h| h == 0);
-        let arena = members.len() > 1 && one_host && core.single_copy_group && core.arena_slot_bytes > 0;
+        let pool = core.arena.lock().unwrap().as_ref().and_then(|a| a.pool().cloned());
+        let pool = pool.filter(|_| members.len() > 1 && one_host);
+        let key = lease_key(group, &members);
         let everyone = (0..members.len()).collect();
         let channel = Arc::new(Channel {
             core: core.clone(),
@@ -187,17 +199,16 @@ impl Channel {
             members: members.into(),
             me,
             hosts,
-            arena: OnceLock::new(),
+            arena: Mutex::new(None),
             everyone,
             shut: AtomicBool::new(false),
         });
-        if arena {
-            let leader = channel.members[0];
-            let leader_pid = || core.peers[leader].links.lock().unwrap().first().and_then(|l| l.conn.readable_peer());
-            let made = crate::transport::channel_arena::agree(&*channel, core.arena_slot_bytes, leader_pid, timeout)
+        if let Some(pool) = pool {
+            let leased = pool
+                .lease(key, channel.members.len(), me, Instant::now() + timeout)
                 .map_err(|e| e.context(format_args!("rustc10d: group {name:?} could not start")))?;
-            if let Some(made) = made {
-                let _ = channel.arena.set(made);
+            if let Some(arena) = leased {
+                *channel.arena.lock().unwrap() = Some(Arc::new(arena));
             }
         }
         Ok(channel)
@@ -211,7 +222,7 @@ impl Channel {
     /// Close the channel on this rank: its receives fail with `why`, now and
     /// later, and its messages are dropped from now on.
     fn close(&self, why: &Error) {
-        if let Some(arena) = self.arena.get() {
+        if let Some(arena) = &*self.arena.lock().unwrap() {
             arena.abort(&format!("rank {}: {}", self.me, why.message));
         }
         for p in self.others() {
@@ -321,6 +332,7 @@ impl Transport for Channel {
             return;
         }
         self.close(&Error::aborted("rustc10d: the process group was shut down"));
+        drop(self.arena.lock().unwrap().take());
         let last = {
             let mut channels = self.core.channels.lock().unwrap();
             channels.live -= 1;
@@ -340,7 +352,7 @@ impl Transport for Channel {
     }
 
     fn shared_arena(&self) -> Option<(Arc<Arena>, &[usize])> {
-        Some((self.arena.get()?.clone(), &self.everyone))
+        Some((self.arena.lock().unwrap().clone()?, &self.everyone))
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {

@@ -149,7 +149,6 @@ impl Mesh {
             arena_on_every_host: layout.arena_on_every_host,
             peer_reads: Mutex::new(layout.peer_reads),
             channels: Mutex::default(),
-            arena_slot_bytes: cfg.arena_slot_bytes,
         });
         let mesh = Mesh { core: core.clone() };
         // A listener that runs out of descriptors refuses with this one.

@@ -4,8 +4,8 @@
 //! shared arena of its ranks on one host.
 
 pub mod arena;
+pub mod arena_pool;
 pub(in crate::transport) mod channel;
-pub(in crate::transport) mod channel_arena;
 pub mod mailbox;
 pub mod mesh;
 pub mod subgroup;

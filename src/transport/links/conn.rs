@@ -141,15 +141,6 @@ impl Conn {
         matches!(self, Conn::Shm(ShmConn { peer_pid: Some(_), .. }))
     }
 
-    /// The peer's process, where this side may read its memory (so, on
-    /// Linux, also take a copy of its descriptors: pidfd_getfd).
-    pub fn readable_peer(&self) -> Option<libc::pid_t> {
-        match self {
-            Conn::Shm(ShmConn { peer_pid, .. }) => *peer_pid,
-            Conn::Tcp(_) => None,
-        }
-    }
-
     /// Read `buf.len()` bytes at `addr` in the peer's memory (a message it
     /// sent as its address).
     pub fn read_peer(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {

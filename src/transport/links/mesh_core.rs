@@ -71,8 +71,6 @@ pub struct Core {
     pub(in crate::transport) peer_reads: Mutex<Option<PeerReadsGrant>>,
     /// How many channels of each name this rank has opened (channel.rs).
     pub(in crate::transport) channels: Mutex<crate::transport::channel::Channels>,
-    /// Slots of the arenas this rank's channels make (Config::arena_slot_bytes).
-    pub(in crate::transport) arena_slot_bytes: usize,
 }
 
 pub struct PeerSlot {
