@@ -6,7 +6,7 @@
 use crate::config::{Config, TransportMode};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::arena::Arena;
-use crate::transport::arena_pool;
+use crate::transport::arena_pool::ArenaPool;
 use crate::transport::auth::{fill_random, Identity, TOKEN_LEN};
 use crate::transport::conn::read_process;
 use crate::transport::fd_limit;
@@ -168,7 +168,9 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         // the others learn why at once; if the group spans hosts, it makes
         // one for its host's ranks instead, as every host's lowest rank does.
         let arena = (rank == 0 && size > 1 && shm.is_some() && cfg.arena_slot_bytes > 0)
-            .then(|| Arena::create(size, cfg.arena_slot_bytes, rank, arena_pool::REGIONS))
+            .then(|| {
+                Arena::create(size, cfg.arena_slot_bytes, rank, ArenaPool::regions_for(size, cfg.arena_slot_bytes))
+            })
             .transpose()?;
         Ok((listener, addr, io, shm, arena))
     };
@@ -277,7 +279,10 @@ fn arena_role(cfg: &Config, hosts: &[usize], shared: bool, rank: usize, made: Op
     }
     let arena = match made {
         Some(arena) if members.len() == hosts.len() => arena,
-        _ => Arena::create(members.len(), cfg.arena_slot_bytes, 0, arena_pool::REGIONS)?,
+        _ => {
+            let regions = ArenaPool::regions_for(members.len(), cfg.arena_slot_bytes);
+            Arena::create(members.len(), cfg.arena_slot_bytes, 0, regions)?
+        }
     };
     Ok(ArenaRole::Lead { arena, members })
 }

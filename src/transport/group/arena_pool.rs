@@ -32,9 +32,13 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How many arenas a host's pool holds: groups of its ranks that hold one
-/// at once. Memory is taken only as a group's ops touch it.
-pub const REGIONS: usize = 64;
+/// How many arenas a host's pool holds at most: groups of its ranks that
+/// hold one at once. Memory is taken only as a group's ops touch it.
+const REGIONS: usize = 64;
+/// The most address space a pool takes in each process that maps it (where
+/// `ulimit -v` is set, every byte mapped counts): fewer regions where an
+/// arena of every rank of the host is large.
+const MAX_BYTES: usize = 4 << 30;
 /// How many groups of a host's ranks may be alive at once (leases, with a
 /// region or without).
 const ENTRIES: usize = 1024;
@@ -86,6 +90,14 @@ impl ArenaPool {
 
     fn region_bytes(max_world: usize, slot_bytes: usize) -> Option<usize> {
         Arena::bytes_for(max_world, slot_bytes)?.checked_next_multiple_of(4096)
+    }
+
+    /// How many regions a pool for arenas of up to `max_world` ranks with
+    /// slots of `slot_bytes` holds: as many as fit `MAX_BYTES`, one at least,
+    /// `REGIONS` at most.
+    pub fn regions_for(max_world: usize, slot_bytes: usize) -> usize {
+        let region = Self::region_bytes(max_world, slot_bytes).unwrap_or(usize::MAX);
+        (MAX_BYTES / region).clamp(1, REGIONS)
     }
 
     /// The bytes of a pool of `regions` arenas of up to `max_world` ranks.
@@ -406,6 +418,14 @@ mod tests {
         let err = pool.lease(4, 2, 0, Instant::now() + Duration::from_millis(50)).err().unwrap();
         assert!(err.message.contains("process 1 held the lock"), "{}", err.message);
         pool.header().lock.store(0, Ordering::SeqCst);
+    }
+
+    #[test]
+    fn a_pool_keeps_to_its_address_space() {
+        assert_eq!(ArenaPool::regions_for(4, 1 << 20), REGIONS);
+        let big = ArenaPool::regions_for(256, 1 << 20);
+        assert!(big < REGIONS && big * ArenaPool::region_bytes(256, 1 << 20).unwrap() <= MAX_BYTES, "{big}");
+        assert_eq!(ArenaPool::regions_for(4096, 1 << 20), 1);
     }
 
     #[test]
