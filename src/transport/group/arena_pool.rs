@@ -18,8 +18,10 @@
 //! The table is changed under a lock in the shared memory, held for a few
 //! loads and stores (and, freeing a region, one madvise): the word holds
 //! the holder's pid, so that a holder that died there (a SIGKILL at the
-//! wrong instant) is found out and its lock taken over. Every value another
-//! process wrote here is checked before it is used as an index.
+//! wrong instant) is found out and its lock taken over. Lock order: the
+//! table's lock is taken last; nothing else is locked while it is held.
+//! Every value another process wrote here is checked before it is used as
+//! an index.
 
 // The header, the table and the regions are memory other processes write:
 // every unsafe block says why its access is in bounds and race-free.

@@ -332,7 +332,9 @@ impl Transport for Channel {
             return;
         }
         self.close(&Error::aborted("rustc10d: the process group was shut down"));
-        drop(self.arena.lock().unwrap().take());
+        // Given back outside the channel's lock (the pool's is taken then).
+        let arena = self.arena.lock().unwrap().take();
+        drop(arena);
         let last = {
             let mut channels = self.core.channels.lock().unwrap();
             channels.live -= 1;
