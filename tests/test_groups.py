@@ -56,6 +56,69 @@ def test_a_new_group_on_a_bound_device_leaves_non_members_out(tmp_path):
         assert proc.returncode == 0, proc.describe()
 
 
+DESTROY_JOB = r"""
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import rustc10d
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+rank, world = int(args["--rank"]), int(args["--world"])
+host, port = args["--store"].split(":")
+store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+group, sibling = dist.new_group(timeout=timedelta(seconds=60)), dist.new_group(timeout=timedelta(seconds=60))
+t = torch.ones(8)
+dist.all_reduce(t, group=group)
+assert t.tolist() == [3.0] * 8, t
+if rank == 0:
+    dist.send(torch.full((4,), 7.0), dst=1, group=group)
+    dist.destroy_process_group(group)
+else:
+    if rank == 1:
+        got = torch.zeros(4)
+        dist.recv(got, src=0, group=group)  # sent before the destroy: still taken
+        assert got.tolist() == [7.0] * 4, got
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1 << 21), group=group)  # rank 0 never joins it
+    except RuntimeError as e:
+        took = time.monotonic() - started
+        assert "destroyed" in str(e) or "shut" in str(e), e
+        assert took < 10, f"raised after {took:.1f} s"
+        print("rank", rank, f"raised in {took * 1e3:.0f} ms:", str(e)[:300], flush=True)
+    else:
+        raise AssertionError("an all_reduce that rank 0 never joins must raise")
+x = torch.ones(8)
+dist.all_reduce(x, group=sibling)
+dist.all_reduce(x)
+assert x.tolist() == [9.0] * 8, x
+dist.barrier()
+dist.destroy_process_group()
+print("rank", rank, "ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_that_destroys_a_group_fails_its_peers_ops_there_at_once(tmp_path, transport):
+    """Rank 0 destroys a group after an all_reduce and a send on it. Rank 1 still receives
+    that send; then ranks 1 and 2 call an all_reduce of 8 MiB on it, which rank 0 never
+    joins: it raises within seconds, saying rank 0 destroyed the group, instead of at the
+    group's 60 s timeout (before, over TCP it did only then; in a shared arena the destroy
+    already aborted it). The world group and a sibling on the same connections go on."""
+    import checks
+    if checks.BACKEND != "rustc10d":
+        pytest.skip("rustc10d's own notice")
+    script = tmp_path / "destroy_job.py"
+    script.write_text(DESTROY_JOB)
+    env = {**harness.worker_env(), "RUSTC10D_TRANSPORT": transport}
+    procs = harness.launch_ranks(3, [], timeout=150, log_dir=tmp_path, script=script, env=env)
+    for proc in procs:
+        assert proc.returncode == 0, proc.describe()
+    said = "".join(p.stdout for p in procs)
+    assert said.count("raised in") == 2, said
+
+
 SHRINK_JOB = r"""
 import os, sys, time
 from datetime import timedelta

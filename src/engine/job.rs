@@ -45,7 +45,12 @@ impl Shared {
         let settled = job.staging.as_mut().map_or(Ok(()), |s| s.settle());
         let settled =
             settled.map_err(|e| if result.is_ok() { self.staging_failed(job.first_seq, &job.parts, e) } else { e });
-        job.status.finish(result.and(settled).map(|()| 0));
+        let result = result.and(settled);
+        if result.is_ok() {
+            // Jobs run one at a time, in order.
+            self.done_below.fetch_max(job.first_seq + job.parts.len().max(1) as u64, Ordering::SeqCst);
+        }
+        job.status.finish(result.map(|()| 0));
     }
 
     fn run_job(&self, job: &mut Job) -> Result<()> {

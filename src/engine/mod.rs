@@ -53,6 +53,9 @@ struct Shared {
     spin: Duration,
     sync_spin: Duration,
     next_seq: AtomicU64,
+    /// Every collective below this sequence number has finished here, its
+    /// sends all made: what a peer may still take once this rank leaves.
+    done_below: AtomicU64,
     stopping: AtomicBool,
     /// Jobs handed to the worker and not yet finished.
     queued: AtomicU64,
@@ -81,6 +84,7 @@ impl Engine {
             spin: cfg.spin,
             sync_spin: cfg.sync_spin,
             next_seq: AtomicU64::new(0),
+            done_below: AtomicU64::new(0),
             queued: AtomicU64::new(0),
             running: Mutex::new(()),
             stopping: AtomicBool::new(false),
@@ -300,7 +304,8 @@ impl Engine {
     /// Fail what is pending, close connections, stop the worker. Idempotent.
     pub fn shutdown(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        self.shared.transport.shutdown();
+        // Peers still waiting in the group for this rank learn it left.
+        self.shared.transport.leave(self.shared.done_below.load(Ordering::SeqCst));
         drop(self.queue.lock().unwrap().take());
         if let Some(w) = self.worker.lock().unwrap().take() {
             let _ = w.join();

@@ -101,6 +101,16 @@ pub trait Transport: Send + Sync {
     /// Close every connection; all pending transfers fail. Idempotent.
     fn shutdown(&self);
 
+    /// Leave the group (torch destroys it): tell the peers, where the
+    /// connections outlive the group, that this rank has sent every message
+    /// of its collectives below `sent_below` and of its point-to-point ops,
+    /// so that a peer still waiting in the group for more fails now instead
+    /// of at its timeout; then `shutdown`.
+    fn leave(&self, sent_below: u64) {
+        let _ = sent_below;
+        self.shutdown();
+    }
+
     /// A thread that waits for a transfer with `peer` (None: any peer) and
     /// polls meanwhile makes progress with it through this; dropping it says
     /// the thread stops polling (None: nothing to poll).

@@ -78,20 +78,30 @@ impl Core {
         sent_below: u64,
         why: &Error,
     ) {
-        let why = why.message.as_bytes();
-        let told = GivenUp {
-            key: Key::group_abort(group, sent_below),
-            why: why[..why.len().min(ABORT_MAX as usize)].to_vec(),
-            members,
-        };
+        let told = GivenUp { key: Key::group_abort(group, sent_below), why: abort_text(why), members };
         let (key, why, members) = (told.key, told.why.clone(), told.members.clone());
         // Recorded first: a connection adopted meanwhile finds it there (or
         // is found below; told twice, the peer closes the channel once).
         self.channels.lock().unwrap().given_up.push(told);
+        self.tell_members(key, &members, &why);
+    }
+
+    /// Tell `members` that this rank leaves group `group` (torch destroys
+    /// it), having sent every message of its collectives below
+    /// `sent_below` and of its point-to-point ops (`Transport::leave`).
+    /// Only members it has a connection to are told: one it has none to
+    /// was sent nothing and waits for nothing that went.
+    pub(in crate::transport) fn tell_group_leave(&self, group: u64, members: &[usize], sent_below: u64, why: &Error) {
+        self.tell_members(Key::group_leave(group, sent_below), members, &abort_text(why));
+    }
+
+    /// Send frame `key` with `why` to each of `members` but this rank, on
+    /// its first connection to it, where it has one.
+    fn tell_members(&self, key: Key, members: &[usize], why: &[u8]) {
         for &p in members.iter().filter(|&&p| p != self.rank()) {
             let link = self.peers[p].links.lock().unwrap().first().cloned();
             if let Some(link) = link {
-                link.send(SendReq::owning(key, why.clone()));
+                link.send(SendReq::owning(key, why.to_vec()));
             }
         }
     }
@@ -122,6 +132,12 @@ pub struct Channel {
     /// 0..size: the arena's members, in its order.
     everyone: Vec<usize>,
     shut: AtomicBool,
+}
+
+/// The reason an abort or leave frame carries: `why`'s message, cut to ABORT_MAX bytes.
+fn abort_text(why: &Error) -> Vec<u8> {
+    let why = why.message.as_bytes();
+    why[..why.len().min(ABORT_MAX as usize)].to_vec()
 }
 
 /// A channel's number: FNV-1a of its name and how many of that name came before.
@@ -323,6 +339,16 @@ impl Transport for Channel {
     fn abort_all(&self, reason: &Error, sent_below: u64) {
         self.core.tell_group_abort(self.group, self.members.clone(), sent_below, reason);
         self.close(reason);
+    }
+
+    /// Tells each member this rank has a connection to that it leaves the
+    /// group, then shuts the channel down.
+    fn leave(&self, sent_below: u64) {
+        if !self.shut.load(Ordering::SeqCst) {
+            let why = Error::aborted(format!("rustc10d: rank {} destroyed the process group", self.me));
+            self.core.tell_group_leave(self.group, &self.members, sent_below, &why);
+        }
+        self.shutdown();
     }
 
     /// Closes the channel here; the last group on the connections, once

@@ -5,7 +5,7 @@
 
 use crate::error::Error;
 use crate::status::Status;
-use crate::transport::frame::{Key, KIND_COLLECTIVE};
+use crate::transport::frame::{Key, KIND_COLLECTIVE, KIND_P2P};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
@@ -205,11 +205,15 @@ struct ClosedGroup {
     /// group's messages are all dropped, early and late: channel numbers
     /// are not reused (see channel.rs).
     sent_below: u64,
+    /// Its point-to-point messages are still taken: the peer left the
+    /// group (destroyed it) after sending them, and said so on the
+    /// connection they travel (or travelled) on.
+    p2p: bool,
 }
 
 impl ClosedGroup {
     fn takes(&self, key: &Key) -> bool {
-        key.kind == KIND_COLLECTIVE && key.channel < self.sent_below
+        (key.kind == KIND_COLLECTIVE && key.channel < self.sent_below) || (key.kind == KIND_P2P && self.p2p)
     }
 }
 
@@ -309,21 +313,31 @@ impl Mailbox {
     /// group's other receives fail with `err`, now and later. Returns how
     /// many receives failed.
     pub fn peer_left_group(&mut self, group: u64, sent_below: u64, err: Error) -> usize {
-        self.close_group_where(group, ClosedGroup { why: err, sent_below })
+        self.close_group_where(group, ClosedGroup { why: err, sent_below, p2p: false })
+    }
+
+    /// The peer destroyed group `group` having sent every message of its
+    /// collectives below `sent_below` and of its point-to-point ops: those
+    /// stay (arrived, or still to arrive), the group's other receives from
+    /// it fail with `err`, now and later. Returns how many failed.
+    pub fn peer_destroyed_group(&mut self, group: u64, sent_below: u64, err: Error) -> usize {
+        self.close_group_where(group, ClosedGroup { why: err, sent_below, p2p: true })
     }
 
     /// This rank closes group `group`'s channel with this peer: its waiting
     /// receives fail with `err`, and so do later ones; its messages are
     /// dropped, early and late. Returns how many receives failed.
     pub fn close_group(&mut self, group: u64, err: Error) -> usize {
-        self.close_group_where(group, ClosedGroup { why: err, sent_below: 0 })
+        self.close_group_where(group, ClosedGroup { why: err, sent_below: 0, p2p: false })
     }
 
     /// Narrow what group `group` still takes to what `closed` takes (the
     /// first reason stays), dropping and failing the rest.
     fn close_group_where(&mut self, group: u64, closed: ClosedGroup) -> usize {
-        let c = self.closed_groups.entry(group).or_insert(ClosedGroup { why: closed.why, sent_below: u64::MAX });
+        let c =
+            self.closed_groups.entry(group).or_insert(ClosedGroup { why: closed.why, sent_below: u64::MAX, p2p: true });
         c.sent_below = c.sent_below.min(closed.sent_below);
+        c.p2p &= closed.p2p;
         let c = &*c;
         self.early.retain(|k, _| k.group != group || c.takes(k));
         fail_where(&mut self.posted, |k| k.group == group && !c.takes(k), &c.why)
@@ -514,6 +528,41 @@ mod tests {
         mb.close_group(g, Error::aborted("left"));
         deliver(&mut mb, key(0, 4), &[8], &any);
         assert!(mb.early.keys().all(|k| k.group != g), "a group this rank left keeps no messages");
+    }
+
+    /// A peer destroys a group after collective 0 and a point-to-point
+    /// send: both still complete receives, posted before or after, arrived
+    /// before its notice or after it on another lane; a receive of a later
+    /// collective fails at once; a later abort, or this rank leaving,
+    /// takes the point-to-point messages back.
+    #[test]
+    fn a_peer_that_destroyed_a_group_still_delivers_what_it_sent_before() {
+        let any = Mutex::new(AnyPosted::default());
+        let g = 7;
+        let key = |seq, step| Key::collective(seq, step).in_group(g);
+        let mut mb = Mailbox::default();
+        let (mut sent, mut later, mut p2p_early) = ([0u8], [0u8], [0u8]);
+        let s_sent = post(&mut mb, key(0, 1), &mut sent);
+        let s_later = post(&mut mb, key(1, 0), &mut later);
+        deliver(&mut mb, Key::p2p(3).in_group(g), &[5], &any);
+        assert_eq!(mb.peer_destroyed_group(g, 1, Error::peer_lost("left")), 1);
+        assert_eq!(s_later.result().unwrap().unwrap_err().message, "left");
+        assert!(!s_sent.is_done(), "collective 0 was sent in full: its receive waits for its message");
+        deliver(&mut mb, key(0, 1), &[6], &any);
+        deliver(&mut mb, Key::p2p(4).in_group(g), &[8], &any);
+        let s_early = post(&mut mb, Key::p2p(3).in_group(g), &mut p2p_early);
+        let mut p2p_late = [0u8];
+        let s_p2p_late = post(&mut mb, Key::p2p(4).in_group(g), &mut p2p_late);
+        assert_eq!((s_sent.result().unwrap().unwrap(), sent), (1, [6]));
+        assert_eq!((s_early.result().unwrap().unwrap(), p2p_early), (1, [5]));
+        assert_eq!((s_p2p_late.result().unwrap().unwrap(), p2p_late), (1, [8]));
+        let mut next = [0u8];
+        assert!(post(&mut mb, key(2, 0), &mut next).result().unwrap().is_err(), "a later collective fails at once");
+        // An abort after the notice: its point-to-point messages go too.
+        let mut waiting = [0u8];
+        let s_waiting = post(&mut mb, Key::p2p(5).in_group(g), &mut waiting);
+        mb.peer_left_group(g, 1, Error::peer_lost("gave up"));
+        assert!(s_waiting.result().unwrap().is_err());
     }
 
     #[test]

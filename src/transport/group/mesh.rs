@@ -300,6 +300,19 @@ impl Transport for Mesh {
         self.close_own_channel(reason);
     }
 
+    /// Tells every peer it has a connection to that it leaves the group
+    /// (the connections may stay, for the groups that share them), then
+    /// shuts down.
+    fn leave(&self, sent_below: u64) {
+        let core = &self.core;
+        if !core.stopping.load(Ordering::SeqCst) {
+            let why = Error::aborted(format!("rustc10d: rank {} destroyed the process group", core.rank()));
+            let everyone: Vec<usize> = (0..core.peers.len()).collect();
+            core.tell_group_leave(0, &everyone, sent_below, &why);
+        }
+        self.shutdown();
+    }
+
     /// While groups share the connections, this group closes its own
     /// channel alone, and the last of them closes the connections.
     fn shutdown(&self) {

@@ -147,15 +147,15 @@ mod tests {
 
     /// The proof's input, pinned: computed independently with Python's hmac module as
     /// hmac.new(bytes(range(16)), b"rustc10d handshake" + bytes([1]) + struct.pack("<4I",
-    /// 9, 4, 1, 3) + b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the
+    /// 10, 4, 1, 3) + b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the
     /// protocol, and PROTOCOL_VERSION with it.
     #[test]
     fn the_proof_covers_what_the_protocol_says() {
-        assert_eq!(PROTOCOL_VERSION, 9, "the expected value below is for v9");
+        assert_eq!(PROTOCOL_VERSION, 10, "the expected value below is for v10");
         let me = Identity::new(1, 4, std::array::from_fn(|i| i as u8));
         assert_eq!(
             hex(&me.prove(Side::Dialler, &transcript())),
-            "09b41521749689f46a2e023fc1379a460c4bc91efd5985bc0f4a25b4aabbf63b"
+            "fb79d641dd11c1a24416990ece0c86d94f46f70920e7ac03be98ddd083ef12e7"
         );
     }
 

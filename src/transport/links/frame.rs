@@ -14,8 +14,9 @@ use crate::transport::auth::{Nonce, NONCE_LEN};
 /// arena, handed out with the shared-memory connections to rank 0; v8: the
 /// token no longer crosses the wire: ranks prove they know it by a challenge
 /// and response; v9: a frame names the group it belongs to, so that groups
-/// share one process's connections).
-pub const PROTOCOL_VERSION: u32 = 9;
+/// share one process's connections; v10: a rank that destroys a group says
+/// so, which a rank of v9 would take for giving up on its connections).
+pub const PROTOCOL_VERSION: u32 = 10;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4832; // "RCH2"
 const CHALLENGE_MAGIC: u32 = 0x5243_4e32; // "RCN2"
@@ -31,9 +32,13 @@ pub const KIND_P2P: u8 = 2;
 /// ABORT_MAX bytes). With sub `ABORT_CHANNEL` it gives up on that group's
 /// channel alone (the connections stay, for the other groups), and the
 /// channel field is the first collective whose messages it may not all have
-/// sent (`Key::group_abort`); otherwise (group 0) on the connections.
+/// sent (`Key::group_abort`); with sub `LEAVE_CHANNEL` it leaves that group
+/// (destroyed it), having also sent every point-to-point message of it
+/// before this frame (`Key::group_leave`); otherwise (group 0) on the
+/// connections.
 pub const KIND_ABORT: u8 = 3;
 pub const ABORT_CHANNEL: u64 = 1;
+pub const LEAVE_CHANNEL: u64 = 2;
 pub const ABORT_MAX: u64 = 4096;
 /// "What are you waiting for?" (no payload), from a rank that timed out
 /// waiting for the receiver; answered with a message of `KIND_ANSWER`.
@@ -99,6 +104,13 @@ impl Key {
     /// field: the first collective whose messages it may not all have sent.
     pub fn group_abort(group: u64, sent_below: u64) -> Key {
         Key { kind: KIND_ABORT, group, channel: sent_below, sub: ABORT_CHANNEL }
+    }
+
+    /// This rank leaves group `group` (it destroyed it) having sent every
+    /// message of its collectives below `sent_below`, and of its
+    /// point-to-point ops: a peer still takes those.
+    pub fn group_leave(group: u64, sent_below: u64) -> Key {
+        Key { kind: KIND_ABORT, group, channel: sent_below, sub: LEAVE_CHANNEL }
     }
 
     /// A question `depth` ranks down a chain of waits (see waits.rs).

@@ -8,7 +8,7 @@
 use crate::error::Error;
 use crate::transport::conn::Conn;
 use crate::transport::frame::{
-    FrameHeader, Key, Remote, ABORT_CHANNEL, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, REMOTE_LEN,
+    FrameHeader, Key, Remote, ABORT_CHANNEL, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, LEAVE_CHANNEL, REMOTE_LEN,
 };
 use crate::transport::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use std::io;
@@ -261,9 +261,17 @@ impl Reader {
                     *got += n;
                     return Ok(None);
                 }
-                let why = Error::peer_lost(format!("gave up on the group: {}", String::from_utf8_lossy(buf)));
                 let key = *key;
                 let (group, sent_below) = (key.group, key.channel);
+                if key.sub == LEAVE_CHANNEL {
+                    // It left the group: what it sent before stays, and
+                    // receives from any peer may still be met by another.
+                    let why = Error::peer_lost(format!("left the group: {}", String::from_utf8_lossy(buf)));
+                    *state = State::Start;
+                    mailbox.lock().unwrap().peer_destroyed_group(group, sent_below, why);
+                    return Ok(None);
+                }
+                let why = Error::peer_lost(format!("gave up on the group: {}", String::from_utf8_lossy(buf)));
                 *state = State::Start;
                 if group == 0 && key.sub != ABORT_CHANNEL {
                     return Ok(Some(Stop::Reason(why)));
