@@ -11,8 +11,9 @@ def test_group(jobs, world, check):
     jobs.verify(world, check)
 
 
-BOUND_DEVICE_JOB = r"""
-import sys
+# What every job below starts with: its rank, world size and Store from launch_ranks's arguments.
+JOB_HEAD = r"""
+import os, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 import rustc10d
@@ -20,6 +21,10 @@ args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 rank, world = int(args["--rank"]), int(args["--world"])
 host, port = args["--store"].split(":")
 store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+"""
+
+
+BOUND_DEVICE_JOB = JOB_HEAD + r"""
 dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world,
                         timeout=timedelta(seconds=20), device_id=torch.device("cpu:0"))
 group = dist.new_group([0, 1])
@@ -56,15 +61,7 @@ def test_a_new_group_on_a_bound_device_leaves_non_members_out(tmp_path):
         assert proc.returncode == 0, proc.describe()
 
 
-DESTROY_JOB = r"""
-import sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-import rustc10d
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-rank, world = int(args["--rank"]), int(args["--world"])
-host, port = args["--store"].split(":")
-store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+DESTROY_JOB = JOB_HEAD + r"""
 dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
 group, sibling = dist.new_group(timeout=timedelta(seconds=60)), dist.new_group(timeout=timedelta(seconds=60))
 t = torch.ones(8)
@@ -119,15 +116,7 @@ def test_a_rank_that_destroys_a_group_fails_its_peers_ops_there_at_once(tmp_path
     assert said.count("raised in") == 2, said
 
 
-SHRINK_JOB = r"""
-import os, sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-import rustc10d
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-rank, world = int(args["--rank"]), int(args["--world"])
-host, port = args["--store"].split(":")
-store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+SHRINK_JOB = JOB_HEAD + r"""
 dist.init_process_group("rustc10d", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
 side = dist.new_group(list(range(world)))  # shrinking the default group destroys the others
 t = torch.ones(4)
@@ -201,15 +190,7 @@ def test_survivors_shrink_the_group_and_go_on(tmp_path, world):
             assert proc.returncode == 0 and f"rank {rank} ok" in proc.stdout, proc.describe()
 
 
-RECONFIGURE_JOB = r"""
-import os, sys, time
-from datetime import timedelta
-import torch, torch.distributed as dist
-import rustc10d
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-rank, world = int(args["--rank"]), int(args["--world"])
-host, port = args["--store"].split(":")
-store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=30))
+RECONFIGURE_JOB = JOB_HEAD + r"""
 first = world - 1  # processes 0 .. first-1 start; the last one replaces the victim once it is gone
 victim = 1
 replacement = rank == world - 1

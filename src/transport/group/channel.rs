@@ -140,18 +140,20 @@ fn abort_text(why: &Error) -> Vec<u8> {
     why[..why.len().min(ABORT_MAX as usize)].to_vec()
 }
 
-/// A channel's number: FNV-1a of its name and how many of that name came before.
+/// FNV-1a of `bytes`.
+fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// A channel's number: a hash of its name and how many of that name came before.
 fn number(name: &str, nth: u64) -> u64 {
-    let bytes = name.bytes().chain([0]).chain(nth.to_le_bytes());
-    let h = bytes.fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
-    h.max(1)
+    fnv1a(name.bytes().chain([0]).chain(nth.to_le_bytes())).max(1)
 }
 
 /// The key of a channel's arena in its host's pool: its number and its
 /// members (torch names the halves of a split alike; their members differ).
 fn lease_key(group: u64, members: &[usize]) -> u64 {
-    let bytes = group.to_le_bytes().into_iter().chain(members.iter().flat_map(|&r| (r as u64).to_le_bytes()));
-    bytes.fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    fnv1a(group.to_le_bytes().into_iter().chain(members.iter().flat_map(|&r| (r as u64).to_le_bytes())))
 }
 
 impl Channel {

@@ -261,18 +261,17 @@ impl Reader {
                     *got += n;
                     return Ok(None);
                 }
-                let key = *key;
+                let (key, text) = (*key, String::from_utf8_lossy(buf).into_owned());
+                *state = State::Start;
                 let (group, sent_below) = (key.group, key.channel);
                 if key.sub == LEAVE_CHANNEL {
                     // It left the group: what it sent before stays, and
                     // receives from any peer may still be met by another.
-                    let why = Error::peer_lost(format!("left the group: {}", String::from_utf8_lossy(buf)));
-                    *state = State::Start;
+                    let why = Error::peer_lost(format!("left the group: {text}"));
                     mailbox.lock().unwrap().peer_destroyed_group(group, sent_below, why);
                     return Ok(None);
                 }
-                let why = Error::peer_lost(format!("gave up on the group: {}", String::from_utf8_lossy(buf)));
-                *state = State::Start;
+                let why = Error::peer_lost(format!("gave up on the group: {text}"));
                 if group == 0 && key.sub != ABORT_CHANNEL {
                     return Ok(Some(Stop::Reason(why)));
                 }
