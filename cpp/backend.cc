@@ -700,10 +700,17 @@ class RustBackend final : public compat::Backend<RustBackend> {
       allreduce(tensors, opts)->wait();
       return;
     }
+    auto code = static_cast<ReduceOpCode>(op);
+    // Where the group is idle, the op runs here and now, with no Op to make and wait for.
+    auto here = group().all_reduce_here(desc_of(t), code);
+    if (here.ran) {
+      if (here.failed) raise(here.kind, std::string(here.message));
+      return;
+    }
     Call call{};
     call.kind = OpKind::AllReduce;
     call.root = -1;
-    call.reduce = static_cast<ReduceOpCode>(op);
+    call.reduce = code;
     call.timeout_ms = -1;
     call.sync_op = true;
     call.outputs = rvec({desc_of(t)});

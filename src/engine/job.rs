@@ -80,23 +80,35 @@ impl Shared {
             }
             _ => {
                 for (i, part) in job.parts.iter().enumerate() {
-                    let seq = job.first_seq + i as u64;
-                    let fingerprint = Fingerprint::of(part);
-                    self.run_part(seq, part, job.timeout, job.spin, fingerprint, |ctx| {
-                        // The smallest all-reduces and barriers check the call
-                        // alongside their one exchange; the rest before they start.
-                        let plan = Plan::of(ctx, part);
-                        let inline = plan.checks_inline(ctx, part);
-                        if !inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
-                            algorithms::call_check::agree(ctx, &fingerprint)?;
-                        }
-                        algorithms::run(ctx, part, &plan, inline.then_some(&fingerprint))
-                    })?;
+                    self.run_collective(job.first_seq + i as u64, part, job.timeout, job.spin)?;
                 }
                 let staging = job.staging.as_mut().map_or(Ok(()), Staging::all_out);
                 staging.map_err(|e| self.staging_failed(job.first_seq, &job.parts, e))
             }
         }
+    }
+
+    /// A collective of a job without staging.
+    fn run_collective(&self, seq: u64, part: &Collective, timeout: Duration, spin: Duration) -> Result<()> {
+        let fingerprint = Fingerprint::of(part);
+        self.run_part(seq, part, timeout, spin, fingerprint, |ctx| {
+            // The smallest all-reduces and barriers check the call
+            // alongside their one exchange; the rest before they start.
+            let plan = Plan::of(ctx, part);
+            let inline = plan.checks_inline(ctx, part);
+            if !inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
+                algorithms::call_check::agree(ctx, &fingerprint)?;
+            }
+            algorithms::run(ctx, part, &plan, inline.then_some(&fingerprint))
+        })
+    }
+
+    /// One collective, number `seq`, run on its caller's thread with no job
+    /// around it (`Engine::run_here`), by whoever holds `running`.
+    pub(super) fn run_here(&self, seq: u64, part: &Collective, timeout: Duration, spin: Duration) -> Result<()> {
+        self.run_collective(seq, part, timeout, spin)?;
+        self.done_below.fetch_max(seq + 1, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Run one collective: refuse it on a stopped or broken group, apply

@@ -212,11 +212,7 @@ impl Engine {
         let spin = self.shared.spin;
         let mut job = Job { first_seq, parts, timeout, staging, status: status.clone(), spin };
         let handle = OpHandle { status, seq: first_seq, source_rank: -1, expiry: None, spin };
-        let here =
-            now && job.staging.is_none() && !self.is_coalescing() && self.shared.queued.load(Ordering::SeqCst) == 0;
-        // Taken under the queue's lock, so that no later op can run before
-        // this one; never waited for there (see `running`).
-        if let Some(running) = here.then(|| self.shared.running.try_lock().ok()).flatten() {
+        if let Some(running) = (now && job.staging.is_none()).then(|| self.turn_here()).flatten() {
             drop(queue);
             // Its caller waits anyway: polling longer costs nobody's compute.
             job.spin = self.shared.sync_spin;
@@ -230,6 +226,50 @@ impl Engine {
             e.0.fail(Error::aborted("rustc10d: the engine has stopped"));
         }
         Ok(handle)
+    }
+
+    /// A collective run on this thread at once, for a caller that holds its
+    /// buffers and has nothing to finish on the torch side (the direct op,
+    /// `rustc10d.all_reduce_`): its result where the group is idle; None,
+    /// having done nothing, where it is not (the caller then issues it with
+    /// `run_now`, which queues it). No status, handle or job is made: the
+    /// smallest ops cost little more than their exchange.
+    ///
+    /// # Safety
+    /// The buffers must stay valid, and untouched by the caller, until this returns.
+    pub unsafe fn run_here(&self, part: Collective) -> Option<Result<()>> {
+        if let Err(e) = part.check(self.rank(), self.size()) {
+            return Some(Err(e));
+        }
+        let queue = self.queue.lock().unwrap();
+        if queue.is_none() {
+            return Some(Err(Error::aborted("rustc10d: the process group was shut down")));
+        }
+        let running = self.turn_here()?;
+        let seq = self.shared.next_seq.fetch_add(1, Ordering::SeqCst);
+        drop(queue);
+        let s = &self.shared;
+        let ran = panics::contain(format_args!("op #{seq} on rank {}", self.rank()), || {
+            s.run_here(seq, &part, s.timeout(), s.sync_spin)
+        });
+        drop(running);
+        // A failure of the op has broken the group already where it should
+        // (`run_part`); a panic around it breaks it here, as `run_contained`'s.
+        Some(ran.unwrap_or_else(|e| {
+            s.break_group(&e, seq);
+            Err(e)
+        }))
+    }
+
+    /// The turn of an op to run on its caller's thread: where nothing of the
+    /// group is queued, running or being coalesced. Taken under the queue's
+    /// lock, so that no later op can run before this one; never waited for
+    /// there (see `running`).
+    fn turn_here(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        if self.is_coalescing() || self.shared.queued.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        self.shared.running.try_lock().ok()
     }
 
     /// Ops issued from now on are also waited for by `end_coalescing`'s op.

@@ -2,7 +2,7 @@
 //! shim calls them.
 
 use super::bridge::{self, Call, OpKind, WaitOutcome};
-use super::translate::{buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
+use super::translate::{all_reduce_of, buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
 use super::{Group, GroupStore, Op};
 use crate::config::CudaWait;
 use crate::cuda::{DeviceGate, Stream};
@@ -176,6 +176,27 @@ impl Group {
             Ok(Ok(handle)) => Op { handle, at_issue: false },
             Ok(Err(e)) | Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
         })
+    }
+
+    pub(crate) fn all_reduce_here(&self, tensor: &bridge::TensorDesc, reduce: bridge::ReduceOpCode) -> bridge::RanHere {
+        let ran = panics::contain(format_args!("allreduce on rank {}", self.engine.rank()), || {
+            // PREMUL_SUM, whose factor this does not take, the shim sends `run_now`'s way.
+            let part = all_reduce_of(tensor, reduce, 1.0)?;
+            // SAFETY: the buffer is the caller's tensor, which it holds, and
+            // neither reads nor changes, until this returns (the bridge's
+            // contract for `all_reduce_here`).
+            Ok(unsafe { self.engine.run_here(part) })
+        });
+        let (ran, result) = match ran.and_then(|r| r) {
+            Ok(Some(result)) => (true, result),
+            Ok(None) => (false, Ok(())),
+            Err(e) => (true, Err(e)),
+        };
+        let (failed, kind, message) = match result {
+            Ok(()) => (false, bridge::ErrorKind::InvalidArgument, String::new()),
+            Err(e) => (true, e.kind.into(), e.message),
+        };
+        bridge::RanHere { ran, failed, kind, message }
     }
 
     pub(crate) fn start_coalescing(&self) -> Result<()> {

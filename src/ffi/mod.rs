@@ -140,6 +140,16 @@ pub mod bridge {
         sync_op: bool,
     }
 
+    /// What `Group::all_reduce_here` did.
+    struct RanHere {
+        /// Whether the op ran; if not (its group was busy), nothing was done.
+        ran: bool,
+        failed: bool,
+        /// Of a failure: which, and its message.
+        kind: ErrorKind,
+        message: String,
+    }
+
     extern "Rust" {
         type Group;
         type Op;
@@ -153,6 +163,11 @@ pub mod bridge {
         /// idle, else queued. The caller must wait for the Op before it lets
         /// go of the tensors.
         fn run_now(self: &Group, call: &Call) -> Box<Op>;
+        /// The direct op's all-reduce of `tensor` in place, run at once on
+        /// the caller's thread where the group is idle, with no Op to wait
+        /// for; where it is busy, not run (the shim then takes `run_now`).
+        /// The caller holds the tensor, untouched, until this returns.
+        fn all_reduce_here(self: &Group, tensor: &TensorDesc, reduce: ReduceOpCode) -> RanHere;
         fn start_coalescing(self: &Group) -> Result<()>;
         /// One op for every op issued since start_coalescing.
         fn end_coalescing(self: &Group, done: UniquePtr<Completion>) -> Box<Op>;

@@ -42,12 +42,18 @@ pub(super) fn rank(r: i64, what: &str) -> Result<usize> {
     usize::try_from(r).map_err(|_| Error::invalid(format!("rustc10d: {what} rank {r} is negative")))
 }
 
-pub(super) fn reduction(t: &bridge::TensorDesc, call: &Call) -> Result<Reduction> {
+/// How `t` is reduced by `reduce` (PREMUL_SUM's factor: `premul`).
+pub(super) fn reduction(t: &bridge::TensorDesc, reduce: ReduceOpCode, premul: f64) -> Result<Reduction> {
     let dtype = dtype_of(t.dtype)?;
-    if call.reduce == ReduceOpCode::PremulSum {
-        return Ok(Reduction { dtype, op: dtype::ReduceOp::Sum, premul: Some(call.premul) });
+    if reduce == ReduceOpCode::PremulSum {
+        return Ok(Reduction { dtype, op: dtype::ReduceOp::Sum, premul: Some(premul) });
     }
-    Ok(Reduction::new(dtype, dtype::ReduceOp::from_code(call.reduce.repr)?))
+    Ok(Reduction::new(dtype, dtype::ReduceOp::from_code(reduce.repr)?))
+}
+
+/// The all-reduce of `t` in place by `reduce` (PREMUL_SUM's factor: `premul`).
+pub(super) fn all_reduce_of(t: &bridge::TensorDesc, reduce: ReduceOpCode, premul: f64) -> Result<Collective> {
+    Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, reduce, premul)? })
 }
 
 /// Cut a flat list of `what` into `parts` equal groups (one per coalesced
@@ -100,13 +106,12 @@ pub(super) fn collectives(call: &Call, sparse: Option<&Arc<Mutex<SparseGathered>
     // The dtype of every tensor of the call (none for barriers).
     let dtype = ins.iter().chain(outs).next().map_or(Fingerprint::NONE, |t| t.dtype.repr);
     Ok(match kind {
-        ops::OpKind::AllReduce => outs
-            .iter()
-            .map(|t| Ok(Collective::AllReduce { buf: buf(t), red: reduction(t, call)? }))
-            .collect::<Result<_>>()?,
+        ops::OpKind::AllReduce => {
+            outs.iter().map(|t| all_reduce_of(t, call.reduce, call.premul)).collect::<Result<_>>()?
+        }
         ops::OpKind::Reduce => {
             let t = outs.first().ok_or_else(|| Error::invalid("rustc10d: reduce takes one tensor"))?;
-            vec![Collective::Reduce { buf: buf(t), root: root()?, red: reduction(t, call)? }]
+            vec![Collective::Reduce { buf: buf(t), root: root()?, red: reduction(t, call.reduce, call.premul)? }]
         }
         ops::OpKind::Broadcast => vec![Collective::Broadcast { buf: first(outs, "output")?, root: root()?, dtype }],
         ops::OpKind::AllGather => ins
@@ -123,7 +128,9 @@ pub(super) fn collectives(call: &Call, sparse: Option<&Arc<Mutex<SparseGathered>
         ops::OpKind::ReduceScatter => outs
             .iter()
             .zip(per_part(kind, "inputs", ins, outs.len())?)
-            .map(|(o, inputs)| Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, call)? }))
+            .map(|(o, inputs)| {
+                Ok(Collective::ReduceScatter { inputs, output: buf(o), red: reduction(o, call.reduce, call.premul)? })
+            })
             .collect::<Result<_>>()?,
         ops::OpKind::AllToAll => vec![Collective::AllToAll { inputs: bufs(ins), outputs: bufs(outs), dtype }],
         ops::OpKind::Barrier => vec![Collective::Barrier],
