@@ -22,7 +22,6 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, scale};
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 /// Buffers whose every rank's copy together is at most this large take one
 /// stage (if no larger than `small_allreduce_bytes`, where the direct
@@ -45,7 +44,7 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let es = how.dtype.size();
     let gets_result = how.root.is_none_or(|r| r == rank);
-    let deadline = Instant::now() + ctx.timeout;
+    let deadline = ctx.deadline;
     let per_round = arena.slot_bytes() / es * es;
     let one_stage = buf.len * world <= ONE_STAGE_BYTES && buf.len <= ctx.small_allreduce_bytes.min(per_round);
     let rounds = if one_stage { 1 } else { buf.len.div_ceil(per_round).max(1) };

@@ -17,7 +17,6 @@ use super::in_arena::{part, round};
 use super::{pairwise_alltoall, OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 /// Whether a slot holds a rank's sizes (16 bytes per peer), and 16 bytes
 /// of a block for each rank per round.
@@ -36,7 +35,7 @@ pub fn arena_alltoall(
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     // The sizes and each round's parts are laid out for exactly world blocks each way.
     assert!(inputs.len() == world && outputs.len() == world, "arena_alltoall: one block per rank each way");
-    let deadline = Instant::now() + ctx.timeout;
+    let deadline = ctx.deadline;
     let (mut largest, mut smallest) = (0, usize::MAX);
     {
         let mut r = round(ctx, arena, fp, 0, deadline)?;

@@ -18,7 +18,6 @@ use crate::dtype::ReduceOp;
 use crate::error::Result;
 use crate::reduce::{divide_by, scale};
 use crate::transport::arena::Arena;
-use std::time::Instant;
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
 pub fn arena_reduce_scatter(
@@ -33,7 +32,7 @@ pub fn arena_reduce_scatter(
     // Each block has a part of its own in every slot: at most world of them fit.
     assert_eq!(inputs.len(), world, "arena_reduce_scatter: one input block per rank");
     let es = how.dtype.size();
-    let deadline = Instant::now() + ctx.timeout;
+    let deadline = ctx.deadline;
     // The dispatcher sees that every block gets an element at least.
     let per_block = arena.slot_bytes() / world / es * es;
     let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);

@@ -54,7 +54,7 @@ pub fn in_rounds(
     per_round: usize,
     mut each: impl FnMut(&mut InArena, usize) -> Result<()>,
 ) -> Result<()> {
-    let deadline = Instant::now() + ctx.timeout;
+    let deadline = ctx.deadline;
     for k in 0..bytes.div_ceil(per_round).max(1) {
         each(&mut round(ctx, arena, fp, k as u64, deadline)?, k)?;
     }
@@ -63,7 +63,7 @@ pub fn in_rounds(
 
 /// Check the call with every rank of the group in one round.
 pub fn agree(ctx: &OpCtx, arena: &Arena, mine: &Fingerprint) -> Result<()> {
-    let deadline = Instant::now() + ctx.timeout;
+    let deadline = ctx.deadline;
     round(ctx, arena, mine, 0, deadline)?.stage()
 }
 

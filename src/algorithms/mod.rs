@@ -13,7 +13,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::status::Cost;
 use crate::transport::{Fold, Key, Transfers, Transport};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 mod alltoall;
 mod arena_allgather;
@@ -106,6 +106,9 @@ pub struct OpCtx<'a> {
     /// Collective sequence number: the same on every rank for the same call.
     pub seq: u64,
     pub timeout: Duration,
+    /// When the op must have finished: its start plus its timeout (read
+    /// once, so that a small op looks at the clock no more than it must).
+    pub deadline: Instant,
     /// "allreduce #4 on rank 1", for errors.
     pub what: What,
     /// Payload bytes per message in pipelined algorithms: large enough to

@@ -168,6 +168,7 @@ mod tests {
             transport: &*net[0],
             seq: 0,
             timeout: Duration::from_secs(5),
+            deadline: std::time::Instant::now() + Duration::from_secs(5),
             what: crate::algorithms::What::new("test", 0, 0),
             segment_bytes: 64,
             small_allreduce_bytes: 0,

@@ -65,11 +65,10 @@ impl Shared {
                 self.run_part(job.first_seq, part, job.timeout, job.spin, fingerprint, |ctx| {
                     // Checked once for all pieces (the piece size is part of the call).
                     algorithms::call_check::agree(ctx, &fingerprint)?;
-                    let deadline = Instant::now() + ctx.timeout;
                     run_in_pieces(staging, part, bytes, |i, piece| {
                         // Each piece is a collective of its own, with keys of its own.
                         let piece_ctx = OpCtx {
-                            timeout: deadline.saturating_duration_since(Instant::now()),
+                            timeout: ctx.deadline.saturating_duration_since(Instant::now()),
                             what: ctx.what.within("piece", i as u64),
                             piece: i as u64,
                             ..*ctx
@@ -134,6 +133,7 @@ impl Shared {
             transport: &*self.transport,
             seq,
             timeout,
+            deadline: start + timeout,
             what,
             segment_bytes: self.segment_bytes,
             small_allreduce_bytes: self.small_allreduce_bytes,

@@ -62,6 +62,7 @@ impl Rank<'_> {
             transport: self.t,
             seq,
             timeout: self.timeout,
+            deadline: std::time::Instant::now() + self.timeout,
             what: What::new(part.kind().name(), seq, rank),
             segment_bytes: SEGMENT,
             small_allreduce_bytes: self.small,

@@ -551,12 +551,14 @@ impl Round<'_> {
     /// After `arrive`: poll for up to `busy`, `POLLS` polls at a time, with
     /// a look at the clock and the abort in between, and, if the arena's
     /// ranks outnumber the cores, a yield of the core (which the rank waited
-    /// for may need): whether the stage passed (`None`: not yet).
+    /// for may need): whether the stage passed (`None`: not yet). `busy`
+    /// counts from the first look at the clock, after the first polls: a
+    /// stage that passes in those reads no clock.
     pub fn wait_busy(&mut self, busy: Duration) -> Option<std::result::Result<(), Stuck>> {
         if busy.is_zero() {
             return None;
         }
-        let until = Instant::now() + busy;
+        let mut until = None;
         loop {
             if self.poll_a_while() {
                 return Some(Ok(()));
@@ -564,7 +566,8 @@ impl Round<'_> {
             if let Some(stuck) = self.arena.aborted() {
                 return Some(Err(stuck));
             }
-            if Instant::now() >= until {
+            let now = Instant::now();
+            if now >= *until.get_or_insert(now + busy) {
                 return None;
             }
             if self.arena.crowded {
