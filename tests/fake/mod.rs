@@ -138,6 +138,14 @@ impl Net {
         matches!(self, Net::Hosts(_) | Net::HostArenas(..))
     }
 
+    /// The bytes of a slot of the group's shared arena of all its ranks, if it has one.
+    pub fn arena_slot(self) -> Option<usize> {
+        match self {
+            Net::Arena(slot, _) => Some(slot),
+            _ => None,
+        }
+    }
+
     /// Whether the group has a shared arena of all its ranks.
     pub fn arena(self) -> bool {
         matches!(self, Net::Arena(..))
