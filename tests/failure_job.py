@@ -78,11 +78,12 @@ def sigkill_small(store, rank, world):
 
 def staged_killed(store, rank, world):
     """Under test staging in pieces (set by the test), the last rank dies (SIGKILL) 0.1 s
-    into a 128 MiB all_reduce (about 0.3 s here), after some pieces have gone through: the
-    others' tensor stays bit-for-bit as it was."""
+    into a 512 MiB all_reduce, after some pieces have gone through: the others' tensor stays
+    bit-for-bit as it was. (At 128 MiB, since the 1 MiB pieces run in the arena, the op could
+    end within 0.1 s, and the kill came too late.)"""
     init(store, rank, world)
     dist.all_reduce(torch.ones(8))  # every rank connected
-    t = torch.arange(1 << 25, dtype=torch.float32) + rank
+    t = torch.arange(1 << 27, dtype=torch.float32) + rank
     before = t.clone()
     if rank == world - 1:
         threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
