@@ -252,13 +252,16 @@ impl Engine {
         let ran = panics::contain(format_args!("op #{seq} on rank {}", self.rank()), || {
             s.run_here(seq, &part, s.timeout(), s.sync_spin)
         });
-        drop(running);
         // A failure of the op has broken the group already where it should
-        // (`run_part`); a panic around it breaks it here, as `run_contained`'s.
-        Some(ran.unwrap_or_else(|e| {
+        // (`run_part`); a panic around it breaks it here, as `run_contained`'s,
+        // before `running` is let go, so that no later op starts on a group
+        // not yet marked broken.
+        let ran = ran.unwrap_or_else(|e| {
             s.break_group(&e, seq);
             Err(e)
-        }))
+        });
+        drop(running);
+        Some(ran)
     }
 
     /// The turn of an op to run on its caller's thread: where nothing of the
