@@ -4,8 +4,9 @@ the shim, rustc10d's torch side (build_shim.py), for the torch installed in this
     pip install --no-build-isolation .
 
 torch must already be installed, and the build must see it, so build isolation stays off. A
-wheel for every supported torch (scripts/build_wheels.sh) sets RUSTC10D_SHIM_TORCH_PYTHONS to
-the Pythons of environments that have those torches, separated by ":".
+Other torches: RUSTC10D_SHIM_TORCH_PYTHONS names the Pythons of environments that have them,
+separated by ":"; "none" builds no shim (scripts/build_wheels.sh adds them to the wheel after,
+one torch at a time, with build_shim.py, so that only one extra torch need be on disk at once).
 """
 
 import json
@@ -50,7 +51,10 @@ class BuildShims(Command):
         # A shim left from an earlier build may not match the core built now.
         for stale in (package / "_torch").glob("shim_*.so"):
             stale.unlink()
-        pythons = [p for p in os.environ.get("RUSTC10D_SHIM_TORCH_PYTHONS", "").split(":") if p] or [sys.executable]
+        listed = os.environ.get("RUSTC10D_SHIM_TORCH_PYTHONS", "")
+        if listed == "none":
+            return
+        pythons = [p for p in listed.split(":") if p] or [sys.executable]
         python_include = sysconfig.get_paths()["include"]  # the Python the wheel is for
         for python in pythons:
             shim = build_shim.build(sources, cores[0], package / "_torch", python, python_include,
