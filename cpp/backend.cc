@@ -337,6 +337,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
   // destroy_process_group() and abort: fail what is pending, close sockets, join threads.
   void shutdown() override { stop(); }
   void abort() override { stop(); }
+  bool stopped() const { return stopped_.load(); }
 
   const std::string getBackendName() const override { return "rustc10d"; }
   bool supportsCoalescing() const override { return true; }
@@ -784,6 +785,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   void stop() {
+    stopped_.store(true);
     if (group_) without_gil([&] { (*group_)->shutdown(); });
   }
 
@@ -801,9 +803,42 @@ class RustBackend final : public compat::Backend<RustBackend> {
   std::string last_split_name_;
   c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
   std::atomic<uint64_t> next_key_{1};
+  std::atomic<bool> stopped_{false};  // shut down, aborted or destroyed: see direct_all_reduce's cache
   bool coalescing_ = false;
   std::vector<at::Tensor> coalesced_;  // the results of the ops issued while coalescing
 };
+
+// The group this thread's last direct op ran on. A caller makes them in a
+// loop on one group (two per layer per token), and torch's registry of groups
+// (a string hashed, a map under a lock) cost about 0.5 us of a small op's 5
+// after an idle spell (cold caches). Held weakly, as torch's registry holds
+// it: a group's last reference going releases its backends at once. Used
+// while the group lives and its backend was not shut down:
+// destroy_process_group shuts down the backends of every group it
+// unregisters, so a name used again, for a new group, is looked up afresh.
+struct LastGroup {
+  std::string name;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group{c10::intrusive_ptr<c10d::ProcessGroup>()};
+};
+thread_local LastGroup last_group;
+
+// The backend of group `group_name` for `device`'s tensors, which must be rustc10d's.
+c10::intrusive_ptr<c10d::Backend> backend_for(c10::string_view group_name, c10::DeviceType device) {
+  auto& last = last_group;
+  if (c10::string_view(last.name) == group_name) {
+    if (auto group = last.group.lock()) {
+      auto backend = group->getBackend(device);
+      auto* ours = dynamic_cast<RustBackend*>(backend.get());
+      if (ours && !ours->stopped()) return backend;
+    }
+  }
+  auto group = c10d::resolve_process_group(std::string(group_name));
+  auto backend = group->getBackend(device);
+  TORCH_CHECK(dynamic_cast<RustBackend*>(backend.get()), "rustc10d.all_reduce_: the backend of group ", group_name,
+              " for ", device, " tensors is ", backend->getBackendName(), ", not rustc10d");
+  last = LastGroup{std::string(group_name), c10::weak_intrusive_ptr<c10d::ProcessGroup>(group)};
+  return backend;
+}
 
 }  // namespace
 
@@ -812,11 +847,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
 // want no more than one dispatcher call each, as DeepSpeed's shm op is. The
 // GIL is let go while the op waits, as torch.distributed's calls do.
 at::Tensor& direct_all_reduce(at::Tensor& tensor, c10::string_view group_name, int64_t op) {
-  auto group = c10d::resolve_process_group(std::string(group_name));
-  auto backend = group->getBackend(tensor.device().type());
-  auto* ours = dynamic_cast<RustBackend*>(backend.get());
-  TORCH_CHECK(ours, "rustc10d.all_reduce_: the backend of group ", group_name, " for ", tensor.device().type(),
-              " tensors is ", backend->getBackendName(), ", not rustc10d");
+  auto backend = backend_for(group_name, tensor.device().type());
+  auto* ours = static_cast<RustBackend*>(backend.get());  // backend_for checked it
   without_gil([&] { ours->all_reduce_now(tensor, op); });
   return tensor;
 }

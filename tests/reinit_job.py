@@ -1,5 +1,6 @@
 """One rank of tests/test_init.py::test_group_recreated_in_the_same_process: destroy the default
-group and create it again, three times, under one torchrun (so over the same Store).
+group and create it again, three times, under one torchrun (so over the same Store); on rustc10d,
+its direct op on each group, and on each destroyed one (which must raise).
 
     reinit_job.py BACKEND [--no-import]
 
@@ -22,6 +23,20 @@ for round_ in range(3):
     dist.all_reduce(t)
     world = dist.get_world_size()
     assert torch.all(t == world * round_ + world * (world - 1) / 2), (round_, t)
+    name = dist.group.WORLD.group_name
+    if backend == "rustc10d":
+        # The direct op keeps the backend it last ran on; the group made again under the same
+        # name is a new one, which it must find, and the destroyed one it must not use.
+        u = torch.full((3,), float(dist.get_rank() + 1))
+        torch.ops.rustc10d.all_reduce_(u, name, 0)
+        assert torch.all(u == world * (world + 1) / 2), (round_, u)
     dist.destroy_process_group()
+    if backend == "rustc10d":
+        try:
+            torch.ops.rustc10d.all_reduce_(torch.ones(3), name, 0)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError(f"round {round_}: the direct op ran on group {name} after it was destroyed")
     sys.stdout.write(f"round {round_} ok\n")
 sys.stdout.write(f"rustc10d {'was' if 'rustc10d' in sys.modules else 'was not'} imported\n")

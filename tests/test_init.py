@@ -67,7 +67,8 @@ def test_socket_ifname(tmp_path, ifname):
 @pytest.mark.timeout(120)
 def test_group_recreated_in_the_same_process(tmp_path):
     """destroy_process_group() then init_process_group() again over the same Store: the new
-    group must not pick up the old group's addresses."""
+    group must not pick up the old group's addresses, and rustc10d's direct op, which keeps the
+    backend it last ran on, must run on the new group of the same name and refuse the old one."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(harness.REPO / "tests" / "reinit_job.py"), checks.BACKEND]
     [proc] = harness.run_processes({"torchrun": cmd}, timeout=100, log_dir=tmp_path)
