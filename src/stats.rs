@@ -23,14 +23,25 @@ pub struct OpStats {
     pub early_bytes: u64,
 }
 
+/// A slot per kind (in `OpKind::ALL`'s order, which is the codes'), so that
+/// recording touches one slot, not a map's nodes.
 #[derive(Debug, Default)]
-pub struct Stats(Mutex<BTreeMap<OpKind, OpStats>>);
+pub struct Stats(Mutex<[OpStats; OpKind::ALL.len()]>);
+
+// A kind's slot is its code.
+const _: () = {
+    let mut i = 0;
+    while i < OpKind::ALL.len() {
+        assert!(OpKind::ALL[i] as usize == i);
+        i += 1;
+    }
+};
 
 impl Stats {
     pub fn record(&self, op: OpKind, bytes: u64, took: Duration, ok: bool, cost: &Cost) {
         let c = cost.totals();
-        let mut map = self.0.lock().unwrap();
-        let s = map.entry(op).or_default();
+        let mut slots = self.0.lock().unwrap();
+        let s = &mut slots[op as usize];
         s.count += 1;
         s.failed += u64::from(!ok);
         s.bytes += bytes;
@@ -41,7 +52,9 @@ impl Stats {
         s.early_bytes += c.early;
     }
 
+    /// The kinds that ran (or failed) at least once.
     pub fn snapshot(&self) -> BTreeMap<OpKind, OpStats> {
-        self.0.lock().unwrap().clone()
+        let slots = *self.0.lock().unwrap();
+        OpKind::ALL.into_iter().zip(slots).filter(|(_, s)| s.count > 0).collect()
     }
 }

@@ -193,6 +193,9 @@ impl Shared {
 
     /// Refuse op `what` on a group that an earlier failure broke.
     pub(super) fn unless_broken(&self, what: &dyn std::fmt::Display) -> Result<()> {
+        if !self.is_broken.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &*self.broken.lock().unwrap() {
             Some(cause) => Err(Error::new(
                 cause.kind,
@@ -212,7 +215,10 @@ impl Shared {
     /// failure spreads the same way. `seq`: the failed collective's (see
     /// `Transport::abort_all`).
     pub(super) fn break_group(&self, cause: &Error, seq: u64) {
-        self.broken.lock().unwrap().get_or_insert_with(|| cause.clone());
+        let mut broken = self.broken.lock().unwrap();
+        broken.get_or_insert_with(|| cause.clone());
+        self.is_broken.store(true, Ordering::Release);
+        drop(broken);
         self.transport.abort_all(cause, seq);
     }
 }

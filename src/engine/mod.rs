@@ -43,6 +43,9 @@ pub struct Engine {
     worker: Mutex<Option<JoinHandle<()>>>,
     /// Between start_coalescing and end_coalescing: the ops issued meanwhile.
     coalescing: Mutex<Option<Vec<Arc<Status>>>>,
+    /// Whether `coalescing` holds a batch, set under its lock: what every op
+    /// run on its caller's thread asks, without that lock's cache line.
+    coalescing_open: AtomicBool,
 }
 
 struct Shared {
@@ -66,6 +69,10 @@ struct Shared {
     /// Set by the first collective that fails: later ones fail at once with it,
     /// since the ranks can no longer be assumed to agree on the sequence.
     broken: Mutex<Option<Error>>,
+    /// Whether `broken` holds a cause (set after it, under its lock): every
+    /// op asks, almost always of a group that is not, and learns it here
+    /// without that lock's cache line.
+    is_broken: AtomicBool,
     faults: Arc<Faults>,
     stats: Arc<Stats>,
     pool: ScratchPool,
@@ -89,6 +96,7 @@ impl Engine {
             running: Mutex::new(()),
             stopping: AtomicBool::new(false),
             broken: Mutex::new(None),
+            is_broken: AtomicBool::new(false),
             faults: cfg.faults.clone(),
             stats: Arc::default(),
             pool: ScratchPool::default(),
@@ -115,6 +123,7 @@ impl Engine {
             queue: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
             coalescing: Mutex::new(None),
+            coalescing_open: AtomicBool::new(false),
         })
     }
 
@@ -282,13 +291,18 @@ impl Engine {
             return Err(Error::invalid("rustc10d: startCoalescing() called twice without endCoalescing()"));
         }
         *c = Some(Vec::new());
+        self.coalescing_open.store(true, Ordering::SeqCst);
         Ok(())
     }
 
     /// One op that finishes once every op issued since `start_coalescing`
     /// has (with the first failure, if any); `done` runs then.
     pub fn end_coalescing(&self, done: Finisher) -> Result<OpHandle> {
-        let ops = self.coalescing.lock().unwrap().take();
+        let ops = {
+            let mut c = self.coalescing.lock().unwrap();
+            self.coalescing_open.store(false, Ordering::SeqCst);
+            c.take()
+        };
         let ops = ops.ok_or_else(|| Error::invalid("rustc10d: endCoalescing() without startCoalescing()"))?;
         let seq = self.shared.next_seq.load(Ordering::SeqCst);
         let status = Status::all(&ops, done);
@@ -297,7 +311,7 @@ impl Engine {
 
     /// Whether a coalescing batch is open (its ops are waited for together).
     pub fn is_coalescing(&self) -> bool {
-        self.coalescing.lock().unwrap().is_some()
+        self.coalescing_open.load(Ordering::SeqCst)
     }
 
     /// Note an op for a coalescing batch, if one is open.
