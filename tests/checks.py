@@ -761,10 +761,11 @@ def sync_ops_run_after_the_async_ones_issued_before_them(ctx: Ctx):
 
 @check("collectives", skip_on={"gloo": "rustc10d's own op"})
 def the_direct_all_reduce_op_reduces_like_dist_all_reduce(ctx: Ctx):
-    """rustc10d.all_reduce_ (torch.ops.rustc10d.all_reduce_): every reduce op on several dtypes
-    and shapes, contiguous and not (the latter through allreduce's way), on the world group and
-    on a subgroup, after async ops still in flight; PREMUL_SUM and a Gloo group are refused with
-    errors that say so, and the group goes on working."""
+    """rustc10d.all_reduce_ (torch.ops.rustc10d.all_reduce_), and the same bound to a group by
+    rustc10d.all_reducer: every reduce op on several dtypes and shapes, contiguous and not (the
+    latter through allreduce's way), on the world group and on a subgroup, after async ops still
+    in flight; PREMUL_SUM and a Gloo group are refused with errors that say so, and the group
+    goes on working."""
     import rustc10d
     specs = [(torch.float32, "SUM", (7,)), (torch.bfloat16, "SUM", (4096,)), (torch.float64, "AVG", (3, 5)),
              (torch.int64, "MAX", (1001,)), (torch.int32, "MIN", ()), (torch.uint8, "BOR", (64,)),
@@ -773,13 +774,16 @@ def the_direct_all_reduce_op_reduces_like_dist_all_reduce(ctx: Ctx):
     pending = inputs[ctx.rank].clone()
     work = dist.all_reduce(pending, async_op=True)
     group = new_group()
+    callers = {"all_reduce_": lambda t, op, g: rustc10d.all_reduce_(t, op, group=g),
+               "all_reducer": lambda t, op, g: rustc10d.all_reducer(op, group=g)(t)}
     for i, (dtype, op, shape) in enumerate(specs):
         for where, g in (("world", None), ("subgroup", group)):
-            ins = [ctx.input(r, shape, dtype, op, salt=f"{i}{where}") for r in range(ctx.world)]
-            t = ins[ctx.rank].clone()
-            got = rustc10d.all_reduce_(t, _reduce_op(op), group=g)
-            assert got is t, f"{where}: all_reduce_ returns the tensor it was given"
-            ctx.expect_reduced(t, ins, op, f"all_reduce_ {where} {dtype} {op} {shape}")
+            for name, call in callers.items():
+                ins = [ctx.input(r, shape, dtype, op, salt=f"{i}{where}{name}") for r in range(ctx.world)]
+                t = ins[ctx.rank].clone()
+                got = call(t, _reduce_op(op), g)
+                assert got is t, f"{where}: {name} returns the tensor it was given"
+                ctx.expect_reduced(t, ins, op, f"{name} {where} {dtype} {op} {shape}")
     assert work.is_completed(), "an async all_reduce issued before all_reduce_ is done when it returns"
     ctx.expect_reduced(pending, inputs, "SUM", "the async all_reduce before all_reduce_")
     ins = [ctx.input(r, (6, 4), torch.float32, "SUM", salt="strided") for r in range(ctx.world)]
@@ -788,8 +792,16 @@ def the_direct_all_reduce_op_reduces_like_dist_all_reduce(ctx: Ctx):
     ctx.expect_reduced(t, [x.t() for x in ins], "SUM", "all_reduce_ of a transposed tensor, by the torch op")
     expect_unsupported(ctx, lambda: torch.ops.rustc10d.all_reduce_(torch.ones(3), dist.group.WORLD.group_name, 8),
                        "all_reduce_ with PREMUL_SUM", phrase="is not one of")
+    reduce = rustc10d.all_reducer()
+    t = ins[ctx.rank].clone().t()
+    reduce(t)
+    ctx.expect_reduced(t, [x.t() for x in ins], "SUM", "all_reducer's callable on a transposed tensor")
+    expect_unsupported(ctx, lambda: rustc10d.all_reducer(dist.ReduceOp.PREMUL_SUM), "all_reducer with PREMUL_SUM",
+                       phrase="is not one of")
     gloo = dist.new_group(backend="gloo")
     expect_unsupported(ctx, lambda: rustc10d.all_reduce_(torch.ones(3), group=gloo), "all_reduce_ on a Gloo group",
+                       phrase="not rustc10d")
+    expect_unsupported(ctx, lambda: rustc10d.all_reducer(group=gloo), "all_reducer on a Gloo group",
                        phrase="not rustc10d")
     dist.destroy_process_group(gloo)
     dist.destroy_process_group(group)

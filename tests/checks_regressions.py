@@ -273,9 +273,10 @@ def ranks_that_disagree_on_the_dtype_are_a_mismatch(ctx: Ctx):
 
 @check("collectives", skip_on={"gloo": "rustc10d's own op"})
 def the_direct_all_reduce_op_called_differently_is_a_mismatch_on_every_rank(ctx: Ctx):
-    """rustc10d.all_reduce_ on an idle group runs on the caller's thread with no job, status or
-    Work around it (Engine::run_here): a call that differs across ranks must still raise "does
-    not match" on every rank and change no tensor, as dist.all_reduce does."""
+    """rustc10d.all_reduce_ (and all_reducer's callable) on an idle group runs on the caller's
+    thread with no job, status or Work around it (Engine::run_here): a call that differs across
+    ranks must still raise "does not match" on every rank and change no tensor, as
+    dist.all_reduce does."""
     import rustc10d
     t = torch.ones(64 + (ctx.rank == ctx.world - 1))
     _expect_mismatch(ctx, "all_reduce_, the last rank with one element more",
@@ -284,6 +285,8 @@ def the_direct_all_reduce_op_called_differently_is_a_mismatch_on_every_rank(ctx:
     op = dist.ReduceOp.MAX if ctx.rank == 0 else dist.ReduceOp.SUM
     _expect_mismatch(ctx, "all_reduce_, MAX on rank 0 and SUM elsewhere",
                      lambda g: rustc10d.all_reduce_(u, op, group=g), {"tensor": u})
+    _expect_mismatch(ctx, "all_reducer's callable, MAX on rank 0 and SUM elsewhere",
+                     lambda g: rustc10d.all_reducer(op, group=g)(u), {"tensor": u})
     check_group_usable(ctx, "after the direct op's mismatches on other groups")
 
 

@@ -30,13 +30,17 @@ for round_ in range(3):
         u = torch.full((3,), float(dist.get_rank() + 1))
         torch.ops.rustc10d.all_reduce_(u, name, 0)
         assert torch.all(u == world * (world + 1) / 2), (round_, u)
+        reduce = sys.modules["rustc10d"].all_reducer()
+        assert torch.all(reduce(torch.ones(2)) == world), round_
     dist.destroy_process_group()
     if backend == "rustc10d":
-        try:
-            torch.ops.rustc10d.all_reduce_(torch.ones(3), name, 0)
-        except RuntimeError:
-            pass
-        else:
-            raise AssertionError(f"round {round_}: the direct op ran on group {name} after it was destroyed")
+        for how, call in (("the direct op", lambda: torch.ops.rustc10d.all_reduce_(torch.ones(3), name, 0)),
+                          ("all_reducer's callable", lambda: reduce(torch.ones(3)))):
+            try:
+                call()
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError(f"round {round_}: {how} ran on group {name} after it was destroyed")
     sys.stdout.write(f"round {round_} ok\n")
 sys.stdout.write(f"rustc10d {'was' if 'rustc10d' in sys.modules else 'was not'} imported\n")

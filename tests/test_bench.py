@@ -108,7 +108,7 @@ def test_latency_bench(tmp_path):
     assert {(e["dtype"], e["bytes"]) for e in report["results"]} == {
         (d, b) for d in ("float32", "bfloat16") for b in (8, 64 << 10)}, report["results"]
     for e in report["results"]:
-        assert set(e["series"]) == {f"{s}|{m}" for s in ("rustc10d", "rustc10d-op", "gloo")
+        assert set(e["series"]) == {f"{s}|{m}" for s in ("rustc10d", "rustc10d-op", "all_reducer", "gloo")
                                     for m in ("back_to_back", "after_idle")}
         for key, cell in e["series"].items():
             assert cell["ops"] == 20 and 0 < cell["median_us"] <= cell["p90_us"], (e["dtype"], e["bytes"], key, cell)

@@ -15,7 +15,9 @@ ops (p90 in the JSON). Two ways of calling:
   that a backend whose threads go to sleep pays for waking them.
 
 The series: rustc10d through `dist.all_reduce`; rustc10d-op, rustc10d's own torch op
-(`rustc10d.all_reduce_`, one dispatcher call and no Work, as DeepSpeed's op is); Gloo; DeepSpeed.
+(`rustc10d.all_reduce_`, one dispatcher call and no Work, as DeepSpeed's op is); all_reducer,
+the same op bound once to the group (`rustc10d.all_reducer`), called with the tensor alone and
+no dispatcher; Gloo; DeepSpeed. Each is called through one Python function, as DeepSpeed's is.
 
 The series alternate in rounds, so that drift of the machine hits all alike. Every op's result is
 checked against arithmetic (SUM of rank + 1 over ranks, exact in bfloat16); a wrong one fails the
@@ -137,9 +139,12 @@ def worker_main(rank: int, world: int, port: int) -> int:
     ours = dist.new_group(backend="rustc10d", timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     ours_name = ours.group_name
+    reducer = rustc10d.all_reducer(group=ours)
     runs = {"rustc10d": lambda t: dist.all_reduce(t, group=ours),
             # rustc10d.all_reduce_'s torch op, called as a hot loop would call it
             "rustc10d-op": lambda t: torch.ops.rustc10d.all_reduce_(t, ours_name, 0),
+            # the same bound to the group once (rustc10d.all_reducer): no dispatcher
+            "all_reducer": lambda t: reducer(t),
             "gloo": lambda t: dist.all_reduce(t, group=gloo)}
     if cfg["deepspeed"]:
         runs[DEEPSPEED] = _deepspeed_all_reduce(world, rank, port, cfg["deepspeed_op"])
@@ -254,11 +259,12 @@ def print_table(world: int, dtype: str, entries: list[dict], cpus: int):
             print(f"{label if i == 0 else '':<14}{s:<11}"
                   + "".join(f"{c['median_us']:>11.1f}" if c else f"{'-':>11}" for c in cells))
         if DEEPSPEED in series:
-            ratio = []
-            for e in entries:
-                a, b = e["series"].get(f"rustc10d-op|{mode}"), e["series"].get(f"{DEEPSPEED}|{mode}")
-                ratio.append(f"{a['median_us'] / b['median_us']:>11.2f}" if a and b else f"{'-':>11}")
-            print(f"{'':<14}{'op/ds':<11}" + "".join(ratio))
+            for ours, label in (("rustc10d-op", "op/ds"), ("all_reducer", "reducer/ds")):
+                ratio = []
+                for e in entries:
+                    a, b = e["series"].get(f"{ours}|{mode}"), e["series"].get(f"{DEEPSPEED}|{mode}")
+                    ratio.append(f"{a['median_us'] / b['median_us']:>11.2f}" if a and b else f"{'-':>11}")
+                print(f"{'':<14}{label:<11}" + "".join(ratio))
     print("per op, summed over the ranks: times a rank's thread was switched out while runnable "
           "(preempted, or yielded to another thread) / rustc10d slept")
     for mode in MODES:
