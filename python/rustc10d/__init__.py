@@ -171,8 +171,10 @@ def all_reducer(op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 
     torch.ops turns each argument of a torch op into a boxed value and runs torch's fallbacks
     over them: at W=2, 8 bytes, after 2 ms idle that was 14-18 us of the torch op's 23-28. Under
-    torch.compile use ``all_reduce_``, which the compiler can trace. The callable keeps the
-    group's backend alive; on a destroyed group it raises as the op does."""
+    torch.compile use ``all_reduce_``, which the compiler can trace. The callable is bound to the
+    group's rustc10d backend for CPU tensors and hands it every tensor (a CUDA one is staged, as
+    ``all_reduce_`` stages it on a group whose CUDA backend is rustc10d). It keeps that backend
+    alive; on a destroyed group it raises as the op does."""
     group = group if group is not None else dist.group.WORLD
     backend = group._get_backend(torch.device("cpu"))
     # The shim adds both classes to this module when it makes its first backend.
