@@ -58,3 +58,25 @@ impl Stats {
         OpKind::ALL.into_iter().zip(slots).filter(|(_, s)| s.count > 0).collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_has_the_kinds_that_ran_each_with_its_own_counts() {
+        let stats = Stats::default();
+        assert!(stats.snapshot().is_empty());
+        let cost = Cost::default();
+        stats.record(OpKind::Recv, 8, Duration::from_micros(3), true, &cost);
+        stats.record(OpKind::AllReduce, 100, Duration::from_micros(5), false, &cost);
+        stats.record(OpKind::AllReduce, 28, Duration::from_micros(2), true, &cost);
+        let snap = stats.snapshot();
+        assert_eq!(snap.keys().copied().collect::<Vec<_>>(), [OpKind::AllReduce, OpKind::Recv]);
+        let a = snap[&OpKind::AllReduce];
+        assert_eq!((a.count, a.failed, a.bytes), (2, 1, 128));
+        assert_eq!((a.total, a.max), (Duration::from_micros(7), Duration::from_micros(5)));
+        let r = snap[&OpKind::Recv];
+        assert_eq!((r.count, r.failed, r.bytes), (1, 0, 8));
+    }
+}
