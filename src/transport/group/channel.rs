@@ -90,9 +90,18 @@ impl Core {
     /// it), having sent every message of its collectives below
     /// `sent_below` and of its point-to-point ops (`Transport::leave`).
     /// Only members it has a connection to are told: one it has none to
-    /// was sent nothing and waits for nothing that went.
+    /// was sent nothing and waits for nothing that went. Each is told on
+    /// the connection point-to-point sends take (its first lane, see
+    /// `lane`), behind them: the peer then knows that no more of the
+    /// group's point-to-point messages come (`Mailbox::peer_destroyed_group`).
     pub(in crate::transport) fn tell_group_leave(&self, group: u64, members: &[usize], sent_below: u64, why: &Error) {
-        self.tell_members(Key::group_leave(group, sent_below), members, &abort_text(why));
+        let why = abort_text(why);
+        for &p in members.iter().filter(|&&p| p != self.rank()) {
+            let first_lane = self.peers[p].state.lock().unwrap().lanes().first().copied();
+            if let Some(link) = first_lane.and_then(|conn| self.link(p, conn)) {
+                link.send(SendReq::owning(Key::group_leave(group, sent_below), why.clone()));
+            }
+        }
     }
 
     /// Send frame `key` with `why` to each of `members` but this rank, on

@@ -207,7 +207,9 @@ struct ClosedGroup {
     sent_below: u64,
     /// Its point-to-point messages are still taken: the peer left the
     /// group (destroyed it) after sending them, and said so on the
-    /// connection they travel (or travelled) on.
+    /// connection they travel on, behind them (`Core::tell_group_leave`).
+    /// So a point-to-point receive that none of those that came meets
+    /// fails: posted then, or when it is posted.
     p2p: bool,
 }
 
@@ -260,6 +262,12 @@ impl Mailbox {
             } else {
                 fail_mismatch(recv, data.len() as u64, self.peer);
             }
+            return;
+        }
+        // The peer destroyed the group: its point-to-point messages all
+        // came ahead of its notice, and this receive met none of them.
+        if let Some(c) = self.closed_groups.get(&key.group).filter(|_| key.kind == KIND_P2P) {
+            recv.status.finish(Err(c.why.clone()));
             return;
         }
         // A group closed for the peer but still taking this key (above)
@@ -317,11 +325,16 @@ impl Mailbox {
     }
 
     /// The peer destroyed group `group` having sent every message of its
-    /// collectives below `sent_below` and of its point-to-point ops: those
-    /// stay (arrived, or still to arrive), the group's other receives from
-    /// it fail with `err`, now and later. Returns how many failed.
+    /// collectives below `sent_below` and of its point-to-point ops. The
+    /// collectives' stay (arrived, or still to arrive on another lane); the
+    /// point-to-point ones came ahead of this notice, on the connection it
+    /// came on: those stay, and a point-to-point receive that none of them
+    /// met fails. The group's other receives from it fail with `err`, now
+    /// and later. Returns how many failed.
     pub fn peer_destroyed_group(&mut self, group: u64, sent_below: u64, err: Error) -> usize {
-        self.close_group_where(group, ClosedGroup { why: err, sent_below, p2p: true })
+        let failed = self.close_group_where(group, ClosedGroup { why: err, sent_below, p2p: true });
+        let why = self.closed_groups[&group].why.clone();
+        failed + fail_where(&mut self.posted, |k| k.group == group && k.kind == KIND_P2P, &why)
     }
 
     /// This rank closes group `group`'s channel with this peer: its waiting
@@ -531,38 +544,47 @@ mod tests {
     }
 
     /// A peer destroys a group after collective 0 and a point-to-point
-    /// send: both still complete receives, posted before or after, arrived
-    /// before its notice or after it on another lane; a receive of a later
-    /// collective fails at once; a later abort, or this rank leaving,
-    /// takes the point-to-point messages back.
+    /// send: both still complete receives, posted before or after, the
+    /// collective's message arrived before the notice or after it on another
+    /// lane; a point-to-point receive that no message met fails when the
+    /// notice comes, or at once when posted after it (its messages travel
+    /// ahead of the notice, on its connection); so does a receive of a later
+    /// collective; a later abort, or this rank leaving, takes the
+    /// point-to-point messages back.
     #[test]
     fn a_peer_that_destroyed_a_group_still_delivers_what_it_sent_before() {
         let any = Mutex::new(AnyPosted::default());
         let g = 7;
         let key = |seq, step| Key::collective(seq, step).in_group(g);
         let mut mb = Mailbox::default();
-        let (mut sent, mut later, mut p2p_early) = ([0u8], [0u8], [0u8]);
+        let (mut sent, mut later, mut p2p_early, mut p2p_never) = ([0u8], [0u8], [0u8], [0u8]);
         let s_sent = post(&mut mb, key(0, 1), &mut sent);
         let s_later = post(&mut mb, key(1, 0), &mut later);
+        let s_never = post(&mut mb, Key::p2p(9).in_group(g), &mut p2p_never);
+        let mut other = [0u8];
+        let s_other_group = post(&mut mb, Key::p2p(9).in_group(g + 1), &mut other);
         deliver(&mut mb, Key::p2p(3).in_group(g), &[5], &any);
-        assert_eq!(mb.peer_destroyed_group(g, 1, Error::peer_lost("left")), 1);
+        assert_eq!(mb.peer_destroyed_group(g, 1, Error::peer_lost("left")), 2);
         assert_eq!(s_later.result().unwrap().unwrap_err().message, "left");
+        assert_eq!(s_never.result().unwrap().unwrap_err().message, "left");
+        assert_eq!(p2p_never, [0], "a failed receive leaves its buffer as it was");
+        assert!(!s_other_group.is_done(), "another group's receive waits on");
         assert!(!s_sent.is_done(), "collective 0 was sent in full: its receive waits for its message");
         deliver(&mut mb, key(0, 1), &[6], &any);
-        deliver(&mut mb, Key::p2p(4).in_group(g), &[8], &any);
         let s_early = post(&mut mb, Key::p2p(3).in_group(g), &mut p2p_early);
-        let mut p2p_late = [0u8];
-        let s_p2p_late = post(&mut mb, Key::p2p(4).in_group(g), &mut p2p_late);
         assert_eq!((s_sent.result().unwrap().unwrap(), sent), (1, [6]));
         assert_eq!((s_early.result().unwrap().unwrap(), p2p_early), (1, [5]));
-        assert_eq!((s_p2p_late.result().unwrap().unwrap(), p2p_late), (1, [8]));
+        let mut again = [0u8];
+        let s_again = post(&mut mb, Key::p2p(3).in_group(g), &mut again);
+        assert_eq!(s_again.result().unwrap().unwrap_err().message, "left", "no second message comes");
         let mut next = [0u8];
         assert!(post(&mut mb, key(2, 0), &mut next).result().unwrap().is_err(), "a later collective fails at once");
-        // An abort after the notice: its point-to-point messages go too.
-        let mut waiting = [0u8];
-        let s_waiting = post(&mut mb, Key::p2p(5).in_group(g), &mut waiting);
+        // An abort after the notice: the point-to-point messages that came go too.
+        deliver(&mut mb, Key::p2p(3).in_group(g), &[7], &any);
         mb.peer_left_group(g, 1, Error::peer_lost("gave up"));
-        assert!(s_waiting.result().unwrap().is_err());
+        let mut dropped = [0u8];
+        assert!(post(&mut mb, Key::p2p(3).in_group(g), &mut dropped).result().unwrap().is_err());
+        assert_eq!(dropped, [0]);
     }
 
     #[test]
