@@ -95,21 +95,16 @@ impl Core {
     /// `lane`), behind them: the peer then knows that no more of the
     /// group's point-to-point messages come (`Mailbox::peer_destroyed_group`).
     pub(in crate::transport) fn tell_group_leave(&self, group: u64, members: &[usize], sent_below: u64, why: &Error) {
-        let why = abort_text(why);
-        for &p in members.iter().filter(|&&p| p != self.rank()) {
-            let first_lane = self.peers[p].state.lock().unwrap().lanes().first().copied();
-            if let Some(link) = first_lane.and_then(|conn| self.link(p, conn)) {
-                link.send(SendReq::owning(Key::group_leave(group, sent_below), why.clone()));
-            }
-        }
+        self.tell_members(Key::group_leave(group, sent_below), members, &abort_text(why));
     }
 
     /// Send frame `key` with `why` to each of `members` but this rank, on
-    /// its first connection to it, where it has one.
+    /// the connection point-to-point sends to it take (its first lane, see
+    /// `lane`), where it has one.
     fn tell_members(&self, key: Key, members: &[usize], why: &[u8]) {
         for &p in members.iter().filter(|&&p| p != self.rank()) {
-            let link = self.peers[p].links.lock().unwrap().first().cloned();
-            if let Some(link) = link {
+            let first_lane = self.peers[p].state.lock().unwrap().lanes().first().copied();
+            if let Some(link) = first_lane.and_then(|conn| self.link(p, conn)) {
                 link.send(SendReq::owning(key, why.to_vec()));
             }
         }
