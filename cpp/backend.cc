@@ -140,7 +140,7 @@ class RustWork final : public compat::Work {
   }
 
   // A CUDA op is complete once its results are back on the device.
-  bool isCompleted() override { return op_->is_done() && (!cuda_ || !isSuccess() || cuda_->done.query()); }
+  bool isCompleted() override { return op_->is_done() && (!cuda_ || !isSuccess() || cuda_->landed()); }
 
   bool isSuccess() const override { return op_->is_done() && op_->error_message().empty(); }
 
@@ -160,14 +160,16 @@ class RustWork final : public compat::Work {
   // torch's kNoTimeout (0 ms) means: until the op finishes or its own timeout.
   // A CUDA op's wait returns once the network part is done and its copies
   // back are queued: the caller's current stream waits for them, the host
-  // does not (synchronize() does). Stream-ordered (`gated`), the copies back
-  // were queued at issue behind the op's gate: the caller's stream waits
-  // for them at once, and an error surfaces as NCCL's do (the Work's
-  // exception, the group's next op), the tensors left as they were.
+  // does not (synchronize() does). Stream-ordered, the results were queued
+  // at issue behind the op's gate (a send's: its copy to the host): the
+  // caller's stream waits for them at once, and an error surfaces as
+  // NCCL's do (the Work's exception, the group's next op), the tensors left
+  // as they were; one already known is raised here, the stream ordered first
+  // all the same (the held copies write the tensors' own bytes back).
   bool wait(milliseconds timeout = kNoTimeout) override {
-    if (cuda_ && cuda_->gated) {
+    if (cuda_ && cuda_->stream_ordered()) {
+      cuda_->order_after(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
       if (op_->is_done() && !op_->error_message().empty()) raise(op_->error_kind(), std::string(op_->error_message()));
-      cuda_->done.block(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
       return true;
     }
     return host_wait(timeout);
@@ -175,7 +177,7 @@ class RustWork final : public compat::Work {
 
   void synchronize() override {
     host_wait(kNoTimeout);
-    if (cuda_) cuda_->done.synchronize();
+    if (cuda_) cuda_->synchronize();
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
@@ -211,8 +213,9 @@ class RustWork final : public compat::Work {
 class OpBuilder {
  public:
   // `results`: what the op's future and Work carry.
-  OpBuilder(const char* op, OpKind kind, std::vector<at::Tensor> results, bool cuda_allowed, bool test_staging)
-      : op_(op), cuda_allowed_(cuda_allowed), test_staging_(test_staging) {
+  OpBuilder(const char* op, OpKind kind, std::vector<at::Tensor> results, bool cuda_allowed, bool test_staging,
+            bool stream_ordered)
+      : op_(op), kind_(kind), cuda_allowed_(cuda_allowed), test_staging_(test_staging), stream_ordered_(stream_ordered) {
     call.kind = kind;
     call.root = -1;
     call.reduce = ReduceOpCode::Sum;
@@ -300,6 +303,8 @@ class OpBuilder {
       if (!d.cuda) {
         d.cuda = std::make_shared<DeviceSync>(t.device());
         d.cuda->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
+        // Stream-ordered, a send's consumer may reuse its tensor once it is on the host.
+        d.cuda->send_ordered = stream_ordered_ && kind_ == OpKind::Send;
       }
     }
     at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.device().is_cuda()));
@@ -317,8 +322,10 @@ class OpBuilder {
   }
 
   const char* op_;
+  OpKind kind_;
   bool cuda_allowed_;
   bool test_staging_;
+  bool stream_ordered_;
   std::optional<c10::Device> device_;
   std::unique_ptr<Completion> done_;
 };
@@ -450,19 +457,28 @@ class RustBackend final : public compat::Backend<RustBackend> {
     }
     coalescing_ = true;
     coalesced_.clear();
+    coalesced_syncs_.clear();
   }
 
-  // A batch of CUDA ops: its Work orders the caller's stream after every
-  // op's copies back, which their completions queued on rustc10d's stream
-  // before the batch completes (ops in a batch are never stream-ordered).
+  // A batch of CUDA ops. Stream-ordered, its ops were each ordered at issue
+  // and its Work orders the caller's stream after every one of them.
+  // Else its Work orders the caller's stream after every op's copies back,
+  // which their completions queued on rustc10d's stream before the batch
+  // completes.
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
     coalescing_ = false;
     auto b = builder("coalesced", OpKind::Barrier, std::move(coalesced_));
+    auto syncs = std::move(coalesced_syncs_);
+    for (const auto& sync : syncs) {
+      if (!sync->stream_ordered()) continue;
+      auto& batch = b.impl().cuda;
+      if (!batch) batch = std::make_shared<DeviceSync>(sync->device);
+      if (!batch->side) batch->side = sync->side;
+      batch->members.push_back(sync);
+    }
     for (const auto& t : b.impl().outputs) {
-      if (t.defined() && t.device().is_cuda()) {
-        b.impl().cuda = std::make_shared<DeviceSync>(t.device());
-        break;
-      }
+      if (b.impl().cuda) break;
+      if (t.defined() && t.device().is_cuda()) b.impl().cuda = std::make_shared<DeviceSync>(t.device());
     }
     auto [done, state] = b.finish(hooks_, next_key_++);
     return work(OpType::COALESCED, group().end_coalescing(std::move(done)), std::move(state));
@@ -735,7 +751,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
 
   OpBuilder builder(const char* op, OpKind kind, std::vector<at::Tensor> results) {
     group();  // refuses before anything is staged on a backend not formed yet
-    return OpBuilder(op, kind, std::move(results), membership_->cuda_allowed(), membership_->test_staging());
+    return OpBuilder(op, kind, std::move(results), membership_->cuda_allowed(), membership_->test_staging(),
+                     membership_->stream_ordered());
   }
 
   // One collective per tensor, one Work for all of them.
@@ -776,6 +793,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto call = std::move(b.call);
     if (coalescing_) coalesced_.insert(coalesced_.end(), b.impl().outputs.begin(), b.impl().outputs.end());
     auto [done, state] = b.finish(hooks_, next_key_++);
+    if (coalescing_ && state.cuda) coalesced_syncs_.push_back(state.cuda);
     return work(type, group().submit(call, std::move(done)), std::move(state));
   }
 
@@ -806,6 +824,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
   std::atomic<bool> stopped_{false};  // shut down, aborted or destroyed: see direct_all_reduce's cache
   bool coalescing_ = false;
   std::vector<at::Tensor> coalesced_;  // the results of the ops issued while coalescing
+  std::vector<std::shared_ptr<DeviceSync>> coalesced_syncs_;  // and their CUDA side
 };
 
 // The group this thread's last direct op ran on. A caller makes them in a

@@ -138,6 +138,26 @@ void DeviceSync::record_use(const at::Tensor& t, const c10::Stream& s) const {
   }
 }
 
+void DeviceSync::order_after(const c10::Stream& s) const {
+  for (const auto& m : members) m->order_after(s);
+  if (gated) done.block(s);
+  if (send_ordered) sent.block(s);
+}
+
+bool DeviceSync::landed() const {
+  for (const auto& m : members) {
+    if (!m->landed()) return false;
+  }
+  if (gated || !stream_ordered()) return done.query();
+  return !send_ordered || sent.query();
+}
+
+void DeviceSync::synchronize() const {
+  for (const auto& m : members) m->synchronize();
+  if (gated || !stream_ordered()) done.synchronize();
+  if (send_ordered) sent.synchronize();
+}
+
 // Without a device (RUSTC10D_TEST_STAGING: host memory stands in for the
 // device), copies happen at once and there are no events.
 uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len) {
@@ -154,6 +174,7 @@ uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len
   d.cuda->record_use(device);
   d.events.emplace_back(c10::DeviceType::CUDA);
   d.events.back().record(d.cuda->stream);
+  d.cuda->sent.record(d.cuda->stream);  // after every copy in so far (a send's one)
   return d.events.size() - 1;
 }
 
@@ -218,11 +239,12 @@ void to_device_held(const Completion& done, size_t held, size_t side, size_t buf
   sync.done.record(*sync.held);
 }
 
-// On the side stream, which nothing holds: after the caller's work queued
-// before the op, and waited for here (the engine then opens the gate).
-void restore(const Completion& done, size_t side, size_t buffer, size_t start, size_t len) {
+// On the restore stream, which nothing else uses or waits for: after the
+// caller's work queued before the op, and waited for here (on the gates'
+// thread, in ticket order; the engine then opens the gate).
+void restore(const Completion& done, size_t restore_stream, size_t buffer, size_t start, size_t len) {
   auto& sync = cuda_of(done, buffer);
-  auto s = ours(sync.device, side);
+  auto s = ours(sync.device, restore_stream);
   auto& [device, host] = done.impl->staged[buffer];
   c10::StreamGuard guard(s);
   sync.ready.block(s);
@@ -235,8 +257,8 @@ void restore(const Completion& done, size_t side, size_t buffer, size_t start, s
 
 // ---------------------------------------------------------------- finishing
 
-void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error) noexcept {
-  auto& d = *done->impl;
+void complete(const Completion& done, ErrorKind kind, rust::Str error) noexcept {
+  auto& d = *done.impl;
   try {
     if (!error.empty()) {
       d.future->setError(error_of(kind, std::string(error)));
@@ -248,9 +270,9 @@ void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error)
     // copies were queued at issue: the side stream waits for them, so that
     // the future's events do not also wait for later ops' held copies.
     std::optional<c10::StreamGuard> on_our_stream;
-    if (d.cuda && d.cuda->gated) {
-      on_our_stream.emplace(*d.cuda->side);
-      d.cuda->done.block(*d.cuda->side);
+    if (d.cuda && d.cuda->stream_ordered()) {
+      on_our_stream.emplace(d.cuda->side ? *d.cuda->side : d.cuda->stream);
+      d.cuda->order_after(d.cuda->side ? *d.cuda->side : d.cuda->stream);
     } else if (d.cuda) {
       on_our_stream.emplace(d.cuda->stream);
       d.cuda->done.record(d.cuda->stream);
@@ -269,9 +291,9 @@ void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error)
 // range), so the tensor built here is valid. The result is coalesced, as
 // Gloo's is. The tensor may be uncoalesced (DDP's sparse gradients are), so
 // only what an uncoalesced tensor answers is asked of it.
-rust::String complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
+rust::String complete_sparse(const Completion& done, rust::Slice<const uint64_t> rows,
                              rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept {
-  auto& t = done->impl->sparse;
+  auto& t = done.impl->sparse;
   std::string failed;
   try {
     at::NoGradGuard no_grad;  // the engine's thread, not the caller's grad mode
@@ -289,7 +311,7 @@ rust::String complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const
   } catch (const std::exception& e) {
     failed = std::string("rustc10d: allreduce_sparse could not build its result: ") + e.what();
   }
-  complete(std::move(done), ErrorKind::Io, failed);
+  complete(done, ErrorKind::Io, failed);
   return rust::String(failed);
 }
 

@@ -36,21 +36,36 @@ struct OpTiming {
 // device-generic interface only (no CUDA headers, no CUDA link dependency):
 // copies run on rustc10d's own stream for the device, after the caller's
 // stream as it was at issue (`ready`); `done` marks the copies back.
-// With stream-ordered completion (`gated`), the copies back were queued at
-// issue on the group's `held` stream behind the op's gate, and the future's
-// events are recorded on its `side` stream (streams the engine made).
+// Stream-ordered (RUSTC10D_CUDA_WAIT=stream), an op's consumers are ordered
+// after its results without the host waiting: an op with copies back
+// (`gated`) queued them at issue on the group's `held` stream behind the
+// op's gate, and the future's events are recorded on its `side` stream
+// (streams the engine made); a send's consumer may reuse its tensor once
+// `sent` (its copy to the host) is done; a batch's results are its
+// `members`' results.
 struct DeviceSync {
   explicit DeviceSync(c10::Device d);
   // Keep the caching allocator from reusing `t`'s memory while stream `s` uses it.
   void record_use(const at::Tensor& t, const c10::Stream& s) const;
   void record_use(const at::Tensor& t) const { record_use(t, stream); }
 
+  bool stream_ordered() const { return gated || send_ordered || !members.empty(); }
+  // Make `s` wait for the op's results (stream-ordered).
+  void order_after(const c10::Stream& s) const;
+  // Whether the op's results are where its consumer reads them, now; and
+  // block the host until they are.
+  bool landed() const;
+  void synchronize() const;
+
   c10::Device device;
   c10::Stream stream;
   c10::Event ready{c10::DeviceType::CUDA};
   c10::Event done{c10::DeviceType::CUDA};
+  c10::Event sent{c10::DeviceType::CUDA};
   std::optional<c10::Stream> held, side;
   std::atomic<bool> gated{false};
+  bool send_ordered = false;
+  std::vector<std::shared_ptr<DeviceSync>> members;
 };
 
 // A device tensor and the host copy the engine works on.

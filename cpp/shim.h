@@ -18,8 +18,9 @@ struct StoreRef {
   ~StoreRef();
 };
 
-// What finishing an op means on the torch side (complete its future, release
-// its tensors), and its staged tensors' device side. Owned by the engine.
+// What finishing an op means on the torch side (complete its future), and its
+// staged tensors' device side. Owned by the engine, which drops it (and
+// with it the op's tensors) once nothing of the op uses it.
 struct Completion {
   struct Impl;
   std::unique_ptr<Impl> impl;
@@ -33,8 +34,8 @@ rust::String store_host(const StoreRef& store);
 std::unique_ptr<StoreRef> store_clone(const StoreRef& store);
 std::unique_ptr<StoreRef> store_from_python(size_t pyobject);
 
-void complete(std::unique_ptr<Completion> done, ErrorKind kind, rust::Str error) noexcept;
-rust::String complete_sparse(std::unique_ptr<Completion> done, rust::Slice<const uint64_t> rows,
+void complete(const Completion& done, ErrorKind kind, rust::Str error) noexcept;
+rust::String complete_sparse(const Completion& done, rust::Slice<const uint64_t> rows,
                              rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept;
 
 // Device primitives (see src/engine/staging.rs).
@@ -43,7 +44,7 @@ void wait_event(const Completion& done, uint64_t event);
 void to_device(const Completion& done, size_t buffer, size_t start, size_t len);
 int32_t staged_device(const Completion& done);
 void to_device_held(const Completion& done, size_t held, size_t side, size_t buffer, size_t start, size_t len);
-void restore(const Completion& done, size_t side, size_t buffer, size_t start, size_t len);
+void restore(const Completion& done, size_t restore_stream, size_t buffer, size_t start, size_t len);
 
 // Wrap the engine in a c10d::Backend and return a new reference to its Python object.
 size_t backend_to_python(rust::Box<Group> group, int32_t rank, int32_t size);

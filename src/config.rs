@@ -22,10 +22,10 @@ pub enum TransportMode {
     Tcp,
 }
 
-/// What `Work.wait()` on a CUDA collective does: block the host until the
-/// network part is done (`Host`), or only order the caller's stream after
-/// the op's copies back, which a word the engine writes holds (`Stream`, as
-/// NCCL's wait does; see `engine::gates`).
+/// What `Work.wait()` on a CUDA op does: block the host until the network
+/// part is done (`Host`), or only order the caller's stream after the op's
+/// copies back, which a word the engine writes holds (`Stream`, as NCCL's
+/// wait does, for every op; see `engine::gates`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudaWait {
     Host,

@@ -124,12 +124,12 @@ pub struct Stream(pub usize);
 /// later. A destroyed group's streams, once idle, go here for the next.
 static SPARE_STREAMS: Mutex<Vec<(i32, Stream)>> = Mutex::new(Vec::new());
 
-/// One device's driver state for a group: its context, two streams of ours,
-/// and a word of pinned host memory mapped into the device.
+/// One device's driver state for a group: its context, three streams of
+/// ours, and a word of pinned host memory mapped into the device.
 pub struct DeviceGate {
     device: i32,
     ctx: Context,
-    streams: [Stream; 2],
+    streams: [Stream; 3],
     /// The word, as the host writes it and as the device reads it.
     word: *mut AtomicU32,
     word_on_device: cu::CUdeviceptr,
@@ -149,9 +149,10 @@ unsafe impl Sync for DeviceGate {}
 const DRAIN: Duration = Duration::from_secs(10);
 
 impl DeviceGate {
-    /// For CUDA device `device` (torch's index): its primary context, two
-    /// non-blocking streams (the held copies back, and a side stream), and
-    /// the word, which starts at 0.
+    /// For CUDA device `device` (torch's index): its primary context, three
+    /// non-blocking streams (the held copies back; a side stream, which the
+    /// futures' events are ordered on; one for failed ops' restores, which
+    /// nothing else waits on or for), and the word, which starts at 0.
     pub fn new(device: i32) -> Result<DeviceGate> {
         available()?;
         let mut dev = 0;
@@ -164,7 +165,7 @@ impl DeviceGate {
         driver(unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) }, "cuDevicePrimaryCtxRetain")?;
         let ctx = Context(ctx);
         in_context(ctx, || {
-            let streams = [spare_or_new(device)?, spare_or_new(device)?];
+            let streams = [spare_or_new(device)?, spare_or_new(device)?, spare_or_new(device)?];
             let mut host = std::ptr::null_mut();
             let flags = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP;
             // SAFETY: the context is current (in_context); `host` is a live
@@ -192,8 +193,8 @@ impl DeviceGate {
         })
     }
 
-    /// The stream the held copies back run on, and the side stream.
-    pub fn streams(&self) -> [Stream; 2] {
+    /// The stream the held copies back run on, the side stream, and the restore stream.
+    pub fn streams(&self) -> [Stream; 3] {
         self.streams
     }
 

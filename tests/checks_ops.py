@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import os
 import re
 import time
 from datetime import timedelta
@@ -283,6 +284,35 @@ def batch_isend_irecv(ctx: Ctx):
     wait_done(works, "batch_isend_irecv")
     for op, exp in zip(recvs, expected):
         ctx.expect_equal(op.tensor, exp, f"message of {exp.numel()} elements from rank {op.peer}")
+
+
+@check("p2p", worlds=(2,))
+def receives_land_in_issue_order_when_stream_ordered(ctx: Ctx):
+    """Two receives posted in one order, their messages sent in the other, 0.6 s apart. In
+    stream order (test staging, as RUSTC10D_CUDA_WAIT=stream on a GPU: one stream orders every
+    op of a group, as NCCL's does) the later receive's result lands only once the earlier
+    receive has ended; in host mode each lands when its message does."""
+    late = 0.6
+    if ctx.rank == 1:
+        dist.send(torch.full((5,), 2.0), dst=0, tag=72)
+        time.sleep(late)
+        dist.send(torch.full((5,), 1.0), dst=0, tag=71)
+        return
+    first, second = torch.zeros(5), torch.zeros(5)
+    w_first = dist.irecv(first, src=1, tag=71)
+    w_second = dist.irecv(second, src=1, tag=72)
+    t0 = time.monotonic()
+    w_second.wait()
+    took = time.monotonic() - t0
+    ctx.expect_equal(second, torch.full((5,), 2.0), "the second receive")
+    if os.environ.get("RUSTC10D_TEST_STAGING") == "1":
+        assert took > late / 2, f"the second receive landed after {took:.2f} s, before the first had ended"
+        # Its copy back ran first, in stream order (its Work may say so a moment later).
+        ctx.expect_equal(first, torch.full((5,), 1.0), "the first receive, once the second has landed")
+    else:
+        assert took < late / 2, f"the second receive waited {took:.2f} s for the first"
+    w_first.wait()
+    ctx.expect_equal(first, torch.full((5,), 1.0), "the first receive")
 
 
 # ============================================================================= suite "groups"

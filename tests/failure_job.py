@@ -91,6 +91,65 @@ def staged_killed(store, rank, world):
     report(first=res, untouched=bool(torch.equal(t, before)))
 
 
+def staged_recv_killed(store, rank, world):
+    """Under test staging (stream order, as RUSTC10D_CUDA_WAIT=stream on a GPU), rank 1 dies
+    (SIGKILL) 0.1 s into a 512 MiB send to rank 0: the part of it that arrived is in rank 0's
+    host copy, and none of it may reach the tensor. The group is broken for p2p with rank 1,
+    not the stream: an op issued after the failed receive still lands."""
+    init(store, rank, world)
+    dist.all_reduce(torch.ones(8))  # every rank connected
+    t = torch.arange(1 << 27, dtype=torch.float32) + rank
+    before = t.clone()
+    if rank == 1:
+        threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        dist.send(t, dst=0)
+        time.sleep(10)
+    work = dist.irecv(t, src=1)
+    res = timed_failure(work.wait)
+    after = torch.zeros(4)
+    later = timed_failure(lambda: dist.irecv(after, src=1).wait())  # its peer is gone: it fails too
+    report(first=res, untouched=bool(torch.equal(t, before)), later_raised=later["raised"],
+           later_untouched=bool(torch.equal(after, torch.zeros(4))))
+
+
+def staged_dropped_recv_expires(store, rank, world):
+    """Under test staging (stream order), rank 0 posts a receive nobody sends and drops its
+    Work; the group's timeout is 3 s. An all_reduce issued after it is ordered after it: it
+    lands once the gates have ended the receive at its timeout (not never), with its right sum."""
+    init(store, rank, world, seconds=3)
+    dist.all_reduce(torch.ones(8))  # every rank connected
+    if rank == 0:
+        dist.irecv(torch.zeros(4), src=1, tag=77)
+    t = torch.ones(1000)
+    t0 = time.monotonic()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    report(seconds=time.monotonic() - t0, sum=float(t[0]), completed=work.is_completed())
+    if rank == 1:
+        time.sleep(12)  # alive well past rank 0's timeout: its receive ends by expiring, not by a lost peer
+
+
+def staged_destroy_with_recv_pending(store, rank, world):
+    """Under test staging (stream order), rank 0 destroys its group with a receive nobody sends
+    still posted (the group's timeout is 60 s): the destroy ends the receive (the transport's
+    shutdown fails it; the gates would end it otherwise), which raises and leaves its tensor as
+    it was, and nothing waits for its ticket: the destroy returns within seconds."""
+    init(store, rank, world, seconds=60)
+    dist.all_reduce(torch.ones(8))  # every rank connected
+    t = torch.full((1000,), 5.0)
+    work = dist.irecv(t, src=1, tag=78) if rank == 0 else None
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3)  # rank 0's destroy, not rank 1's leaving, ends the receive
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    took = time.monotonic() - t0
+    if work is None:
+        return report(destroy_seconds=took)
+    report(destroy_seconds=took, completed=work.is_completed(), success=work.is_success(),
+           wait=timed_failure(work.wait), untouched=bool(torch.equal(t, torch.full((1000,), 5.0))))
+
+
 def injected(store, rank, world):
     """RUSTC10D_FAULT (set by the test) makes rank 1's third all_reduce fail."""
     init(store, rank, world)
@@ -270,7 +329,8 @@ def options_apply(store, rank, world):
     report(world_links=rustc10d.links(), group_links=rustc10d.links(group), sum=t.tolist(), wrong=wrong)
 
 
-SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, injected, dropped, recv_times_out, stall_times_out, mismatch, world_failure_spares_groups, late_mismatch,
+SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, staged_recv_killed,
+                                      staged_dropped_recv_expires, staged_destroy_with_recv_pending, injected, dropped, recv_times_out, stall_times_out, mismatch, world_failure_spares_groups, late_mismatch,
                                       destroy_cleans_up, settings_differ, settings_differ_store_in_rank_0, bad_setting, no_threads, error_kinds,
                                       options_apply)}
 

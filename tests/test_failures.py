@@ -74,6 +74,35 @@ def test_a_staged_op_that_fails_midway_leaves_the_tensor_as_it_was(tmp_path):
         assert r["untouched"], f"rank {rank}'s tensor was changed"
 
 
+STAGED = {"RUSTC10D_TEST_STAGING": "1"}
+
+
+def test_a_staged_receive_that_fails_midway_leaves_the_tensor_as_it_was(tmp_path):
+    results, procs = run("staged_recv_killed", 2, tmp_path, STAGED)
+    assert procs[1].returncode == -9
+    r = results[0]
+    assert r["first"]["raised"] and r["first"]["seconds"] < 10, r
+    assert r["untouched"], "the failed receive changed its tensor"
+    assert r["later_raised"] and r["later_untouched"], r
+
+
+def test_a_dropped_receive_holds_stream_ordered_ops_only_until_its_timeout(tmp_path):
+    results, procs = run("staged_dropped_recv_expires", 2, tmp_path, STAGED)
+    r = results[0]
+    assert 2 < r["seconds"] < 10 and r["completed"], r
+    assert r["sum"] == 2.0, r
+    assert results[1]["sum"] == 2.0 and results[1]["seconds"] < 2, results[1]
+
+
+def test_destroy_ends_a_stream_ordered_receive_still_posted(tmp_path):
+    results, procs = run("staged_destroy_with_recv_pending", 2, tmp_path, STAGED)
+    r = results[0]
+    assert r["destroy_seconds"] < 10, r
+    assert r["completed"] and not r["success"] and r["wait"]["raised"], r
+    assert "shut down" in r["wait"]["error"], r
+    assert r["untouched"], r
+
+
 def test_injected_failure_fails_all_ranks(tmp_path):
     results, procs = run("injected", 3, tmp_path, {"RUSTC10D_FAULT": "rank=1,op=allreduce,seq=2,action=fail"})
     for rank in range(3):

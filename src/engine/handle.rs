@@ -74,6 +74,19 @@ impl OpHandle {
         self.status.finish(Err(why.clone()));
     }
 
+    /// When, and how, the op ends past its timeout as `wait` would end it
+    /// (point-to-point ops: their timeout is their waiter's to enforce), for
+    /// whoever enforces it where nobody waits on the host (gates.rs). With
+    /// an error, it ends for that reason instead.
+    pub fn expirer(&self) -> Option<(Instant, super::Expire)> {
+        let e = self.expiry.as_ref()?;
+        let (transport, peer, key) = (e.transport.clone(), e.peer, e.recv_key);
+        let (status, timed_out) = (self.status.clone(), e.timed_out.clone());
+        let expire =
+            move |why: Option<Error>| withdraw(&*transport, peer, key, &status, why.as_ref().unwrap_or(&timed_out));
+        Some((e.deadline, Box::new(expire)))
+    }
+
     /// The op's error, once it has failed.
     pub fn error(&self) -> Option<Error> {
         self.status.result().and_then(|r| r.err())

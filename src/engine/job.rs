@@ -30,11 +30,9 @@ impl Job {
     /// Fail a job that never ran: its staging settles (its copies let through,
     /// its tensors as they were) before the completion may free the tensors.
     pub(super) fn fail(mut self, e: Error) {
-        let settled = self.staging.as_mut().map_or(Ok(()), |s| s.settle());
-        let e = match settled {
-            Err(also) => Error::new(e.kind, format!("{}; {}", e.message, also.message)),
-            Ok(()) => e,
-        };
+        if let Some(s) = self.staging.as_mut() {
+            s.settle();
+        }
         self.status.finish(Err(e));
     }
 }
@@ -42,10 +40,9 @@ impl Job {
 impl Shared {
     pub(super) fn run(&self, mut job: Job) {
         let result = self.run_job(&mut job);
-        let settled = job.staging.as_mut().map_or(Ok(()), |s| s.settle());
-        let settled =
-            settled.map_err(|e| if result.is_ok() { self.staging_failed(job.first_seq, &job.parts, e) } else { e });
-        let result = result.and(settled);
+        if let Some(s) = job.staging.as_mut() {
+            s.settle();
+        }
         if result.is_ok() {
             // Jobs run one at a time, in order.
             self.done_below.fetch_max(job.first_seq + job.parts.len().max(1) as u64, Ordering::SeqCst);

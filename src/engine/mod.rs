@@ -11,15 +11,15 @@
 
 mod gates;
 mod handle;
+mod host_stream;
 mod job;
 mod p2p;
 mod staging;
-mod stream;
 
-pub use gates::{GateWord, GatedOp, HeldCopies, ReleaseOrder, StreamGates};
+pub use gates::{Expire, GateWord, GatedOp, HeldCopies, Restore, StreamGates, Tickets};
 pub use handle::{OpHandle, Waited};
+pub use host_stream::{AfterCopies, HostHeld, HostStream};
 pub use staging::{run_in_pieces, Device, Event, Gates, StagedBuffer, Staging};
-pub use stream::{StreamOp, StreamThread};
 
 use crate::algorithms::ScratchPool;
 use crate::config::Config;

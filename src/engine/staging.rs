@@ -48,21 +48,24 @@ pub trait Device: Send {
 /// Stream-ordered completion: every copy of an op is queued when it is
 /// issued, the copies back behind the op's gate, which the engine opens
 /// once the op has ended. So the op's consumer (a stream) can be ordered
-/// after them before the network part is done. A failed op first makes its
-/// host copies equal to the device's bytes (which nothing has written yet),
-/// so what is copied back leaves every tensor as it was.
+/// after them before the network part is done. A failed op's gate opens
+/// once its host copies hold the device's bytes (which nothing has written
+/// yet), so what is copied back leaves every tensor as it was.
 pub trait Gates {
     /// Queue the copy of bytes [start, start + len) of buffer `index` back
     /// to the device, to run once the gate opens.
     fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> Result<()>;
-    /// Open the gate.
+    /// The op has succeeded: open the gate.
     fn open(&mut self);
-    /// Make bytes [start, start + len) of buffer `index`'s host copy what
-    /// the device holds there, now.
-    fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()>;
-    /// Block until the results are where their consumer reads them (for a
-    /// stream, at once: it is ordered after the copies back).
-    fn finish(&mut self) -> Result<()>;
+    /// The op has failed: open the gate once the host copies of `outs`
+    /// (buffer, len) hold what the device holds (gates.rs: in ticket order,
+    /// on the gates' thread, not the caller's).
+    fn open_unchanged(&mut self, outs: Vec<(usize, usize)>);
+    /// The gates and the op's ticket, once it holds copies back.
+    fn ticket(&self) -> Option<(std::sync::Arc<super::StreamGates>, u32)>;
+    /// Where the op's consumer is the host: what runs its completion once
+    /// its copies back have run.
+    fn after_copies(&self) -> Option<super::AfterCopies>;
 }
 
 /// An op's staged buffers and their device.
@@ -162,19 +165,27 @@ impl Staging {
     }
 
     /// The op has ended (`ok`: it succeeded and `all_out` ran). With gates:
-    /// a copy back still held (the op failed) first gets the device's own
-    /// bytes to copy, then the gate opens, so no tensor changes and nothing
-    /// waits forever; then the results are waited for where their consumer
-    /// is the host. Call it before the op's completion runs (the device may
-    /// be gone then).
-    pub fn settle(&mut self) -> Result<()> {
-        let Some((_, held)) = self.queued.take() else { return Ok(()) };
+    /// a copy back still held (the op failed) is let through once the device's
+    /// own bytes are there to copy, so no tensor changes and nothing waits
+    /// forever. Call it before the op's completion runs.
+    pub fn settle(&mut self) {
+        let Some((_, held)) = self.queued.take() else { return };
         let outs: Vec<(usize, usize)> = if held { self.outs().collect() } else { Vec::new() };
         let gates = self.device.gates().expect("queued with gates");
-        let restored = outs.into_iter().try_for_each(|(i, n)| gates.restore(i, 0, n));
-        gates.open();
-        let restored = restored.map_err(|e| e.context("rustc10d: a failed op could not restore its tensors"));
-        restored.and(gates.finish())
+        if held {
+            gates.open_unchanged(outs);
+        }
+    }
+
+    /// The gates and this op's ticket, where it holds copies back behind one.
+    pub fn ticket(&mut self) -> Option<(std::sync::Arc<super::StreamGates>, u32)> {
+        self.device.gates().and_then(|g| g.ticket())
+    }
+
+    /// Where the op's consumer is the host (test staging), what runs its
+    /// completion once its copies back have run.
+    pub fn after_copies(&mut self) -> Option<super::AfterCopies> {
+        self.device.gates().and_then(|g| g.after_copies())
     }
 }
 
@@ -182,7 +193,7 @@ impl Drop for Staging {
     /// However the op ended, nothing stays held (`settle` has run unless
     /// the op was dropped before it ran).
     fn drop(&mut self) {
-        let _ = self.settle();
+        self.settle();
     }
 }
 

@@ -2,36 +2,38 @@
 //! shim calls them.
 
 use super::bridge::{self, Call, OpKind, WaitOutcome};
-use super::translate::{all_reduce_of, buf, collectives, finish_with, first, op_kind, rank, timeout, ShimDevice};
+use super::translate::{
+    all_reduce_of, buf, collectives, finish_with, first, op_kind, rank, shared, timeout, Fence, ShimDevice,
+};
 use super::{Group, GroupStore, Op};
 use crate::config::CudaWait;
 use crate::cuda::{DeviceGate, Stream};
-use crate::engine::{Device, GatedOp, OpHandle, StagedBuffer, Staging, StreamGates, StreamThread, Waited};
+use crate::engine::{Device, GatedOp, HostHeld, HostStream, OpHandle, StagedBuffer, Staging, StreamGates, Waited};
 use crate::error::{Error, Result};
 use crate::ops::{self, SparseGathered};
 use crate::panics;
 use crate::rendezvous::Member;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A group's stream-ordered completion on one CUDA device.
 pub(crate) struct DeviceGates {
-    streams: [Stream; 2],
+    streams: [Stream; 3],
     gates: Arc<StreamGates>,
 }
 
 impl Group {
-    /// The op's staged buffers, on the shim's device primitives. Under test
-    /// staging (host memory standing in for a device), a collective's are on
-    /// the group's stream thread, so that it completes in stream order as on
-    /// a device; on a CUDA device with `cuda_wait=stream`, its copies back
-    /// are held behind a gate on the group's stream for that device (but in
-    /// a coalescing batch, whose one Work orders its consumers after the
-    /// copies back of all its ops on the shim's stream). Point-to-point ops
-    /// complete in any order (tags, sources), so one held in a stream would
-    /// hold up the others: theirs copy back when they complete.
-    pub(crate) fn staging(&self, call: &Call, done: &cxx::UniquePtr<bridge::Completion>) -> Result<Option<Staging>> {
-        let Some(completion) = done.as_ref().filter(|_| !call.staged.is_empty()) else { return Ok(None) };
+    /// The op's staged buffers, on the shim's device primitives. Every op
+    /// but a send holds its copies back behind a gate of the group's, in
+    /// stream order (gates.rs): under test staging (host memory standing in
+    /// for a device) on the group's host stream, whose consumer is the host;
+    /// on a CUDA device with `cuda_wait=stream`, on the group's held stream
+    /// for that device. A send copies its tensor in at issue and has nothing
+    /// to copy back.
+    pub(crate) fn staging(&self, call: &Call, done: &super::translate::SharedCompletion) -> Result<Option<Staging>> {
+        if call.staged.is_empty() || done.lock().unwrap().is_null() {
+            return Ok(None);
+        }
         let buffers = call
             .staged
             .iter()
@@ -42,12 +44,15 @@ impl Group {
                 contiguous: s.contiguous,
             })
             .collect();
-        let p2p = matches!(call.kind, OpKind::Send | OpKind::Recv);
-        let cuda = bridge::staged_device(completion);
-        let shim = ShimDevice { done: completion, streams: None };
-        let device: Box<dyn Device> = match (p2p, self.cfg.test_staging, self.cfg.cuda_wait) {
-            (false, true, _) => Box::new(self.stream()?.op(Box::new(shim))),
-            (false, false, CudaWait::Stream) if cuda >= 0 && !self.engine.is_coalescing() => {
+        let send = call.kind == OpKind::Send;
+        let cuda = bridge::staged_device(done.lock().unwrap().as_ref().expect("checked above"));
+        let shim = ShimDevice { done: done.clone(), streams: None };
+        let device: Box<dyn Device> = match (send, self.cfg.test_staging, self.cfg.cuda_wait) {
+            (false, true, _) => {
+                let (stream, gates) = self.host_gates()?;
+                Box::new(GatedOp::new(HostHeld::new(shim, stream), gates))
+            }
+            (false, false, CudaWait::Stream) if cuda >= 0 => {
                 let (streams, gates) = self.gates(cuda)?;
                 Box::new(GatedOp::new(ShimDevice { streams: Some(streams), ..shim }, gates))
             }
@@ -57,42 +62,54 @@ impl Group {
     }
 
     /// CUDA device `device`'s gates and streams, made with its first op.
-    fn gates(&self, device: i32) -> Result<([Stream; 2], Arc<StreamGates>)> {
+    fn gates(&self, device: i32) -> Result<([Stream; 3], Arc<StreamGates>)> {
         let mut all = self.gates.lock().unwrap();
         if let Some(g) = all.get(&device) {
             return Ok((g.streams, g.gates.clone()));
         }
         let gate = DeviceGate::new(device)?;
         let streams = gate.streams();
-        let gates = Arc::new(StreamGates::new(Box::new(gate)));
+        let gates = Arc::new(StreamGates::new(Box::new(gate))?);
         all.insert(device, DeviceGates { streams, gates: gates.clone() });
         Ok((streams, gates))
     }
 
-    /// The group's stream thread, started with its first staged op.
-    fn stream(&self) -> Result<Arc<StreamThread>> {
-        let mut stream = self.stream.lock().unwrap();
-        if stream.is_none() {
-            *stream = Some(Arc::new(StreamThread::start("rustc10d-stream")?));
+    /// The group's host stream and its gates, made with its first staged op.
+    fn host_gates(&self) -> Result<(HostStream, Arc<StreamGates>)> {
+        let mut made = self.host_gates.lock().unwrap();
+        if made.is_none() {
+            let stream = HostStream::start("rustc10d-stream")?;
+            let gates = Arc::new(StreamGates::new(Box::new(stream.clone()))?);
+            *made = Some((stream, gates));
         }
-        Ok(stream.clone().unwrap())
+        Ok(made.clone().expect("made above"))
     }
 
     // The raw buffers are the tensors (or their staged host copies) that the
-    // Completion owns; it is dropped only when the op's finisher runs, after
-    // the engine is done with them. Torch's contract for asynchronous ops
-    // keeps the caller's hands off them until the Work completes.
-    pub(crate) fn issue(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Result<OpHandle> {
-        let staging = self.staging(call, &done)?;
+    // Completion owns; it is dropped only when the op's finisher has run,
+    // after the engine is done with them (and, with gates, when a failed
+    // op's restore has run too). Torch's contract for asynchronous ops keeps
+    // the caller's hands off them until the Work completes.
+    pub(crate) fn issue(
+        &self,
+        call: &Call,
+        done: cxx::UniquePtr<bridge::Completion>,
+    ) -> Result<(OpHandle, Vec<Arc<Fence>>)> {
+        let done = shared(done);
+        let mut staging = self.staging(call, &done)?;
+        // Where the host consumes the op (test staging), its completion and
+        // its Work wait for its copies back.
+        let after = staging.as_mut().and_then(Staging::after_copies).map(|a| (a, Arc::new(Fence::default())));
+        let fences: Vec<Arc<Fence>> = after.iter().map(|(_, f)| f.clone()).collect();
         let e = &self.engine;
-        match op_kind(call.kind)? {
+        let handle = match op_kind(call.kind)? {
             ops::OpKind::Send => {
                 let ready = staging.map(|s| s.send_in()).transpose()?;
                 // The ready runs on the staging thread and uses the Completion
                 // (its events, its host copy); a send whose connection closes
-                // meanwhile is finished at once, which frees the Completion.
-                // So they take turns: the finisher waits for a ready that
-                // runs, and a ready that starts after it does nothing.
+                // meanwhile is finished at once. So they take turns: the
+                // finisher waits for a ready that runs, and a ready that
+                // starts after it does nothing.
                 let live = Arc::new(Mutex::new(true));
                 let ready = ready.map(|wait| -> crate::transport::Ready {
                     let live = live.clone();
@@ -106,7 +123,7 @@ impl Group {
                         wait().map_err(|e| e.context("rustc10d: send could not stage its tensor"))
                     })
                 });
-                let finish = finish_with(done, None, None);
+                let finish = finish_with(done, None, None, None);
                 let done: crate::status::Finisher = Box::new(move |r| {
                     *live.lock().unwrap_or_else(|e| e.into_inner()) = false;
                     finish(r)
@@ -116,16 +133,27 @@ impl Group {
                 // SAFETY: the input (or its host copy, filled by `ready`) is owned
                 // by the Completion, which `done` frees only when the send has
                 // finished, and which torch's caller leaves unchanged until then.
-                unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, done) }
+                unsafe { e.send(input, dst, call.tag, timeout(call.timeout_ms), ready, done)? }
             }
             ops::OpKind::Recv => {
                 // A negative source: any source (torch's recvAnysource).
                 let src = if call.root < 0 { None } else { Some(rank(call.root, "source")?) };
                 let out = first(&call.outputs, "output")?;
+                // Its copy back is queued now, behind its gate (stream order).
+                let ticket = match staging.as_mut() {
+                    Some(s) => s.queue(&[]).map(|()| s.ticket())?,
+                    None => None,
+                };
+                let done = finish_with(done, None, staging, after);
                 // SAFETY: the output (or its host copy) is owned by the Completion,
                 // which the finisher frees only when the receive has finished, and
                 // which torch's caller does not read until then.
-                unsafe { e.recv(out, src, call.tag, timeout(call.timeout_ms), finish_with(done, None, staging)) }
+                let handle = unsafe { e.recv(out, src, call.tag, timeout(call.timeout_ms), done)? };
+                // Nobody may wait for it on the host: the gates end it at its timeout.
+                if let (Some((gates, t)), Some((deadline, expire))) = (ticket, handle.expirer()) {
+                    gates.expire_at(t, deadline, expire);
+                }
+                handle
             }
             _ => {
                 let is_sparse = call.kind == OpKind::AllReduceSparse;
@@ -133,20 +161,33 @@ impl Group {
                 let parts = collectives(call, sparse.as_ref())?;
                 // A monitored barrier's timeout is rank 0's wait; the op runs with the group's.
                 let op_timeout = if call.kind == OpKind::MonitoredBarrier { None } else { timeout(call.timeout_ms) };
-                let done = finish_with(done, sparse, None);
+                let done = finish_with(done, sparse, None, after);
                 // SAFETY: every buffer of `parts` is a tensor (or its host copy)
                 // the Completion owns, which `done` frees only when the op has
                 // finished; torch's caller leaves inputs unchanged and outputs
                 // unread until then.
                 unsafe {
                     if call.sync_op {
-                        e.run_now(parts, op_timeout, staging, done)
+                        e.run_now(parts, op_timeout, staging, done)?
                     } else {
-                        e.submit(parts, op_timeout, staging, done)
+                        e.submit(parts, op_timeout, staging, done)?
                     }
                 }
             }
+        };
+        if e.is_coalescing() {
+            self.batch.lock().unwrap().extend(fences.iter().cloned());
         }
+        Ok((handle, fences))
+    }
+
+    /// An Op of `handle` (failed at issue: `at_issue`), whose `wait` also waits for `fences`.
+    fn op(&self, handle: OpHandle, at_issue: bool, fences: Vec<Arc<Fence>>) -> Box<Op> {
+        // Its copies back wait for the ops issued before it, each of which
+        // ends by its own timeout (a receive's, the gates end it): a safety
+        // net well past those, so that a wait still cannot hang forever.
+        let fence_bound = self.engine.timeout() * 2 + Duration::from_secs(10);
+        Box::new(Op { handle, at_issue, fences, fence_bound })
     }
 
     // Every function the shim calls contains panics (`panics::contain`):
@@ -154,12 +195,10 @@ impl Group {
 
     pub(crate) fn submit(&self, call: &Call, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
         let name = op_kind(call.kind).map_or("op", |k| k.name());
-        Box::new(
-            match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), || self.issue(call, done)) {
-                Ok(Ok(handle)) => Op { handle, at_issue: false },
-                Ok(Err(e)) | Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
-            },
-        )
+        match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), || self.issue(call, done)) {
+            Ok(Ok((handle, fences))) => self.op(handle, false, fences),
+            Ok(Err(e)) | Err(e) => self.op(OpHandle::failed(e), true, Vec::new()),
+        }
     }
 
     pub(crate) fn run_now(&self, call: &Call) -> Box<Op> {
@@ -172,10 +211,10 @@ impl Group {
             // at its timeout.
             unsafe { self.engine.run_now(parts, timeout(call.timeout_ms), None, Box::new(|_| Ok(()))) }
         };
-        Box::new(match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), run) {
-            Ok(Ok(handle)) => Op { handle, at_issue: false },
-            Ok(Err(e)) | Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
-        })
+        match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), run) {
+            Ok(Ok(handle)) => self.op(handle, false, Vec::new()),
+            Ok(Err(e)) | Err(e) => self.op(OpHandle::failed(e), true, Vec::new()),
+        }
     }
 
     pub(crate) fn all_reduce_here(&self, tensor: &bridge::TensorDesc, reduce: bridge::ReduceOpCode) -> bridge::RanHere {
@@ -200,15 +239,42 @@ impl Group {
     }
 
     pub(crate) fn start_coalescing(&self) -> Result<()> {
-        panics::contain("startCoalescing", || self.engine.start_coalescing()).and_then(|r| r)
+        panics::contain("startCoalescing", || {
+            self.engine.start_coalescing()?;
+            self.batch.lock().unwrap().clear();
+            Ok(())
+        })
+        .and_then(|r| r)
     }
 
+    /// The batch's op; where its ops' consumer is the host (test staging),
+    /// its completion and `wait` also wait for each op's.
     pub(crate) fn end_coalescing(&self, done: cxx::UniquePtr<bridge::Completion>) -> Box<Op> {
-        let ended = panics::contain("endCoalescing", || self.engine.end_coalescing(finish_with(done, None, None)));
-        Box::new(match ended.and_then(|r| r) {
-            Ok(handle) => Op { handle, at_issue: false },
-            Err(e) => Op { handle: OpHandle::failed(e), at_issue: true },
-        })
+        let fences = std::mem::take(&mut *self.batch.lock().unwrap());
+        let batch = (!fences.is_empty()).then(|| Arc::new(Fence::default()));
+        let ended = panics::contain("endCoalescing", || {
+            let finish = finish_with(shared(done), None, None, None);
+            let finish: crate::status::Finisher = match batch.clone() {
+                None => finish,
+                // After every op's own completion (each runs after its copies back).
+                Some(fence) => Box::new(move |r| {
+                    let (outcome, r) = (r.clone().map(|_| ()), r.clone());
+                    Fence::after_all(
+                        &fences,
+                        Box::new(move || {
+                            let _ = finish(&r);
+                            fence.pass();
+                        }),
+                    );
+                    outcome
+                }),
+            };
+            self.engine.end_coalescing(finish)
+        });
+        match ended.and_then(|r| r) {
+            Ok(handle) => self.op(handle, false, batch.into_iter().collect()),
+            Err(e) => self.op(OpHandle::failed(e), true, Vec::new()),
+        }
     }
 
     pub(crate) fn sequence_number(&self) -> u64 {
@@ -227,11 +293,18 @@ impl Group {
 
     fn shut_down(&self) {
         self.engine.shutdown();
-        if let Some(stream) = self.stream.lock().unwrap().take() {
+        // Collectives have ended; point-to-point ops still holding a ticket
+        // end now, and no held copy waits beyond that.
+        if let Some((stream, gates)) = self.host_gates.lock().unwrap().take() {
+            gates.close();
             stream.stop();
         }
-        // Every op has released its gate; the device's word goes once its streams drain.
-        self.gates.lock().unwrap().clear();
+        let devices = std::mem::take(&mut *self.gates.lock().unwrap());
+        for g in devices.values() {
+            g.gates.close();
+        }
+        // The device's word goes once its streams drain.
+        drop(devices);
     }
 
     pub(crate) fn cuda_allowed(&self) -> bool {
@@ -324,7 +397,7 @@ pub(super) fn member(rank: usize, size: usize, timeout_ms: i64, store: &GroupSto
 
 impl Op {
     pub(crate) fn is_done(&self) -> bool {
-        self.handle.is_done()
+        self.handle.is_done() && self.fences.iter().all(|f| f.passed())
     }
 
     pub(crate) fn failed_at_issue(&self) -> bool {
@@ -335,9 +408,36 @@ impl Op {
         // A waiting thread may read its message itself (`Transport::polling`):
         // a panic there fails the op and gives up on the peer it waited for.
         let seq = self.handle.seq();
-        match panics::contain(format_args!("waiting for op #{seq}"), || self.handle.wait(timeout(timeout_ms))) {
+        let mine = timeout(timeout_ms).map(|t| Instant::now() + t);
+        let waited = panics::contain(format_args!("waiting for op #{seq}"), || self.handle.wait(timeout(timeout_ms)));
+        // Ended: where the host consumes it, until its copies back have run
+        // too (they wait for the ops issued before it, which end by their timeouts).
+        let bound = mine.unwrap_or_else(|| Instant::now() + self.fence_bound);
+        let landed = || self.fences.iter().all(|f| f.wait(bound));
+        match waited {
+            Ok(Waited::Done | Waited::Failed(_)) if !landed() => WaitOutcome::TimedOut,
             Ok(Waited::Done) => WaitOutcome::Done,
             Ok(Waited::Failed(_)) => WaitOutcome::Failed,
+            // In stream order every op issued after it waits for it: a
+            // receive whose waiter gives up is withdrawn, not left to hold
+            // them until its own timeout.
+            Ok(Waited::TimedOut) if !self.fences.is_empty() => match self.handle.expirer() {
+                Some((_, withdraw)) => {
+                    let ms = timeout_ms.max(0);
+                    withdraw(Some(Error::timeout(format!(
+                        "rustc10d: Work.wait(timeout={ms} ms) expired; the receive is withdrawn, since the ops \
+                         issued after it are ordered after it"
+                    ))));
+                    let bound = Instant::now() + self.fence_bound;
+                    let landed = self.fences.iter().all(|f| f.wait(bound));
+                    if landed {
+                        WaitOutcome::Failed
+                    } else {
+                        WaitOutcome::TimedOut
+                    }
+                }
+                None => WaitOutcome::TimedOut,
+            },
             Ok(Waited::TimedOut) => WaitOutcome::TimedOut,
             Err(e) => {
                 self.handle.fail(&e);

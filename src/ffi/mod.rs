@@ -209,6 +209,8 @@ pub mod bridge {
         fn reconfigure_handle(self: &Membership, rank: i32) -> String;
         fn cuda_allowed(self: &Membership) -> bool;
         fn test_staging(self: &Membership) -> bool;
+        /// Config::cuda_wait is `stream`: CUDA ops complete in stream order.
+        fn stream_ordered(self: &Membership) -> bool;
         fn timeout_ms(self: &Membership) -> i64;
         fn set_timeout(self: &Membership, timeout_ms: i64);
         fn check_handles(self: &Membership, rank: i32, handles: &Vec<String>, ordered: bool) -> Result<()>;
@@ -252,12 +254,13 @@ pub mod bridge {
         /// caller must hold the GIL.
         unsafe fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
 
-        /// Finish the op: its future, its Work, its tensors (error empty: success).
-        fn complete(done: UniquePtr<Completion>, kind: ErrorKind, error: &str);
+        /// Finish the op: its future, its Work (error empty: success). Its
+        /// tensors go with the Completion.
+        fn complete(done: &Completion, kind: ErrorKind, error: &str);
         /// Finish a sparse all-reduce: every rank's rows (checked against
         /// the tensor's shape), to be added up. Returns the error the op
         /// failed with where the result could not be made; empty: success.
-        fn complete_sparse(done: UniquePtr<Completion>, rows: &[u64], indices: &[u8], values: &[u8]) -> String;
+        fn complete_sparse(done: &Completion, rows: &[u64], indices: &[u8], values: &[u8]) -> String;
 
         /// Device primitives on staged buffer `buffer` (by index into Call::staged).
         /// Queue bytes [start, start + len) to the host after the caller's
@@ -285,11 +288,12 @@ pub mod bridge {
             len: usize,
         ) -> Result<()>;
         /// Copy bytes [start, start + len) from the device to the host copy
-        /// now, on stream `side` (nothing holds it), and wait for the copy.
+        /// now, on stream `restore` (nothing else uses it), after the
+        /// caller's work queued before the op, and wait for the copy.
         ///
         /// # Safety
-        /// As for `to_device_held`, of `side`.
-        unsafe fn restore(done: &Completion, side: usize, buffer: usize, start: usize, len: usize) -> Result<()>;
+        /// As for `to_device_held`, of `restore`.
+        unsafe fn restore(done: &Completion, restore: usize, buffer: usize, start: usize, len: usize) -> Result<()>;
 
         fn backend_to_python(group: Box<Group>, rank: i32, size: i32) -> Result<usize>;
         fn unformed_backend_to_python(membership: Box<Membership>, rank: i32, size: i32) -> Result<usize>;
@@ -342,8 +346,9 @@ impl Group {
             store,
             shrinks: Default::default(),
             name: Default::default(),
-            stream: Default::default(),
+            host_gates: Default::default(),
             gates: Default::default(),
+            batch: Default::default(),
         })
     }
 }
@@ -400,16 +405,24 @@ pub struct Group {
     /// torch's name of the group, the same on every member, once torch
     /// has given it: a shrink on shared connections names its channel after it.
     pub name: std::sync::Mutex<String>,
-    /// Under test staging: the stream the group's copies run on.
-    pub stream: std::sync::Mutex<Option<std::sync::Arc<crate::engine::StreamThread>>>,
+    /// Under test staging: the held stream the group's copies back run on,
+    /// and its gates, made with the first staged op.
+    host_gates: std::sync::Mutex<Option<(crate::engine::HostStream, Arc<crate::engine::StreamGates>)>>,
     /// With `cuda_wait=stream`: each CUDA device's gates, made with its first op.
-    pub gates: std::sync::Mutex<std::collections::HashMap<i32, group::DeviceGates>>,
+    gates: std::sync::Mutex<std::collections::HashMap<i32, group::DeviceGates>>,
+    /// The fences of the ops issued in the open coalescing batch.
+    batch: std::sync::Mutex<Vec<Arc<translate::Fence>>>,
 }
 
 pub struct Op {
     handle: OpHandle,
     /// Refused at once (bad input): the shim raises instead of returning a Work.
     at_issue: bool,
+    /// Test staging: what `wait` and `is_done` also wait for (the op's
+    /// completion, once its copies back have run; a batch's, every op's).
+    fences: Vec<Arc<translate::Fence>>,
+    /// How long `wait` waits for them, at most, once the op has ended.
+    fence_bound: Duration,
 }
 
 impl From<error::ErrorKind> for bridge::ErrorKind {

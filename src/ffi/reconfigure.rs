@@ -54,6 +54,11 @@ impl Membership {
         self.cfg.cuda
     }
 
+    /// Config::cuda_wait is `stream`: CUDA ops complete in stream order.
+    pub(crate) fn stream_ordered(&self) -> bool {
+        self.cfg.cuda_wait == crate::config::CudaWait::Stream
+    }
+
     pub(crate) fn test_staging(&self) -> bool {
         self.cfg.test_staging
     }

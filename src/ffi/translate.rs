@@ -6,12 +6,12 @@ use super::bridge::{self, Call, OpKind, ReduceOpCode};
 use crate::algorithms::call_check::Fingerprint;
 use crate::algorithms::RawBuf;
 use crate::dtype;
-use crate::engine::{Device, Event, HeldCopies, Staging};
+use crate::engine::{AfterCopies, Device, Event, HeldCopies, Staging};
 use crate::error::{Error, Result};
 use crate::ops::{self, Collective, Reduction, SparseGathered};
 use crate::status::Finisher;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 pub(super) fn dtype_of(d: bridge::DType) -> Result<dtype::DType> {
     dtype::DType::ALL
@@ -163,20 +163,40 @@ fn sparse_shape(call: &Call) -> Result<ops::SparseShape> {
     Ok(ops::SparseShape { sparse_sizes: sparse.to_vec(), dense_sizes: dense.to_vec(), value_row: call.value_row })
 }
 
-/// Finishing an op completes its torch future (and releases its tensors);
-/// a sparse all-reduce hands over what it gathered, a staged receive first
-/// copies its result back to the device (or, failed, leaves it as it was).
+/// The shim's half of an op (its tensors, future, events), shared by the
+/// device primitives that stage its tensors and the finisher that completes
+/// it: it lives until the last of them is done, so that a failed op's
+/// restore, which runs after the op has completed, still has its tensors.
+/// The lock keeps the shim's calls on it one at a time.
+pub(super) type SharedCompletion = Arc<Mutex<cxx::UniquePtr<bridge::Completion>>>;
+
+pub(super) fn shared(done: cxx::UniquePtr<bridge::Completion>) -> SharedCompletion {
+    Arc::new(Mutex::new(done))
+}
+
+/// `f` on the Completion, unless the shim handed none.
+fn with<T>(done: &SharedCompletion, f: impl FnOnce(&bridge::Completion) -> T) -> Option<T> {
+    let done = done.lock().unwrap_or_else(|e| e.into_inner());
+    done.as_ref().map(f)
+}
+
+/// Finishing an op completes its torch future; a sparse all-reduce hands
+/// over what it gathered, a staged receive first copies its result back to
+/// the device (or, failed, leaves it as it was). With `after` (test staging:
+/// the host is the consumer), the completion runs once the op's copies back
+/// have, and then passes `fence`.
 pub(super) fn finish_with(
-    done: cxx::UniquePtr<bridge::Completion>,
+    done: SharedCompletion,
     sparse: Option<Arc<Mutex<SparseGathered>>>,
     staged_out: Option<Staging>,
+    after: Option<(AfterCopies, Arc<Fence>)>,
 ) -> Finisher {
     // Fields drop in this order: a staging dropped before it settled (the
-    // op never ran) settles while the Completion still holds its tensors.
+    // op never ran) settles before the finisher lets go of the Completion.
     struct Finish {
         staged: Option<Staging>,
         sparse: Option<Arc<Mutex<SparseGathered>>>,
-        done: cxx::UniquePtr<bridge::Completion>,
+        done: SharedCompletion,
     }
     let finish = Finish { staged: staged_out, sparse, done };
     Box::new(move |r: &Result<i64>| {
@@ -184,57 +204,130 @@ pub(super) fn finish_with(
         let r = match staged {
             Some(mut staging) => {
                 let out = r.clone().and_then(|n| staging.all_out().map(|()| n));
-                let settled = staging.settle();
-                out.and_then(|n| settled.map(|()| n))
+                staging.settle();
+                out
             }
             None => r.clone(),
         };
-        match (r, sparse) {
-            (Ok(_), Some(out)) => {
-                let out = std::mem::take(&mut *out.lock().unwrap());
-                let failed = bridge::complete_sparse(done, &out.rows, &out.indices, &out.values);
-                if failed.is_empty() {
-                    Ok(())
-                } else {
-                    Err(Error::io(failed))
-                }
+        match after {
+            Some((after, fence)) => {
+                let outcome = r.clone().map(|_| ());
+                after.then(Box::new(move || {
+                    let _ = complete(&done, r, sparse);
+                    fence.pass();
+                }));
+                outcome
             }
-            (Ok(_), None) => {
-                bridge::complete(done, bridge::ErrorKind::Io, "");
-                Ok(())
-            }
-            (Err(e), _) => {
-                bridge::complete(done, e.kind.into(), &e.message);
-                Err(e)
-            }
+            None => complete(&done, r, sparse),
         }
     })
 }
 
-/// The shim's device primitives for one op's staged buffers; with
-/// `streams` (the held one, and the side one), for copies back held behind a
-/// gate too.
-pub(super) struct ShimDevice {
-    pub(super) done: *const bridge::Completion,
-    pub(super) streams: Option<[crate::cuda::Stream; 2]>,
+/// Complete the shim's half of the op with `r`.
+fn complete(done: &SharedCompletion, r: Result<i64>, sparse: Option<Arc<Mutex<SparseGathered>>>) -> Result<()> {
+    match (r, sparse) {
+        (Ok(_), Some(out)) => {
+            let out = std::mem::take(&mut *out.lock().unwrap());
+            let failed = with(done, |c| bridge::complete_sparse(c, &out.rows, &out.indices, &out.values));
+            match failed.unwrap_or_default() {
+                failed if failed.is_empty() => Ok(()),
+                failed => Err(Error::io(failed)),
+            }
+        }
+        (Ok(_), None) => {
+            with(done, |c| bridge::complete(c, bridge::ErrorKind::Io, ""));
+            Ok(())
+        }
+        (Err(e), _) => {
+            with(done, |c| bridge::complete(c, e.kind.into(), &e.message));
+            Err(e)
+        }
+    }
 }
 
-// SAFETY: `done` points at the op's Completion, which torch lets any thread
-// use (see bridge::Completion's Send), and which lives until the op's
-// finisher runs (`finish_with`): a collective's staging is settled and
-// dropped in the finisher before it completes the op, and a send's ready
-// takes turns with its finisher (`Group::issue`). The streams are handles.
-unsafe impl Send for ShimDevice {}
+/// Where an op's completion waits for its copies back (test staging), the
+/// op's Work waits for it too: passed once the completion has run.
+#[derive(Default)]
+pub(crate) struct Fence {
+    state: Mutex<FenceState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct FenceState {
+    passed: bool,
+    then: Vec<Job>,
+}
+
+impl Fence {
+    pub(crate) fn pass(&self) {
+        let then = {
+            let mut state = self.state.lock().unwrap();
+            state.passed = true;
+            std::mem::take(&mut state.then)
+        };
+        self.changed.notify_all();
+        then.into_iter().for_each(|f| f());
+    }
+
+    pub(crate) fn passed(&self) -> bool {
+        self.state.lock().unwrap().passed
+    }
+
+    /// Whether it passed by `until`.
+    pub(crate) fn wait(&self, until: Instant) -> bool {
+        let state = self.state.lock().unwrap();
+        let wait = until.saturating_duration_since(Instant::now());
+        self.changed.wait_timeout_while(state, wait, |s| !s.passed).unwrap().0.passed
+    }
+
+    /// Run `f` once every one of `all` has passed (here and now if they have).
+    pub(crate) fn after_all(all: &[Arc<Fence>], f: Job) {
+        // How many have yet to pass, and `f` until it runs.
+        let left = Arc::new(Mutex::new((all.len(), Some(f))));
+        let one_passed = move |left: &Mutex<(usize, Option<Job>)>| {
+            let mut left = left.lock().unwrap();
+            left.0 = left.0.saturating_sub(1);
+            let f = if left.0 == 0 { left.1.take() } else { None };
+            drop(left);
+            if let Some(f) = f {
+                f();
+            }
+        };
+        if all.is_empty() {
+            left.lock().unwrap().0 = 1;
+            return one_passed(&left);
+        }
+        for fence in all {
+            let left = left.clone();
+            let mut state = fence.state.lock().unwrap();
+            if state.passed {
+                drop(state);
+                one_passed(&left);
+            } else {
+                state.then.push(Box::new(move || one_passed(&left)));
+            }
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The shim's device primitives for one op's staged buffers; with
+/// `streams` (held, side, restore), for copies back held behind a gate too.
+#[derive(Clone)]
+pub(super) struct ShimDevice {
+    pub(super) done: SharedCompletion,
+    pub(super) streams: Option<[crate::cuda::Stream; 3]>,
+}
 
 impl ShimDevice {
     fn call<T>(&self, f: impl FnOnce(&bridge::Completion) -> std::result::Result<T, cxx::Exception>) -> Result<T> {
-        // SAFETY: the Completion is alive while this ShimDevice is used (see
-        // its Send), and the shim only reads it through a shared reference
-        // (its staged buffers and events are the C++ side's to mutate).
-        f(unsafe { &*self.done }).map_err(|e| Error::io(e.what().to_string()))
+        let called = with(&self.done, f).ok_or_else(|| Error::invalid("rustc10d: a staged op without a Completion"))?;
+        called.map_err(|e| Error::io(e.what().to_string()))
     }
 
-    fn streams(&self) -> Result<[usize; 2]> {
+    fn streams(&self) -> Result<[usize; 3]> {
         let streams = self.streams.ok_or_else(|| Error::invalid("rustc10d: a held copy back without streams"))?;
         Ok(streams.map(|s| s.0))
     }
@@ -254,14 +347,14 @@ impl Device for ShimDevice {
 
 impl HeldCopies for ShimDevice {
     fn to_device_held(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
-        let [held, side] = self.streams()?;
-        // SAFETY: both are the streams of this op's device's DeviceGate
+        let [held, side, _] = self.streams()?;
+        // SAFETY: both are streams of this op's device's DeviceGate
         // (`Group::gates`), which are never destroyed.
         self.call(|c| unsafe { bridge::to_device_held(c, held, side, index, start, len) })
     }
     fn restore(&mut self, index: usize, start: usize, len: usize) -> Result<()> {
-        let [_, side] = self.streams()?;
-        // SAFETY: the side stream of this op's device's DeviceGate, never destroyed.
-        self.call(|c| unsafe { bridge::restore(c, side, index, start, len) })
+        let [_, _, restore] = self.streams()?;
+        // SAFETY: the restore stream of this op's device's DeviceGate, never destroyed.
+        self.call(|c| unsafe { bridge::restore(c, restore, index, start, len) })
     }
 }
