@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 # The torch APIs that differ across the supported releases (2.11 to 2.15): (feature, header
-# under torch/csrc/distributed/c10d, an identifier only that feature declares there).
+# under torch/csrc/distributed/c10d, or a path from the include root where it starts with c10/,
+# an identifier only that feature declares there).
 # cpp/torch_compat.h turns each RUSTC10D_TORCH_HAS_<feature> into what the shim uses.
 TORCH_FEATURES = [
     # Backend::registerCompletionHook and friends (2.15).
@@ -38,6 +39,8 @@ TORCH_FEATURES = [
     ("GATHER_INTO_TENSOR", "Backend.hpp", "gather_into_tensor"),
     # Backend::supportsReconfigure, get_reconfigure_handle, reconfigure (2.14).
     ("RECONFIGURE", "Backend.hpp", "get_reconfigure_handle"),
+    # DeviceGuardImplInterface::isStreamCapturing: whether a stream is being captured into a graph.
+    ("STREAM_CAPTURE_QUERY", "c10/core/impl/DeviceGuardImplInterface.h", "isStreamCapturing"),
 ]
 
 PROBE = r"""
@@ -73,12 +76,12 @@ def probe_features(includes: list[str]) -> dict[str, bool]:
     found = {}
     for feature, header, ident in TORCH_FEATURES:
         for inc in includes:
-            path = Path(inc) / "torch/csrc/distributed/c10d" / header
+            path = Path(inc) / (header if header.startswith("c10/") else f"torch/csrc/distributed/c10d/{header}")
             if path.exists():
                 found[feature] = declares(path.read_text(), ident)
                 break
         else:
-            raise SystemExit(f"rustc10d: torch has no c10d header {header}; is it a torch built with distributed?")
+            raise SystemExit(f"rustc10d: torch has no header {header}; is it a torch built with distributed?")
     return found
 
 

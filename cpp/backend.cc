@@ -301,8 +301,13 @@ class OpBuilder {
       TORCH_CHECK(cuda_allowed_, "rustc10d: ", op_, " got a tensor on ", t.device(),
                   ", but CUDA tensors are turned off by RUSTC10D_CUDA=0; unset it to stage them through host memory");
       if (!d.cuda) {
+        auto current = c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device());
+        // Its tensors go through host memory on CPU threads, which a graph cannot replay.
+        TORCH_CHECK(!compat::is_capturing(current), "rustc10d: ", op_, " was called while the current stream of ",
+                    t.device(), " is being captured into a CUDA graph, which rustc10d cannot take part in (it ",
+                    "stages CUDA tensors through host memory on CPU threads); call it outside the capture");
         d.cuda = std::make_shared<DeviceSync>(t.device());
-        d.cuda->ready.record(c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device()));
+        d.cuda->ready.record(current);
         // Stream-ordered, a send's consumer may reuse its tensor once it is on the host.
         d.cuda->send_ordered = stream_ordered_ && kind_ == OpKind::Send;
       }

@@ -13,17 +13,30 @@
 #include <tuple>
 #include <variant>
 #include <vector>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #if !defined(RUSTC10D_TORCH_HAS_COMPLETION_HOOKS) || !defined(RUSTC10D_TORCH_HAS_COMPLETION_KEY) || \
     !defined(RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT) || !defined(RUSTC10D_TORCH_HAS_TENSOR_COALESCED_OPTYPES) || \
-    !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR) || !defined(RUSTC10D_TORCH_HAS_RECONFIGURE)
+    !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR) || !defined(RUSTC10D_TORCH_HAS_RECONFIGURE) ||      \
+    !defined(RUSTC10D_TORCH_HAS_STREAM_CAPTURE_QUERY)
 #error "build_shim.py defines every RUSTC10D_TORCH_HAS_* feature macro"
 #endif
 
 namespace rustc10d::compat {
+
+// Whether `s` is being captured into a CUDA graph; a torch that cannot say
+// answers false (its capture then fails in torch's own checks, later).
+inline bool is_capturing(const c10::Stream& s) {
+#if RUSTC10D_TORCH_HAS_STREAM_CAPTURE_QUERY
+  return c10::impl::getDeviceGuardImpl(s.device_type())->isStreamCapturing(s);
+#else
+  (void)s;
+  return false;
+#endif
+}
 
 // PREMUL_SUM's factor; torch 2.11 to 2.14 call it NCCLPreMulSumSupplement.
 #if RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT

@@ -242,6 +242,72 @@ def _():
         raise AssertionError(f"batch_isend_irecv received a sum of {total}, want {src * n}")
 
 
+@check("isend/irecv while the send's input is still being produced: wait() and the consumer")
+def _():
+    n = 16 << 20
+    peer, src = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    out, got = torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
+    busy()
+    out.add_(RANK + 1)  # the producer, queued behind the matmuls
+    t0 = time.perf_counter()
+    works = [dist.isend(out, peer, group=RUST), dist.irecv(got, src, group=RUST)]
+    for w in works:
+        w.wait()
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    total = got.sum().item()  # the consumer, on the same stream
+    print(f"WAIT rank {RANK} ({'stream' if STREAM_WAIT else 'host'}): p2p wait() took {waited_ms:.2f} ms", flush=True)
+    if total != float(n * (src + 1)):
+        raise AssertionError(f"irecv received a sum of {total}, want {n * (src + 1)}")
+    if STREAM_WAIT and waited_ms >= 1.0:
+        raise AssertionError(f"stream-ordered isend/irecv wait() blocked the host for {waited_ms:.2f} ms")
+
+
+@check("a batch while its inputs are still being produced: wait() and the consumer")
+def _():
+    n = 1 << 22
+    peer, src = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    ts = [torch.zeros(n, device=DEV) for _ in range(2)]
+    out, got = torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
+    busy()
+    for i, t in enumerate(ts):
+        t.add_(RANK + i)
+    out.add_(RANK + 1)
+    t0 = time.perf_counter()
+    with dist._coalescing_manager(group=RUST, device=DEV, async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t, group=RUST)
+    cm.wait()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer, group=RUST),
+                                    dist.P2POp(dist.irecv, got, src, group=RUST)])
+    for w in works:
+        w.wait()
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    sums = [t.sum().item() for t in ts] + [got.sum().item()]  # the consumers
+    print(f"WAIT rank {RANK} ({'stream' if STREAM_WAIT else 'host'}): batches' wait() took {waited_ms:.2f} ms",
+          flush=True)
+    want = [float(n * sum(r + i for r in range(WORLD))) for i in range(2)] + [float(n * (src + 1))]
+    if sums != want:
+        raise AssertionError(f"sums {sums}, want {want}")
+    if STREAM_WAIT and waited_ms >= 2.0:
+        raise AssertionError(f"stream-ordered batches' wait() blocked the host for {waited_ms:.2f} ms")
+
+
+@check("an op issued while the stream is captured into a CUDA graph is refused, naming it")
+def _():
+    t = torch.ones(1000, device=DEV)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device=DEV)
+    message = ""
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            dist.all_reduce(t, group=RUST)
+    except RuntimeError as e:
+        message = str(e)
+    if "all" not in message or "captured" not in message:
+        raise AssertionError(f"capture was not refused clearly: {message!r}")
+    dist.all_reduce(t, group=RUST)  # the group is still usable
+    same(t, torch.full((1000,), float(WORLD)), "all_reduce after a refused capture")
+
+
 @check("DDP step on CUDA: replicas stay equal")
 def _():
     torch.manual_seed(0)
