@@ -341,20 +341,23 @@ impl Group {
         timeout_ms: i64,
         group_name: &str,
     ) -> Result<Box<Group>> {
-        let store = GroupStore::new(store)?;
-        let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
-        let members: Vec<usize> = ranks.iter().map(|&r| r as usize).collect();
-        let channel =
-            (!group_name.is_empty()).then(|| self.engine.open_channel(group_name, &members, timeout)).flatten();
-        let child = match channel {
-            Some(transport) => Group::over(transport?, store, self.cfg.clone(), timeout)?,
-            None => {
-                let member = member(rank as usize, size as usize, timeout_ms, &store);
-                Group::join(store, &member, self.cfg.clone())?
-            }
+        let formed = || -> Result<Box<Group>> {
+            let store = GroupStore::new(store)?;
+            let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
+            let members: Vec<usize> = ranks.iter().map(|&r| r as usize).collect();
+            let channel =
+                (!group_name.is_empty()).then(|| self.engine.open_channel(group_name, &members, timeout)).flatten();
+            let child = match channel {
+                Some(transport) => Group::over(transport?, store, self.cfg.clone(), timeout)?,
+                None => {
+                    let member = member(rank as usize, size as usize, timeout_ms, &store);
+                    Group::join(store, &member, self.cfg.clone())?
+                }
+            };
+            crate::python::watch(group_name, &child);
+            Ok(Box::new(child))
         };
-        crate::python::watch(group_name, &child);
-        Ok(Box::new(child))
+        panics::contain(format_args!("split_group on rank {}", self.rank()), formed).and_then(|r| r)
     }
 
     /// The survivors' group: this group's ranks but `excluded`, in their
@@ -367,6 +370,11 @@ impl Group {
     /// it; survivors that disagree make groups of different sizes, which
     /// fail at their first op or rendezvous, at the timeout.
     pub(crate) fn shrink(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {
+        let shrink = || self.shrink_to_survivors(excluded, timeout_ms);
+        panics::contain(format_args!("shrink_group on rank {}", self.rank()), shrink).and_then(|r| r)
+    }
+
+    fn shrink_to_survivors(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {
         let (rank, size) = self.engine.rank_and_size();
         let survivors: Vec<usize> = (0..size).filter(|&r| !excluded.contains(&(r as i64))).collect();
         let Some(new_rank) = survivors.iter().position(|&r| r == rank) else {
@@ -387,7 +395,9 @@ impl Group {
     }
 
     pub(crate) fn watch_as(&self, group_name: &str) {
-        crate::python::watch(group_name, self);
+        if let Err(e) = panics::contain("naming the group", || crate::python::watch(group_name, self)) {
+            tracing::error!("{}", e.message);
+        }
     }
 }
 

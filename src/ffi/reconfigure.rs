@@ -74,7 +74,8 @@ impl Membership {
     /// Whether `handles` place this backend, at rank `rank` now, somewhere.
     #[allow(clippy::ptr_arg)] // the bridge passes a rust::Vec
     pub(crate) fn check_handles(&self, rank: i32, handles: &Vec<String>, ordered: bool) -> Result<()> {
-        place(&self.handle(rank), handles, ordered).map(|_| ())
+        let check = || place(&self.handle(rank), handles, ordered).map(|_| ());
+        crate::panics::contain(format_args!("reconfigure's handles on rank {rank}"), check).and_then(|r| r)
     }
 
     /// The group of the processes whose handles are `handles`, this one at
@@ -91,23 +92,28 @@ impl Membership {
         timeout_ms: i64,
         group_name: &str,
     ) -> Result<Box<Group>> {
-        let place = place(&self.handle(rank), &handles, ordered)?;
-        let join_ms = if timeout_ms < 0 { self.timeout_ms() } else { timeout_ms };
-        let store = self.store.within(&format!("rustc10d/reconfigure/{uuid}"));
-        // Every member counts itself in: a count past the size is a uuid some
-        // earlier configuration met under (here or elsewhere), whose keys would
-        // mislead this one.
-        if store.add("members", 1)? > place.size as i64 {
-            return Err(Error::invalid(format!("rustc10d: reconfigure uuid {uuid} was already used: pass a new one")));
-        }
-        let member = member(place.rank, place.size, join_ms, &store);
-        let group = Group::join(store, &member, self.cfg.clone())
-            .map_err(|e| e.context(format_args!("rustc10d: reconfigure {uuid} failed on rank {rank}")))?;
-        // The timeout given is the reconfigure's; the group's ops keep the backend's, as in Gloo.
-        group.set_timeout(self.timeout_ms());
-        crate::python::watch(group_name, &group);
-        self.uuid.store(uuid, Ordering::SeqCst);
-        Ok(Box::new(group))
+        let formed = || -> Result<Box<Group>> {
+            let place = place(&self.handle(rank), &handles, ordered)?;
+            let join_ms = if timeout_ms < 0 { self.timeout_ms() } else { timeout_ms };
+            let store = self.store.within(&format!("rustc10d/reconfigure/{uuid}"));
+            // Every member counts itself in: a count past the size is a uuid some
+            // earlier configuration met under (here or elsewhere), whose keys would
+            // mislead this one.
+            if store.add("members", 1)? > place.size as i64 {
+                return Err(Error::invalid(format!(
+                    "rustc10d: reconfigure uuid {uuid} was already used: pass a new one"
+                )));
+            }
+            let member = member(place.rank, place.size, join_ms, &store);
+            let group = Group::join(store, &member, self.cfg.clone())
+                .map_err(|e| e.context(format_args!("rustc10d: reconfigure {uuid} failed on rank {rank}")))?;
+            // The timeout given is the reconfigure's; the group's ops keep the backend's, as in Gloo.
+            group.set_timeout(self.timeout_ms());
+            crate::python::watch(group_name, &group);
+            self.uuid.store(uuid, Ordering::SeqCst);
+            Ok(Box::new(group))
+        };
+        crate::panics::contain(format_args!("reconfigure {uuid} on rank {rank}"), formed).and_then(|r| r)
     }
 }
 

@@ -154,15 +154,21 @@ impl Core {
             return tracing::debug!("rustc10d: rank {}: too many questions from {}", self.rank(), self.describe(peer));
         };
         let answered = std::thread::Builder::new().name("rustc10d-answer".into()).spawn(move || {
-            let core = &answering.core;
-            let (text, next) = {
-                let waits = core.waits.lock().unwrap();
-                (waits.answer(|p| core.describe(p)), waits.waiting_for())
+            // A panic here leaves the peer unanswered, which it allows for, and says so.
+            let answer = || {
+                let core = &answering.core;
+                let (text, next) = {
+                    let waits = core.waits.lock().unwrap();
+                    (waits.answer(|p| core.describe(p)), waits.waiting_for())
+                };
+                let deeper = ask_next(next, peer, depth).and_then(|q| core.ask(q, depth + 1));
+                let bytes = encode_answer(&in_turn(text, deeper));
+                if let Ok(link) = core.lane(peer, 0, false, Instant::now() + ASK_GRACE) {
+                    link.send(SendReq::owning(Key::answer(), bytes));
+                }
             };
-            let deeper = ask_next(next, peer, depth).and_then(|q| core.ask(q, depth + 1));
-            let bytes = encode_answer(&in_turn(text, deeper));
-            if let Ok(link) = core.lane(peer, 0, false, Instant::now() + ASK_GRACE) {
-                link.send(SendReq::owning(Key::answer(), bytes));
+            if let Err(e) = crate::panics::contain("answering what this rank waits for", answer) {
+                tracing::error!("{}", e.message);
             }
         });
         // Without a thread the peer goes unanswered, which it allows for.
