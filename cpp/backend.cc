@@ -38,6 +38,17 @@ decltype(auto) without_gil(F&& f) {
   return f();
 }
 
+// Whether `s` is being captured into a CUDA graph: torch's answer, or the
+// driver's by the stream's native handle (torch before isStreamCapturing).
+bool capturing(const c10::Stream& s) {
+  if (auto known = compat::is_capturing(s)) return *known;
+  try {
+    return stream_capturing(reinterpret_cast<size_t>(s.native_handle()));
+  } catch (const std::exception&) {
+    return false;  // no native handle to ask about
+  }
+}
+
 static_assert(static_cast<int>(at::ScalarType::NumOptions) + static_cast<int>(DType::Opaque) < 255,
               "a dtype code of a type the engine only moves must fit below the call check's NONE");
 
@@ -303,7 +314,7 @@ class OpBuilder {
       if (!d.cuda) {
         auto current = c10::impl::getDeviceGuardImpl(t.device().type())->getStream(t.device());
         // Its tensors go through host memory on CPU threads, which a graph cannot replay.
-        TORCH_CHECK(!compat::is_capturing(current), "rustc10d: ", op_, " was called while the current stream of ",
+        TORCH_CHECK(!capturing(current), "rustc10d: ", op_, " was called while the current stream of ",
                     t.device(), " is being captured into a CUDA graph, which rustc10d cannot take part in (it ",
                     "stages CUDA tensors through host memory on CPU threads); call it outside the capture");
         d.cuda = std::make_shared<DeviceSync>(t.device());

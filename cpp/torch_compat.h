@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <variant>
@@ -27,14 +28,14 @@
 
 namespace rustc10d::compat {
 
-// Whether `s` is being captured into a CUDA graph; a torch that cannot say
-// answers false (its capture then fails in torch's own checks, later).
-inline bool is_capturing(const c10::Stream& s) {
+// Whether `s` is being captured into a CUDA graph, where torch can say
+// (nullopt: ask the driver).
+inline std::optional<bool> is_capturing(const c10::Stream& s) {
 #if RUSTC10D_TORCH_HAS_STREAM_CAPTURE_QUERY
   return c10::impl::getDeviceGuardImpl(s.device_type())->isStreamCapturing(s);
 #else
   (void)s;
-  return false;
+  return std::nullopt;
 #endif
 }
 

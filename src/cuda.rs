@@ -35,6 +35,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemHostGetDevicePointer_v2",
     "cuMemFreeHost",
     "cuStreamWaitValue32_v2",
+    "cuStreamIsCapturing",
     "cuGetErrorName",
 ];
 
@@ -114,6 +115,27 @@ struct Context(cu::CUcontext);
 unsafe impl Send for Context {}
 // SAFETY: as for Send; the handle is only copied and passed to the driver.
 unsafe impl Sync for Context {}
+
+/// Whether the CUDA stream with native handle `stream` is being captured
+/// into a graph; None where the driver cannot say. The legacy default
+/// stream (handle 0) never is: capture there is not allowed.
+///
+/// # Safety
+/// `stream` must be 0 or a live CUDA stream of a context that is current on
+/// this thread (the caller's current stream, as torch's guard gives it).
+pub unsafe fn capturing(stream: usize) -> Option<bool> {
+    if stream == 0 {
+        return Some(false);
+    }
+    available().ok()?;
+    let mut status: u32 = 0;
+    // SAFETY: the driver is loaded with this symbol (`available`); the stream
+    // is live, per the caller's contract; the out-pointer is a live u32, the
+    // size of the enum the driver writes, read back as a plain integer.
+    let r = unsafe { cu::cuStreamIsCapturing(stream as cu::CUstream, (&mut status as *mut u32).cast()) };
+    check(r, "cuStreamIsCapturing").ok()?;
+    Some(status != 0)
+}
 
 /// A stream of ours, as its native handle (what c10 wraps as an external stream).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

@@ -9,6 +9,18 @@ mod translate;
 
 pub use reconfigure::Membership;
 
+/// `bridge::stream_capturing`.
+///
+/// # Safety
+/// As there.
+unsafe fn stream_capturing(stream: usize) -> bool {
+    // SAFETY: the caller's contract is `capturing`'s.
+    crate::panics::contain("asking whether a stream is captured", || unsafe { crate::cuda::capturing(stream) })
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
 use crate::config::Config;
 use crate::dtype;
 use crate::engine::{Engine, OpHandle};
@@ -223,6 +235,14 @@ pub mod bridge {
             timeout_ms: i64,
             group_name: &str,
         ) -> Result<Box<Group>>;
+
+        /// Whether the CUDA stream with native handle `stream` is being
+        /// captured into a graph, asked of the driver (for a torch whose
+        /// headers cannot say); false where the driver cannot say either.
+        ///
+        /// # Safety
+        /// `stream` must be 0 or a live CUDA stream whose context is current.
+        unsafe fn stream_capturing(stream: usize) -> bool;
 
         fn is_done(self: &Op) -> bool;
         fn failed_at_issue(self: &Op) -> bool;
