@@ -169,12 +169,9 @@ impl Staging {
     /// own bytes are there to copy, so no tensor changes and nothing waits
     /// forever. Call it before the op's completion runs.
     pub fn settle(&mut self) {
-        let Some((_, held)) = self.queued.take() else { return };
-        let outs: Vec<(usize, usize)> = if held { self.outs().collect() } else { Vec::new() };
-        let gates = self.device.gates().expect("queued with gates");
-        if held {
-            gates.open_unchanged(outs);
-        }
+        let Some((_, true)) = self.queued.take() else { return };
+        let outs = self.outs().collect();
+        self.device.gates().expect("queued with gates").open_unchanged(outs);
     }
 
     /// The gates and this op's ticket, where it holds copies back behind one.
