@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::fault::Faults;
+use crate::secret::Secret;
 pub use crate::transport::striping::LaneCount;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -60,6 +61,9 @@ pub struct Config {
     /// Bytes of each of a rank's two slots in the group's shared arena,
     /// where every rank runs on one host (0: no arena).
     pub arena_slot_bytes: usize,
+    /// The job's shared secret (secret.rs), given out of band; whether it is
+    /// set is shared, the secret itself never leaves this process.
+    pub secret: Option<Arc<Secret>>,
     // This rank's own.
     /// At Yama's ptrace_scope 1, while a group with single copy has a peer
     /// on this host, let every process of this user attach to this one
@@ -102,6 +106,7 @@ impl Default for Config {
             nsocks: LaneCount::Auto,
             single_copy_bytes: 64 << 10,
             arena_slot_bytes: 1 << 20,
+            secret: None,
             ptracer_any: true,
             raise_fd_limit: true,
             spin: Duration::from_micros(50),
@@ -198,6 +203,26 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| c.arena_slot_bytes.to_string(),
+    },
+    Setting {
+        option: "secret",
+        env: "RUSTC10D_SECRET",
+        shared: true,
+        set: |c, v| {
+            c.secret = Some(Arc::new(Secret::new(v)?));
+            Ok(())
+        },
+        show: |c| if c.secret.is_some() { "on" } else { "off" }.to_string(),
+    },
+    Setting {
+        option: "secret_file",
+        env: "RUSTC10D_SECRET_FILE",
+        shared: false,
+        set: |c, v| {
+            c.secret = Some(Arc::new(Secret::from_file(v)?));
+            Ok(())
+        },
+        show: |_| String::new(),
     },
     Setting {
         option: "ptracer_any",
@@ -358,7 +383,8 @@ impl Config {
             if let Some(v) = env(s.env) {
                 let v = v.trim();
                 if !v.is_empty() {
-                    (s.set)(&mut cfg, v).map_err(|why| bad(format_args!("{}={v:?}", s.env), why))?;
+                    let shown = if s.option == "secret" { "(hidden)" } else { v };
+                    (s.set)(&mut cfg, v).map_err(|why| bad(format_args!("{}={shown:?}", s.env), why))?;
                 }
             }
         }
@@ -370,9 +396,17 @@ impl Config {
                     known.join(", ")
                 ))
             })?;
-            (s.set)(&mut cfg, v.trim()).map_err(|why| bad(format_args!("rustc10d.Options({name}={v:?})"), why))?;
+            let shown = if s.option == "secret" { "(hidden)" } else { v };
+            (s.set)(&mut cfg, v.trim()).map_err(|why| bad(format_args!("rustc10d.Options({name}={shown:?})"), why))?;
         }
         Ok(cfg)
+    }
+
+    /// The job's secret alone, from the environment: what a rank whose other
+    /// settings are bad seals its refusal with (None: none, or a bad one).
+    pub fn secret_from_env() -> Option<Arc<Secret>> {
+        let secret_vars = |k: &str| k.starts_with("RUSTC10D_SECRET").then(|| std::env::var(k).ok()).flatten();
+        Config::build(secret_vars, &BTreeMap::new()).ok()?.secret
     }
 
     /// From the process environment and `options`.

@@ -26,6 +26,7 @@ pub mod ops;
 pub mod panics;
 pub mod reduce;
 pub mod rendezvous;
+pub mod secret;
 pub mod stats;
 pub mod status;
 pub mod transport;

@@ -145,7 +145,8 @@ fn create_backend(
                 return Group::over(channel, GroupStore::new(store_ref)?, cfg, member.timeout);
             }
             // A rank that cannot take part tells the others, so that they fail now too.
-            let cfg = Config::from_env(&options).inspect_err(|e| rendezvous::refuse(&*store_ref, &member, e))?;
+            let cfg = Config::from_env(&options)
+                .inspect_err(|e| rendezvous::refuse(&*store_ref, &member, Config::secret_from_env().as_deref(), e))?;
             Group::join(GroupStore::new(store_ref)?, &member, cfg)
         })
         // A peer's loss during rendezvous comes as the transport says it

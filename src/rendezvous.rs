@@ -1,18 +1,21 @@
 //! Store-based rendezvous: pick the address peers can reach, publish it with
-//! a protocol version and the settings every rank must share, agree on the
-//! group's token, find out whether the whole group can read each other's
-//! memory (single-copy collectives), and bring up the mesh.
+//! a protocol version, the settings every rank must share and this rank's
+//! share of the group's key, find out whether the whole group can read each
+//! other's memory (single-copy collectives), and bring up the mesh. With the
+//! job's secret (secret.rs) every value read must carry its tag. Nothing
+//! here tells a Store reader where anything lies in a process: same-host
+//! peers learn each other's process from the kernel (SO_PEERCRED).
 
 use crate::config::{Config, TransportMode};
 use crate::error::{Error, ErrorKind, Result};
+use crate::secret::{Sealed, Secret};
 use crate::transport::arena::Arena;
 use crate::transport::arena_pool::ArenaPool;
-use crate::transport::auth::{fill_random, Identity, TOKEN_LEN};
-use crate::transport::conn::read_process;
+use crate::transport::auth::{fill_random, GroupKey, Identity, Share, SHARE_LEN};
 use crate::transport::fd_limit;
 use crate::transport::frame::PROTOCOL_VERSION;
 use crate::transport::mesh::{ArenaRole, Layout, Mesh, PeerAddr, ShmEndpoint};
-use crate::transport::peer_reads::let_peers_read;
+use crate::transport::peer_reads::{let_peers_read, may_read};
 use crate::transport::reactor::Reactor;
 use crate::transport::{fdpass, ring};
 use std::collections::HashMap;
@@ -35,6 +38,13 @@ pub trait Store {
 pub struct MemStore {
     map: Mutex<HashMap<String, Vec<u8>>>,
     cv: Condvar,
+}
+
+impl MemStore {
+    /// Everything in it, as a Store reader could list it (tests of what a rendezvous leaves there).
+    pub fn entries(&self) -> Vec<(String, Vec<u8>)> {
+        self.map.lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
 }
 
 impl Store for MemStore {
@@ -80,8 +90,8 @@ pub struct Member {
 }
 
 /// What each rank publishes: how to reach it, on which host it runs, the
-/// settings every rank must share (`Config::shared`), and where a peer on its
-/// host can try to read its memory.
+/// settings every rank must share (`Config::shared`), whether it offers
+/// single copy, and its share of the group's key.
 #[derive(Debug, Clone, PartialEq)]
 struct Published {
     tcp: SocketAddr,
@@ -89,18 +99,17 @@ struct Published {
     /// Its shared-memory socket name, or None if it takes TCP only.
     shm: Option<String>,
     settings: String,
-    /// Its process and the address of `PROBE` in it (None: no single copy).
-    probe: Option<(i32, u64)>,
+    /// Peers on its host may try to read its memory (single copy).
+    single_copy: bool,
+    share: Share,
 }
-
-/// What a peer finds at a rank's published probe address.
-static PROBE: u64 = 0x5243_3130_5052_4f42; // "RC10PROB"
 
 impl Published {
     fn encode(&self) -> String {
         let shm = self.shm.as_deref().unwrap_or("-");
-        let probe = self.probe.map_or("-".to_string(), |(pid, addr)| format!("{pid}:{addr:x}"));
-        format!("v{PROTOCOL_VERSION} {} {} {shm} {} {probe}", self.tcp, self.host, self.settings)
+        let single_copy = if self.single_copy { "1" } else { "-" };
+        let share: String = self.share.iter().map(|b| format!("{b:02x}")).collect();
+        format!("v{PROTOCOL_VERSION} {} {} {shm} {} {single_copy} {share}", self.tcp, self.host, self.settings)
     }
 
     fn decode(text: &str) -> Option<Published> {
@@ -109,14 +118,20 @@ impl Published {
         let host = it.next()?.to_string();
         let shm = it.next().filter(|s| *s != "-").map(str::to_string);
         let settings = it.next()?.to_string();
-        let probe = match it.next()? {
-            "-" => None,
-            p => {
-                let (pid, addr) = p.split_once(':')?;
-                Some((pid.parse().ok()?, u64::from_str_radix(addr, 16).ok()?))
-            }
+        let single_copy = match it.next()? {
+            "1" => true,
+            "-" => false,
+            _ => return None,
         };
-        Some(Published { tcp, host, shm, settings, probe })
+        let hex = it.next()?;
+        if hex.len() != 2 * SHARE_LEN || it.next().is_some() {
+            return None;
+        }
+        let mut share = [0u8; SHARE_LEN];
+        for (i, byte) in share.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(Published { tcp, host, shm, settings, single_copy, share })
     }
 }
 
@@ -151,8 +166,10 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
     if cfg.raise_fd_limit {
         fd_limit::raise_soft_limit();
     }
+    let store = &Sealed { store, secret: cfg.secret.as_deref() };
     let keys = Keys::join(store, size)?;
-    let token = agree_on_token(store, &keys, rank, me.timeout)?;
+    let mut share: Share = [0; SHARE_LEN];
+    fill_random(&mut share)?;
     // What this rank sets up by itself; if any of it fails, the others are
     // told at once instead of waiting for an address until their timeout.
     let local_setup = || -> Result<_> {
@@ -183,17 +200,15 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         None => (None, None),
     };
     let host = fdpass::host_key().unwrap_or_else(|| "unknown".into());
-    // Where peers on this host may read this rank's memory (single copy),
-    // they read this word first; whether they can, the vote decides.
-    let probe = (cfg.single_copy_bytes > 0 && shm_name.is_some())
-        .then(|| (std::process::id() as i32, &PROBE as *const u64 as u64));
-    let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared(), probe };
+    // Whether peers on this host may read this rank's memory (single
+    // copy), each finds out by trying, and the vote decides.
+    let single_copy = cfg.single_copy_bytes > 0 && shm_name.is_some();
+    let mine = Published { tcp: addr, host, shm: shm_name, settings: cfg.shared(), single_copy, share };
     store.set(&keys.addr(rank), mine.encode().as_bytes())?;
     let records = (0..size)
-        .map(|peer| {
-            let theirs = if peer == rank { mine.clone() } else { lookup_peer(store, &keys, rank, peer, me.timeout)? };
-            cfg.check_shared(&theirs.settings, rank, peer)?;
-            Ok(theirs)
+        .map(|peer| match peer == rank {
+            true => Ok(mine.clone()),
+            false => lookup_peer(store, &keys, cfg, rank, peer, me.timeout),
         })
         .collect::<Result<Vec<_>>>();
     let records = records.inspect_err(|e| {
@@ -214,8 +229,8 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
     // host read this one, for as long as the group lives (peer_reads.rs),
     // and say so before any of them reads: only then is the probe readable.
     let same_host_peer = addrs.iter().any(|a| a.shm.is_some());
-    let peer_reads = (probe.is_some() && same_host_peer && cfg.ptracer_any).then(let_peers_read);
-    if probe.is_some() {
+    let peer_reads = (single_copy && same_host_peer && cfg.ptracer_any).then(let_peers_read);
+    if single_copy {
         store.set(&keys.readable(rank), b"1")?;
     }
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
@@ -225,7 +240,11 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
     let arena_on_every_host = with_arenas.iter().all(|&a| a);
     let layout = Layout { hosts, single_copy, arena, arena_on_every_host, peer_reads };
 
-    let me = Identity::new(rank as u32, size as u32, token);
+    // This rank's own share as it drew it, whatever the Store says of it: a
+    // group whose records were swapped for another's cannot agree on a key.
+    let shares: Vec<Share> = records.iter().enumerate().map(|(p, r)| if p == rank { share } else { r.share }).collect();
+    let secret = cfg.secret.as_deref().map_or(&[][..], |s| s.bytes());
+    let me = Identity::new(rank as u32, size as u32, GroupKey::derive(secret, &shares));
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };
@@ -300,8 +319,7 @@ fn single_copy_group(
     timeout: Duration,
 ) -> Result<bool> {
     let host = &records[rank].host;
-    let candidates =
-        records.len() > 1 && records.iter().all(|r| r.probe.is_some() && r.shm.is_some() && &r.host == host);
+    let candidates = records.len() > 1 && records.iter().all(|r| r.single_copy && r.shm.is_some() && &r.host == host);
     if !candidates || host == "unknown" {
         return Ok(false);
     }
@@ -310,9 +328,7 @@ fn single_copy_group(
         // Only once the peer has let its peers read it (at Yama scope 1).
         let what = format!("rank {rank} was waiting for rank {peer} to let its peers read its memory");
         wait_for(store, &keys.readable(peer), timeout, &what)?;
-        let (pid, addr) = r.probe.expect("candidates publish a probe");
-        let mut word = [0u8; 8];
-        reads_all &= read_process(pid, addr, &mut word).is_ok() && u64::from_ne_bytes(word) == PROBE;
+        reads_all &= r.shm.as_deref().is_some_and(may_read);
     }
     store.set(&keys.vote(rank), if reads_all { b"1" } else { b"0" })?;
     let mut all = true;
@@ -330,8 +346,10 @@ fn single_copy_group(
 }
 
 /// Tell the other ranks that this one cannot take part (a bad setting, say),
-/// so that they fail at once with `why` rather than at their timeout. Best effort.
-pub fn refuse(store: &dyn Store, me: &Member, why: &Error) {
+/// so that they fail at once with `why` rather than at their timeout. Best
+/// effort; sealed with the job's secret where there is one.
+pub fn refuse(store: &dyn Store, me: &Member, secret: Option<&Secret>, why: &Error) {
+    let store = &Sealed { store, secret };
     if let Ok(keys) = Keys::join(store, me.size.max(1)) {
         refuse_in(store, &keys, me.rank, why);
         settle(store, &keys, me.size, true, Instant::now() + me.timeout);
@@ -381,9 +399,6 @@ impl Keys {
     fn addr(&self, rank: usize) -> String {
         format!("rustc10d/{}/addr/{rank}", self.0)
     }
-    fn token(&self) -> String {
-        format!("rustc10d/{}/token", self.0)
-    }
     fn readable(&self, rank: usize) -> String {
         format!("rustc10d/{}/readable/{rank}", self.0)
     }
@@ -396,21 +411,6 @@ impl Keys {
     fn all_settled(&self) -> String {
         format!("rustc10d/{}/settled/all", self.0)
     }
-}
-
-/// Rank 0 draws the group's token; the others read it. Only members of the
-/// Store can learn it, so strangers fail the handshake.
-fn agree_on_token(store: &dyn Store, keys: &Keys, rank: usize, timeout: Duration) -> Result<[u8; TOKEN_LEN]> {
-    let key = keys.token();
-    let bytes = if rank == 0 {
-        let mut t = [0u8; TOKEN_LEN];
-        fill_random(&mut t)?;
-        store.set(&key, &t)?;
-        t.to_vec()
-    } else {
-        wait_for(store, &key, timeout, &format!("rank {rank} was waiting for rank 0 to publish the group token"))?
-    };
-    bytes.try_into().map_err(|_| Error::io("rustc10d: malformed group token in the store"))
 }
 
 /// The value of `key` once some rank has set it. A Store that fails well
@@ -431,7 +431,17 @@ fn wait_for(store: &dyn Store, key: &str, timeout: Duration, what: &str) -> Resu
     })
 }
 
-fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout: Duration) -> Result<Published> {
+/// `peer`'s record, once it is published, checked against this rank's:
+/// the protocol, then the shared settings (before the rest, so that a rank
+/// without the secret reading a sealed record is told that they differ).
+fn lookup_peer(
+    store: &dyn Store,
+    keys: &Keys,
+    cfg: &Config,
+    rank: usize,
+    peer: usize,
+    timeout: Duration,
+) -> Result<Published> {
     let what = format!("rank {rank} was waiting for rank {peer} to publish its address");
     let raw = wait_for(store, &keys.addr(peer), timeout, &what)?;
     let text = String::from_utf8_lossy(&raw);
@@ -443,6 +453,9 @@ fn lookup_peer(store: &dyn Store, keys: &Keys, rank: usize, peer: usize, timeout
         return Err(Error::invalid(format!(
             "rustc10d: rank {peer} speaks protocol {version:?}, rank {rank} speaks v{PROTOCOL_VERSION}: all ranks must run the same rustc10d version"
         )));
+    }
+    if let Some(settings) = text.split(' ').nth(4) {
+        cfg.check_shared(settings, rank, peer)?;
     }
     Published::decode(&text)
         .ok_or_else(|| Error::io(format!("rustc10d: rank {peer} published a malformed address {text:?}")))
@@ -567,21 +580,31 @@ mod tests {
         let keys = Keys(0);
         store.set(&keys.addr(1), b"v999 127.0.0.1:1").unwrap();
         store.set(&keys.addr(3), format!("v{PROTOCOL_VERSION} 127.0.0.1").as_bytes()).unwrap();
-        let err = lookup_peer(&store, &keys, 0, 3, Duration::from_millis(10)).unwrap_err();
+        let cfg = Config::default();
+        let err = lookup_peer(&store, &keys, &cfg, 0, 3, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("malformed"), "{}", err.message);
         let p = Published {
             tcp: "[::1]:5".parse().unwrap(),
             host: "h".into(),
             shm: None,
             settings: "a=1,b=2".into(),
-            probe: None,
+            single_copy: false,
+            share: [0xA5; SHARE_LEN],
         };
         assert_eq!(Published::decode(&p.encode()), Some(p.clone()));
-        let p = Published { shm: Some("rustc10d-ab".into()), probe: Some((4242, 0x7fff_0000_1234)), ..p };
-        assert_eq!(Published::decode(&p.encode()), Some(p));
-        let err = lookup_peer(&store, &keys, 0, 1, Duration::from_millis(10)).unwrap_err();
+        let p = Published {
+            shm: Some("rustc10d-ab".into()),
+            single_copy: true,
+            share: std::array::from_fn(|i| i as u8),
+            ..p
+        };
+        assert_eq!(Published::decode(&p.encode()), Some(p.clone()));
+        for bad in [" 00", "0", " extra"] {
+            assert_eq!(Published::decode(&format!("{}{bad}", p.encode())), None, "{bad:?}");
+        }
+        let err = lookup_peer(&store, &keys, &cfg, 0, 1, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("v999") && err.message.contains("rank 1"), "{}", err.message);
-        let err = lookup_peer(&store, &keys, 0, 2, Duration::from_millis(10)).unwrap_err();
+        let err = lookup_peer(&store, &keys, &cfg, 0, 2, Duration::from_millis(10)).unwrap_err();
         assert!(err.message.contains("waiting for rank 2"), "{}", err.message);
     }
 
@@ -592,7 +615,8 @@ mod tests {
             host: host.into(),
             shm: None,
             settings: String::new(),
-            probe: None,
+            single_copy: false,
+            share: [0; SHARE_LEN],
         };
         let records: Vec<Published> = ["b", "a", "b", "unknown", "a", "unknown"].into_iter().map(on).collect();
         assert_eq!(number_hosts(&records), [0, 1, 0, 2, 1, 3]);
@@ -615,13 +639,14 @@ mod tests {
 
     #[test]
     fn a_store_that_breaks_early_is_not_called_a_timeout() {
-        let err = lookup_peer(&BrokenStore, &Keys(0), 1, 0, Duration::from_secs(30)).unwrap_err();
+        let err = lookup_peer(&BrokenStore, &Keys(0), &Config::default(), 1, 0, Duration::from_secs(30)).unwrap_err();
         assert_eq!(err.kind, crate::error::ErrorKind::Io, "{}", err.message);
         assert!(!err.message.contains("Timed out"), "{}", err.message);
         for part in ["rank 1 was waiting for rank 0", "the Store failed after", "likely closed"] {
             assert!(err.message.contains(part), "{part}: {}", err.message);
         }
-        let err = lookup_peer(&MemStore::default(), &Keys(0), 1, 0, Duration::from_millis(20)).unwrap_err();
+        let err = lookup_peer(&MemStore::default(), &Keys(0), &Config::default(), 1, 0, Duration::from_millis(20))
+            .unwrap_err();
         assert!(err.message.contains("Timed out after 20 ms"), "{}", err.message);
     }
 }

@@ -1,7 +1,7 @@
 //! Every connection opens with a challenge and response (src/transport/
 //! auth.rs): a stranger that forges a hello gets at most a random challenge,
-//! a proof made with another token or for another connection is refused, and
-//! the token itself never crosses the wire, even in a member's handshake.
+//! a proof made with another key or for another connection is refused, and
+//! the key itself never crosses the wire, even in a member's handshake.
 
 mod hostile;
 
@@ -12,7 +12,7 @@ use hostile::*;
 #[test]
 fn a_stranger_gets_at_most_a_challenge() {
     let (engines, addrs, store) = group_via(2, TransportMode::Tcp);
-    let token = token_of(&store);
+    let key = key_of(&*store, 2);
     for (from, to, size) in [(1, 0, 3), (1, 1, 2), (0, 0, 2), (5, 0, 2)] {
         let mut s = tcp_stranger(addrs[0]);
         assert!(s.hello(from, to, size, nonce().unwrap()).is_none(), "hello from {from} to {to} of {size}");
@@ -26,18 +26,18 @@ fn a_stranger_gets_at_most_a_challenge() {
     s.say(&[0x42; PROOF_LEN]);
     assert!(s.rest().is_empty(), "a forged proof gets nothing");
     assert_eq!(s.heard.len(), CHALLENGE_LEN);
-    assert!(!contains(&s.heard, &token));
+    assert!(!contains(&s.heard, key.bytes()));
     drop(again);
     still_works(&engines);
 }
 
-/// A stranger that knows the protocol but not this group's token: its
-/// proof, well made with another token, is refused, over TCP and over the
+/// A stranger that knows the protocol but not this group's key: its
+/// proof, well made with another key, is refused, over TCP and over the
 /// shared-memory socket.
 #[test]
-fn a_proof_made_with_another_token_is_refused() {
+fn a_proof_made_with_another_key_is_refused() {
     let (engines, addrs, store) = group_via(2, TransportMode::Shm);
-    let impostor = Identity::new(1, 2, [0x5A; TOKEN_LEN]);
+    let impostor = Identity::new(1, 2, GroupKey::derive(b"", &[[0x5A; SHARE_LEN]; 2]));
     let name = shm_name(&store, 0).expect("rank 0 offers shared memory");
     let mut tcp = tcp_stranger(addrs[0]);
     let mut unix = unix_stranger(&name);
@@ -56,14 +56,14 @@ fn a_proof_made_with_another_token_is_refused() {
 }
 
 /// An eavesdropper records a member's whole handshake (here the test plays
-/// the member, rank 1, with the group's token), then replays its hello and
+/// the member, rank 1, with the group's key), then replays its hello and
 /// proof on a new connection: the listener's new nonce makes the old proof
-/// worthless. Neither way of the recorded handshake holds the token.
+/// worthless. Neither way of the recorded handshake holds the key.
 #[test]
 fn a_recorded_handshake_replayed_against_a_new_nonce_fails() {
     let (engines, addrs, store) = group_via(2, TransportMode::Tcp);
-    let token = token_of(&store);
-    let member = Identity::new(1, 2, token);
+    let key = key_of(&*store, 2);
+    let member = Identity::new(1, 2, key.clone());
     let mut recorded = tcp_stranger(addrs[0]);
     let mine = nonce().unwrap();
     let challenge = recorded.hello(1, 0, 2, mine).unwrap();
@@ -71,7 +71,10 @@ fn a_recorded_handshake_replayed_against_a_new_nonce_fails() {
     recorded.say(&member.prove(Side::Dialler, &t));
     let theirs = recorded.hear(PROOF_LEN).expect("a member's proof is answered with the listener's");
     member.check(Side::Listener, &t, &theirs.try_into().unwrap()).expect("the listener proves itself");
-    assert!(!contains(&recorded.said, &token) && !contains(&recorded.heard, &token), "the token crossed the wire");
+    assert!(
+        !contains(&recorded.said, key.bytes()) && !contains(&recorded.heard, key.bytes()),
+        "the key crossed the wire"
+    );
 
     let mut replay = tcp_stranger(addrs[0]);
     replay.say(&recorded.said[..HELLO_LEN]);

@@ -57,8 +57,12 @@ fn init_with_unreachable_peer_names_its_address() {
     let store = MemStore::default();
     // Rank 1 "published" an address where nothing listens (first incarnation: generation 0).
     let cfg = Config { transport: TransportMode::Tcp, ..Config::default() };
-    let published =
-        format!("v{} 127.0.0.1:1 elsewhere - {} -", rustc10d::transport::frame::PROTOCOL_VERSION, cfg.shared());
+    let published = format!(
+        "v{} 127.0.0.1:1 elsewhere - {} - {}",
+        rustc10d::transport::frame::PROTOCOL_VERSION,
+        cfg.shared(),
+        "00".repeat(16)
+    );
     store.set("rustc10d/0/addr/1", published.as_bytes()).unwrap();
     let t0 = Instant::now();
     let member = member(0, 2, Duration::from_millis(800), "127.0.0.1");

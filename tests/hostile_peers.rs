@@ -71,19 +71,19 @@ fn strangers_on_the_shared_memory_socket_get_nothing() {
     let mut junk = unix_stranger(&name);
     junk.say(&[7u8; 100]);
     assert!(junk.rest().is_empty());
-    // A hello that fits, then a proof made with another group's token (a second job on this host).
+    // A hello that fits, then a proof made with another group's key (a second job on this host).
     let mut other_job = unix_stranger(&name);
     let mine = nonce().unwrap();
     let challenge = other_job.hello(1, 0, 2, mine).expect("a hello that fits gets a challenge");
     let t = Transcript { size: 2, dialler: 1, listener: 0, dialler_nonce: mine, listener_nonce: challenge.nonce };
-    other_job.say(&Identity::new(1, 2, [0x5A; TOKEN_LEN]).prove(Side::Dialler, &t));
+    other_job.say(&Identity::new(1, 2, GroupKey::derive(b"", &[[0x5A; SHARE_LEN]; 2])).prove(Side::Dialler, &t));
     assert!(other_job.rest().is_empty(), "no proof, no descriptors for another job");
-    assert!(!contains(&other_job.heard, &token_of(&store)));
+    assert!(!contains(&other_job.heard, key_of(&*store, 2).bytes()));
     still_works(&engines);
 }
 
 /// A process of another user gets nothing from the shared-memory socket, not
-/// even a challenge, though it knew the token. Needs root (to run a process
+/// even a challenge, though it knew the key. Needs root (to run a process
 /// as another user): elsewhere it says so and passes.
 #[test]
 fn another_user_gets_nothing_from_the_shared_memory_socket() {
@@ -94,11 +94,11 @@ fn another_user_gets_nothing_from_the_shared_memory_socket() {
     }
     let (engines, _, store) = group_via(2, TransportMode::Shm);
     let name = shm_name(&store, 0).expect("rank 0 offers shared memory");
-    let token: String = token_of(&store).iter().map(|b| format!("{b:02x}")).collect();
+    let shares: String = shares_of(&*store, 2).concat().iter().map(|b| format!("{b:02x}")).collect();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "other_user_role", "--nocapture", "--test-threads=1"])
         .env(OTHER_USER_SOCKET, &name)
-        .env(OTHER_USER_TOKEN, token)
+        .env(OTHER_USER_SHARES, shares)
         .uid(65534)
         .gid(65534)
         .output();
@@ -117,17 +117,18 @@ fn another_user_gets_nothing_from_the_shared_memory_socket() {
 }
 
 const OTHER_USER_SOCKET: &str = "RUSTC10D_TEST_OTHER_USER_SOCKET";
-const OTHER_USER_TOKEN: &str = "RUSTC10D_TEST_OTHER_USER_TOKEN";
+const OTHER_USER_SHARES: &str = "RUSTC10D_TEST_OTHER_USER_SHARES";
 
 /// Not a test by itself: the process of another user in
 /// `another_user_gets_nothing_from_the_shared_memory_socket`, which knows
-/// the token and tries to join as rank 1 (does nothing without its variables).
+/// the shares (so the key) and tries to join as rank 1 (does nothing without its variables).
 #[test]
 fn other_user_role() {
-    let (Ok(name), Ok(token)) = (std::env::var(OTHER_USER_SOCKET), std::env::var(OTHER_USER_TOKEN)) else { return };
-    let token: Vec<u8> =
-        (0..token.len()).step_by(2).map(|i| u8::from_str_radix(&token[i..i + 2], 16).unwrap()).collect();
-    let me = Identity::new(1, 2, token.try_into().unwrap());
+    let (Ok(name), Ok(shares)) = (std::env::var(OTHER_USER_SOCKET), std::env::var(OTHER_USER_SHARES)) else { return };
+    let bytes: Vec<u8> =
+        (0..shares.len()).step_by(2).map(|i| u8::from_str_radix(&shares[i..i + 2], 16).unwrap()).collect();
+    let shares: Vec<Share> = bytes.chunks(SHARE_LEN).map(|c| c.try_into().unwrap()).collect();
+    let me = Identity::new(1, 2, GroupKey::derive(b"", &shares));
     let mut s = unix_stranger(&name);
     let mine = nonce().unwrap();
     if let Some(challenge) = s.hello(1, 0, 2, mine) {

@@ -1,4 +1,4 @@
-//! A member that knows the token and speaks the collectives' protocol, but
+//! A member that knows the key and speaks the collectives' protocol, but
 //! lies in it: its call check says it called another op, another dtype, an
 //! op that does not exist; its sparse all-reduce sends more rows than the
 //! tensor holds, more than memory holds, or indices outside the tensor.

@@ -1,4 +1,4 @@
-//! A member that knows the token and passed the handshake, then sends
+//! A member that knows the key and passed the handshake, then sends
 //! frames that are wrong: corrupt headers, lengths that differ from the
 //! receive, oversized abort reasons, messages sent as their address over
 //! TCP, questions with a payload. Each fails the ops that involve it, with

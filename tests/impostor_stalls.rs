@@ -1,4 +1,4 @@
-//! A member that knows the token and passed the handshake, then stalls or
+//! A member that knows the key and passed the handshake, then stalls or
 //! closes where it must not: within a header, within a message, after
 //! announcing more than it ever sends, or by no longer reading. The ops
 //! that wait for it end within their timeout (plus a bounded grace) with an
@@ -169,7 +169,7 @@ fn an_end_within_a_header_is_never_taken_for_a_clean_close() {
 }
 
 /// A member that floods a rank with connections it proves (it knows the
-/// token, so each is adopted: the limit on handshakes holds for those not
+/// key, so each is adopted: the limit on handshakes holds for those not
 /// yet proved) does not keep the other members out: ranks 0 and 2 of four,
 /// not ring neighbours, connect lazily meanwhile and exchange messages.
 #[test]

@@ -76,6 +76,49 @@ def test_group_recreated_in_the_same_process(tmp_path):
     assert proc.stdout.count("round 2 ok") == 2, proc.stdout
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's own secret")
+def test_a_job_secret(tmp_path):
+    """The job's secret end to end, in real processes over a real TCPStore: given to every rank
+    in a file, the group made, destroyed and made again under torchrun works; a file other users
+    may read fails init on every rank saying how to fix it, without showing the secret; ranks
+    given different secrets fail init naming the Store key they could not trust."""
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(harness.REPO / "tests" / "reinit_job.py"), "rustc10d"]
+    env = harness.worker_env({"RUSTC10D_SECRET_FILE": str(secret)})
+    [proc] = harness.run_processes({"torchrun": cmd}, timeout=100, log_dir=tmp_path / "ok", env=env)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert proc.stdout.count("round 2 ok") == 2, proc.stdout
+
+    secret.chmod(0o644)
+    procs = harness.launch_ranks(2, ["init", "--timeout", "10"], timeout=60, log_dir=tmp_path / "mode", env=env)
+    for proc in procs:
+        _, error = _init_failure(proc)
+        assert "RUSTC10D_SECRET_FILE" in error and "chmod 600" in error and "0123456789" not in error, error
+
+    # Each rank its own secret: run_processes takes one environment, so these start here.
+    cmds = {}
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    for rank, text in enumerate(["the first rank's secret, long enough", "the second rank's secret, as long"]):
+        cmds[f"rank{rank}"] = ([sys.executable, str(harness.WORKER), "init", "--timeout", "10", "--rank", str(rank),
+                                "--world", "2", "--store", f"127.0.0.1:{store.port}"],
+                               harness.worker_env({"RUSTC10D_SECRET": text}))
+    running = {name: subprocess.Popen(cmd, cwd=harness.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True)
+               for name, (cmd, env) in cmds.items()}
+    for name, p in running.items():
+        try:
+            _, err = p.communicate(timeout=60)
+        finally:
+            p.kill()
+        assert p.returncode == 1 and "was not written with this rank's secret" in err, f"{name}: {err[-2000:]}"
+        assert "secret, long enough" not in err and "secret, as long" not in err, f"{name} showed a secret: {err[-2000:]}"
+    del store
+
+
 # torch 2.15 looks backends up by the "torch.distributed.backends" entry point group
 # (Backend._ensure_backend_registered); 2.11 does not, and the README says so
 # (scripts/torch_matrix.sh reports the releases between).

@@ -1,6 +1,6 @@
 //! A member of a real group played by a script. It joins the rendezvous
-//! through the group's Store as one rank, reads the token there as every
-//! member does, proves itself in the real challenge and response over TCP,
+//! through the group's Store as one rank, derives the key from the shares
+//! there as every member does, proves itself in the real challenge and response over TCP,
 //! and then writes whatever bytes a test tells it to: well-formed frames,
 //! wrong ones, half ones, or nothing. The other ranks are real (`connect`,
 //! `Engine`), threads of this process over real sockets.
@@ -82,18 +82,19 @@ pub struct Impostor {
 
 impl Impostor {
     /// Join the rendezvous in `store` (a fresh one) as `rank` of `size`:
-    /// count itself in, read the token, and publish a TCP address with the
-    /// same settings as the members (`tcp_config`) on the same host.
+    /// count itself in, publish a TCP address with the same settings as the
+    /// members (`tcp_config`) on the same host and a share, and derive the
+    /// key from every rank's.
     pub fn join(store: &MemStore, rank: usize, size: usize) -> Impostor {
         let joined = store.add("rustc10d/joined", 1).unwrap();
         assert!(joined <= size as i64, "a fresh Store: the group's first incarnation");
-        let token = store.get("rustc10d/0/token", PATIENCE).unwrap().try_into().unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let host = host_key().unwrap_or_else(|| "unknown".into());
         let addr = listener.local_addr().unwrap();
-        let record = format!("v{PROTOCOL_VERSION} {addr} {host} - {} -", tcp_config().shared());
+        let share: String = nonce().unwrap()[..SHARE_LEN].iter().map(|b| format!("{b:02x}")).collect();
+        let record = format!("v{PROTOCOL_VERSION} {addr} {host} - {} - {share}", tcp_config().shared());
         store.set(&format!("rustc10d/0/addr/{rank}"), record.as_bytes()).unwrap();
-        Impostor { me: Identity::new(rank as u32, size as u32, token), listener }
+        Impostor { me: Identity::new(rank as u32, size as u32, key_of(store, size)), listener }
     }
 
     /// Take the next member's connection and answer its handshake as a

@@ -1,5 +1,6 @@
 //! What the tests of strangers and impostors share: a group of threads over
-//! real sockets (with the Store it met through, which holds its token), a
+//! real sockets (with the Store it met through, which holds every rank's
+//! share of its key, from which a Store reader derives it without a secret), a
 //! check that it still works, and a stranger's end of a handshake. An
 //! impostor, a member played by a script, is in `impostor`; the honest
 //! ranks' ops against it in `honest`.
@@ -14,7 +15,9 @@ pub use rustc10d::dtype::{DType, ReduceOp};
 pub use rustc10d::engine::{Engine, Waited};
 pub use rustc10d::ops::{Collective, Reduction};
 pub use rustc10d::rendezvous::{connect, MemStore, Member, Store};
-pub use rustc10d::transport::auth::{nonce, Identity, Side, Transcript, NONCE_LEN, PROOF_LEN, TOKEN_LEN};
+pub use rustc10d::transport::auth::{
+    nonce, GroupKey, Identity, Share, Side, Transcript, NONCE_LEN, PROOF_LEN, SHARE_LEN,
+};
 pub use rustc10d::transport::frame::{Challenge, Hello, CHALLENGE_LEN, HELLO_LEN, PROTOCOL_VERSION};
 pub use std::io::{Read, Write};
 pub use std::net::{SocketAddr, TcpStream};
@@ -25,13 +28,17 @@ pub use std::time::{Duration, Instant};
 
 /// The group, its TCP addresses, and the Store it met through.
 pub fn group_via(world: usize, transport: TransportMode) -> (Vec<Engine>, Vec<SocketAddr>, Arc<MemStore>) {
+    group_with(world, Config { transport, ..Config::default() })
+}
+
+/// The group of `world` ranks with settings `cfg`, its TCP addresses, and the Store it met through.
+pub fn group_with(world: usize, cfg: Config) -> (Vec<Engine>, Vec<SocketAddr>, Arc<MemStore>) {
     let store = Arc::new(MemStore::default());
     let timeout = Duration::from_secs(10);
     let hs: Vec<_> = (0..world)
         .map(|rank| {
-            let store = store.clone();
+            let (store, cfg) = (store.clone(), cfg.clone());
             std::thread::spawn(move || {
-                let cfg = Config { transport, ..Config::default() };
                 let member = Member { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
                 let mesh = connect(&*store, &member, &cfg).unwrap();
                 let addr = mesh.local_addr();
@@ -64,9 +71,21 @@ pub fn still_works(engines: &[Engine]) {
     assert!(t0.elapsed() < Duration::from_secs(3), "the group was slowed down: {:?}", t0.elapsed());
 }
 
-/// The group's token, as the Store holds it: what every member knows.
-pub fn token_of(store: &MemStore) -> [u8; TOKEN_LEN] {
-    store.get("rustc10d/0/token", Duration::from_secs(1)).unwrap().try_into().unwrap()
+/// Every rank's share of the key of a group of `size` (first incarnation), as the Store holds them.
+pub fn shares_of(store: &dyn Store, size: usize) -> Vec<Share> {
+    (0..size)
+        .map(|rank| {
+            let record = store.get(&format!("rustc10d/0/addr/{rank}"), Duration::from_secs(10)).unwrap();
+            let text = String::from_utf8_lossy(&record).into_owned();
+            let hex = text.split(' ').nth(6).expect("a share");
+            std::array::from_fn(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        })
+        .collect()
+}
+
+/// The group's key as a Store reader derives it, where the job has no secret: what every member knows.
+pub fn key_of(store: &dyn Store, size: usize) -> GroupKey {
+    GroupKey::derive(b"", &shares_of(store, size))
 }
 
 /// The abstract name of `rank`'s shared-memory socket, as it published it (None: TCP only).

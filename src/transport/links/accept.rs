@@ -333,6 +333,11 @@ impl Handshake {
         matches!(self.state.lock().unwrap().as_ref().map(|s| &s.phase), Some(Phase::Descriptors { .. }) | None)
     }
 
+    /// Whether the dialler has sent nothing at all yet.
+    fn said_nothing(&self) -> bool {
+        matches!(self.state.lock().unwrap().as_ref().map(|s| &s.phase), Some(Phase::Hello(p)) if p.got == 0)
+    }
+
     /// Take the connection off the reactor and out of its listener's table
     /// (only once: the handshake may already be over); whether it was still on.
     fn finish(&self, core: &Core) -> Option<Shake> {
@@ -365,6 +370,8 @@ impl Handshake {
                 Ok(Stepped::Waiting) => return,
                 Ok(Stepped::Moved) => {}
                 Ok(Stepped::Done(peer, conn)) => return self.adopt(core, peer, conn),
+                // A port scan, or a peer's rendezvous asking the kernel who listens here (peer_reads.rs).
+                Err(_) if self.said_nothing() => return self.fail_quietly(core, "closed before it said anything"),
                 Err(e) => return self.fail(core, e),
             }
         }

@@ -1,27 +1,37 @@
-//! Proving membership of a group without showing its token. Every
+//! Proving membership of a group without showing its key. Every
 //! connection opens with a challenge and response (the messages are in
 //! frame.rs; dial.rs and accept.rs run them): each side draws a fresh random
-//! nonce, and each proves that it knows the group's token by an HMAC-SHA256,
-//! keyed by the token, over both nonces, both ranks, the group's size, the
-//! protocol version and which side it is. The token never crosses the wire;
+//! nonce, and each proves that it knows the group's key by an HMAC-SHA256,
+//! keyed by it, over both nonces, both ranks, the group's size, the
+//! protocol version and which side it is. The key never crosses the wire;
 //! a proof is good for one connection only (the other side's nonce is new
 //! each time), and one side's proof cannot stand in for the other's.
+//!
+//! The group's key is derived from every rank's share, a fresh random value
+//! each publishes at rendezvous, and from the job's secret where one is
+//! given (secret.rs). Each rank derives it with its own share as it drew
+//! it, so no one can make a group of this incarnation agree on a key that
+//! another group (or an earlier incarnation) used; and without the secret,
+//! the shares a Store reader sees are not enough to derive it.
 
 use crate::error::{Error, Result};
 use crate::transport::frame::PROTOCOL_VERSION;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-/// Bytes of the group's token (drawn by rank 0, shared through the Store).
-pub const TOKEN_LEN: usize = 16;
+/// Bytes of each rank's share of the group's key (drawn by it, published through the Store).
+pub const SHARE_LEN: usize = 16;
 /// Bytes of each side's nonce.
 pub const NONCE_LEN: usize = 32;
 /// Bytes of a proof (an HMAC-SHA256).
 pub const PROOF_LEN: usize = 32;
 
-/// Sets this protocol's proofs apart from any other use of an HMAC keyed by the token.
+/// Sets this protocol's proofs apart from any other use of an HMAC keyed by the group's key.
 const DOMAIN: &[u8] = b"rustc10d handshake";
+/// Sets the key's derivation apart from every other MAC keyed by the secret.
+const KEY_DOMAIN: &[u8] = b"rustc10d group key";
 
+pub type Share = [u8; SHARE_LEN];
 pub type Nonce = [u8; NONCE_LEN];
 pub type Proof = [u8; PROOF_LEN];
 
@@ -44,41 +54,75 @@ pub struct Transcript {
     pub listener_nonce: Nonce,
 }
 
-/// This rank in its group, and the group's token: what it proves itself with.
+/// The key every member of one incarnation of a group proves itself with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct GroupKey([u8; 32]);
+
+impl GroupKey {
+    /// The key of the group whose ranks drew `shares` (in rank order), with
+    /// the job's `secret` (empty: none, and anyone who read the shares can
+    /// derive it, as anyone who read the token could before).
+    pub fn derive(secret: &[u8], shares: &[Share]) -> GroupKey {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes a key of any length");
+        mac.update(KEY_DOMAIN);
+        mac.update(&(shares.len() as u64).to_le_bytes());
+        for share in shares {
+            mac.update(share);
+        }
+        GroupKey(mac.finalize().into_bytes().into())
+    }
+
+    /// Its bytes, for tests that look for them on the wire.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for GroupKey {
+    // The key stays out of logs and panic messages.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GroupKey(hidden)")
+    }
+}
+
+/// This rank in its group, and the group's key: what it proves itself with.
 pub struct Identity {
     pub rank: u32,
     pub size: u32,
-    token: [u8; TOKEN_LEN],
+    key: GroupKey,
 }
 
 impl std::fmt::Debug for Identity {
-    // The token stays out of logs and panic messages.
+    // The key stays out of logs and panic messages.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Identity").field("rank", &self.rank).field("size", &self.size).finish_non_exhaustive()
     }
 }
 
 impl Identity {
-    pub fn new(rank: u32, size: u32, token: [u8; TOKEN_LEN]) -> Identity {
-        Identity { rank, size, token }
+    pub fn new(rank: u32, size: u32, key: GroupKey) -> Identity {
+        Identity { rank, size, key }
     }
 
     /// `side`'s proof for the connection `t`.
     pub fn prove(&self, side: Side, t: &Transcript) -> Proof {
-        mac(&self.token, side, t).finalize().into_bytes().into()
+        mac(&self.key, side, t).finalize().into_bytes().into()
     }
 
     /// Whether `proof` is `side`'s for `t`, compared in constant time (an
     /// attacker learns nothing from how long a wrong guess takes to fail).
     pub fn check(&self, side: Side, t: &Transcript, proof: &Proof) -> Result<()> {
-        mac(&self.token, side, t)
-            .verify_slice(proof)
-            .map_err(|_| Error::io("the peer could not prove it belongs to this group (wrong token, or a replay)"))
+        mac(&self.key, side, t).verify_slice(proof).map_err(|_| {
+            Error::io(
+                "the peer could not prove it belongs to this group (another group's key, a replay, or a \
+                 process without the job's secret)",
+            )
+        })
     }
 }
 
-fn mac(token: &[u8; TOKEN_LEN], side: Side, t: &Transcript) -> Hmac<Sha256> {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token).expect("HMAC takes a key of any length");
+fn mac(key: &GroupKey, side: Side, t: &Transcript) -> Hmac<Sha256> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&key.0).expect("HMAC takes a key of any length");
     mac.update(DOMAIN);
     mac.update(&[side as u8]);
     // Fixed-width fields, so that no two transcripts encode alike.
@@ -145,23 +189,43 @@ mod tests {
         );
     }
 
-    /// The proof's input, pinned: computed independently with Python's hmac module as
-    /// hmac.new(bytes(range(16)), b"rustc10d handshake" + bytes([1]) + struct.pack("<4I",
-    /// 10, 4, 1, 3) + b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the
-    /// protocol, and PROTOCOL_VERSION with it.
+    /// The key's derivation and the proof's input, pinned: computed independently with
+    /// Python's hmac module as key = hmac.new(b"0123456789abcdef", b"rustc10d group key" +
+    /// struct.pack("<Q", 2) + b"\x01" * 16 + b"\x02" * 16, "sha256").digest(), then
+    /// hmac.new(key, b"rustc10d handshake" + bytes([1]) + struct.pack("<4I", 11, 4, 1, 3) +
+    /// b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the protocol, and
+    /// PROTOCOL_VERSION with it.
     #[test]
-    fn the_proof_covers_what_the_protocol_says() {
-        assert_eq!(PROTOCOL_VERSION, 10, "the expected value below is for v10");
-        let me = Identity::new(1, 4, std::array::from_fn(|i| i as u8));
+    fn the_key_and_the_proof_cover_what_the_protocol_says() {
+        assert_eq!(PROTOCOL_VERSION, 11, "the expected values below are for v11");
+        let key = GroupKey::derive(b"0123456789abcdef", &[[0x01; SHARE_LEN], [0x02; SHARE_LEN]]);
+        assert_eq!(hex(key.bytes()), "eec845f397b2567017806ec63a2e0f80d0863845a75591d7fdc843db9486903d");
+        let me = Identity::new(1, 4, key);
         assert_eq!(
             hex(&me.prove(Side::Dialler, &transcript())),
-            "fb79d641dd11c1a24416990ece0c86d94f46f70920e7ac03be98ddd083ef12e7"
+            "e403d0d41c7739eac32856905323d710858300f16bb848c34060b131b4823b7a"
         );
     }
 
+    /// Every share, its place, and the secret change the key.
     #[test]
-    fn a_proof_holds_only_for_its_side_its_connection_and_its_token() {
-        let me = Identity::new(3, 4, [7; TOKEN_LEN]);
+    fn the_key_depends_on_every_share_and_the_secret() {
+        let shares = [[1; SHARE_LEN], [2; SHARE_LEN], [3; SHARE_LEN]];
+        let key = GroupKey::derive(b"", &shares);
+        assert_eq!(key, GroupKey::derive(b"", &shares), "deterministic");
+        for rank in 0..3 {
+            let mut other = shares;
+            other[rank][0] ^= 1;
+            assert_ne!(key, GroupKey::derive(b"", &other), "rank {rank}'s share");
+        }
+        assert_ne!(key, GroupKey::derive(b"", &[shares[1], shares[0], shares[2]]), "the order");
+        assert_ne!(key, GroupKey::derive(b"", &shares[..2]), "the count");
+        assert_ne!(key, GroupKey::derive(b"a job's secret, 16+", &shares), "the secret");
+    }
+
+    #[test]
+    fn a_proof_holds_only_for_its_side_its_connection_and_its_key() {
+        let me = Identity::new(3, 4, GroupKey::derive(b"", &[[7; SHARE_LEN]; 4]));
         let t = transcript();
         let proof = me.prove(Side::Dialler, &t);
         me.check(Side::Dialler, &t, &proof).unwrap();
@@ -176,8 +240,8 @@ mod tests {
         for other in others {
             assert!(me.check(Side::Dialler, &other, &proof).is_err(), "replayed for {other:?}");
         }
-        let stranger = Identity::new(3, 4, [8; TOKEN_LEN]);
-        assert!(stranger.check(Side::Dialler, &t, &proof).is_err(), "another group's token");
+        let stranger = Identity::new(3, 4, GroupKey::derive(b"", &[[8; SHARE_LEN]; 4]));
+        assert!(stranger.check(Side::Dialler, &t, &proof).is_err(), "another group's key");
         for bit in 0..PROOF_LEN * 8 {
             let mut flipped = proof;
             flipped[bit / 8] ^= 1 << (bit % 8);
@@ -186,10 +250,10 @@ mod tests {
     }
 
     #[test]
-    fn nonces_are_fresh_and_the_token_stays_out_of_debug_output() {
+    fn nonces_are_fresh_and_the_key_stays_out_of_debug_output() {
         assert_ne!(nonce().unwrap(), nonce().unwrap());
-        let me = Identity::new(0, 2, [0xAB; TOKEN_LEN]);
-        let shown = format!("{me:?}");
-        assert!(!shown.to_lowercase().contains("ab, ") && !shown.contains("171"), "{shown}");
+        let key = GroupKey::derive(b"", &[[0xAB; SHARE_LEN]; 2]);
+        assert_eq!(format!("{key:?}"), "GroupKey(hidden)");
+        assert_eq!(format!("{:?}", Identity::new(0, 2, key)), "Identity { rank: 0, size: 2, .. }");
     }
 }

@@ -169,7 +169,7 @@ impl Dialler<'_> {
     }
 
     /// The dialling side speaks first, with its nonce; the listener answers
-    /// a hello that fits with its own; then each proves it knows the token,
+    /// a hello that fits with its own; then each proves it knows the key,
     /// the dialler first, so that a stranger never gets a proof.
     fn handshake<S>(&self, stream: &S) -> Result<(), Attempt>
     where
@@ -260,14 +260,17 @@ impl Timeouts for UnixStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::auth::{Proof, TOKEN_LEN};
+    use crate::transport::auth::{GroupKey, Proof, SHARE_LEN};
     use crate::transport::frame::HELLO_LEN;
     use std::net::TcpListener;
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::process::CommandExt;
     use std::sync::mpsc;
 
-    const TOKEN: [u8; TOKEN_LEN] = *b"group token 0123";
+    /// The group's key in these tests.
+    fn key() -> GroupKey {
+        GroupKey::derive(b"", &[*b"group share 0123"; 3])
+    }
 
     fn dialler(me: &Identity, peer: usize, within: Duration) -> Dialler<'_> {
         Dialler { me, peer, name: format!("rank {peer}"), deadline: Instant::now() + within }
@@ -275,8 +278,8 @@ mod tests {
 
     /// A listener's side of one handshake, as the fake listeners play it:
     /// what the dialler sent (its hello and proof), after answering with a
-    /// challenge and the proof of `token`.
-    fn listen_once(s: &mut (impl Read + Write), rank: u32, token: [u8; TOKEN_LEN]) -> Vec<u8> {
+    /// challenge and the proof made with `key`.
+    fn listen_once(s: &mut (impl Read + Write), rank: u32, key: GroupKey) -> Vec<u8> {
         let mut hello = [0u8; HELLO_LEN];
         s.read_exact(&mut hello).unwrap();
         let hello = Hello::decode(&hello).unwrap();
@@ -291,7 +294,7 @@ mod tests {
             dialler_nonce: hello.nonce,
             listener_nonce: challenge.nonce,
         };
-        let me = Identity::new(rank, hello.size, token);
+        let me = Identity::new(rank, hello.size, key);
         s.write_all(&me.prove(Side::Listener, &t)).unwrap();
         [&hello.encode()[..], &proof[..]].concat()
     }
@@ -301,37 +304,37 @@ mod tests {
     }
 
     /// Everything a dialler sends a listener, over TCP and over a Unix
-    /// socket: a hello and a proof, never the token.
+    /// socket: a hello and a proof, never the key.
     #[test]
-    fn the_token_never_crosses_the_wire() {
-        let me = Identity::new(1, 3, TOKEN);
+    fn the_key_never_crosses_the_wire() {
+        let me = Identity::new(1, 3, key());
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let fake = std::thread::spawn(move || listen_once(&mut listener.accept().unwrap().0, 2, TOKEN));
+        let fake = std::thread::spawn(move || listen_once(&mut listener.accept().unwrap().0, 2, key()));
         dialler(&me, 2, Duration::from_secs(10)).tcp(addr, || false).unwrap();
         let sent = fake.join().unwrap();
         assert_eq!(sent.len(), HELLO_LEN + PROOF_LEN);
-        assert!(!contains(&sent, &TOKEN), "the token went over TCP");
+        assert!(!contains(&sent, key().bytes()), "the key went over TCP");
 
         let (ours, mut theirs) = UnixStream::pair().unwrap();
-        let fake = std::thread::spawn(move || listen_once(&mut theirs, 0, TOKEN));
+        let fake = std::thread::spawn(move || listen_once(&mut theirs, 0, key()));
         assert!(dialler(&me, 0, Duration::from_secs(10)).handshake(&ours).is_ok());
         let sent = fake.join().unwrap();
-        assert!(!contains(&sent, &TOKEN), "the token went over the Unix socket");
+        assert!(!contains(&sent, key().bytes()), "the key went over the Unix socket");
     }
 
-    /// A listener that cannot prove it knows the token is not a member: the
+    /// A listener that cannot prove it knows the key is not a member: the
     /// dialler gives up at once (one attempt), without its data going there.
     #[test]
-    fn a_listener_with_another_token_is_refused_at_once() {
-        let me = Identity::new(0, 2, TOKEN);
+    fn a_listener_with_another_key_is_refused_at_once() {
+        let me = Identity::new(0, 2, key());
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let (accepted, count) = mpsc::channel();
         let fake = std::thread::spawn(move || {
             let mut s = listener.accept().unwrap().0;
             accepted.send(()).unwrap();
-            listen_once(&mut s, 1, *b"another group!!!");
+            listen_once(&mut s, 1, GroupKey::derive(b"", &[[0x5A; SHARE_LEN]; 2]));
             listener.set_nonblocking(true).unwrap();
             std::thread::sleep(Duration::from_millis(300));
             while listener.accept().is_ok() {
@@ -350,7 +353,7 @@ mod tests {
     /// seen proved, which may be a member's: the member dials again.
     #[test]
     fn a_dialler_whose_handshake_was_dropped_tries_again() {
-        let me = Identity::new(0, 2, TOKEN);
+        let me = Identity::new(0, 2, key());
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let fake = std::thread::spawn(move || {
@@ -360,7 +363,7 @@ mod tests {
                 s.read_exact(&mut hello).unwrap();
                 // Dropped before the challenge, as a full listener drops one.
             }
-            listen_once(&mut listener.accept().unwrap().0, 1, TOKEN);
+            listen_once(&mut listener.accept().unwrap().0, 1, key());
         });
         dialler(&me, 1, Duration::from_secs(10)).tcp(addr, || false).unwrap();
         fake.join().unwrap();
@@ -401,7 +404,7 @@ mod tests {
         };
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         assert_eq!(said(&mut out, "listening"), "listening", "the listener role started");
-        let me = Identity::new(0, 2, TOKEN);
+        let me = Identity::new(0, 2, key());
         let dialled = dialler(&me, 1, Duration::from_secs(10)).shm(&name, 64 << 10, 0, None, || false);
         let Err(err) = dialled else { panic!("connected") };
         assert!(err.message.contains("uid 65534"), "{}", err.message);

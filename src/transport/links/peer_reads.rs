@@ -12,9 +12,13 @@
 //! such group holds a `PeerReadsGrant`), and undone (`PR_SET_PTRACER` 0)
 //! when the last of them is destroyed; the `ptracer_any` setting turns it
 //! off. Scopes 2 and 3 need CAP_SYS_PTRACE or forbid it outright: nothing
-//! to do there. Either way each rank then reads every peer's probe, and the
-//! group's vote decides.
+//! to do there. Either way each rank then tries every peer (`may_read`),
+//! and the group's vote decides.
 
+use crate::transport::conn::read_process;
+use crate::transport::fdpass::peer_cred;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
 use std::sync::Mutex;
 
 const SCOPE_FILE: &str = "/proc/sys/kernel/yama/ptrace_scope";
@@ -39,6 +43,31 @@ pub fn at_scope(scope: Option<&str>, set_ptracer_any: impl FnOnce() -> bool) -> 
         None | Some("0") => PeerReads::Allowed,
         Some("1") if set_ptracer_any() => PeerReads::Opened,
         Some(_) => PeerReads::Refused,
+    }
+}
+
+/// Whether this process may read the memory of the peer that listens on
+/// the abstract Unix socket `name` (its shared-memory endpoint), as the
+/// single-copy vote asks. The kernel names the peer's process: connecting
+/// gives its pid as this pid namespace sees it (SO_PEERCRED; 0 where it
+/// cannot, from another namespace), so no pid goes through the Store. Then
+/// ptrace's rules are asked by a read of the peer's page 0, which is never
+/// mapped: they are checked before the address (mm/process_vm_access.c),
+/// so a fault means they let this process in, EPERM or ESRCH that they do
+/// not; and no address of the peer's goes through the Store either. The
+/// connection closes at once, before a word is said; the peer's listener,
+/// not yet serving, later drops it quietly. Every actual read is checked
+/// again, per connection (conn.rs).
+pub fn may_read(name: &str) -> bool {
+    let Ok(addr) = SocketAddr::from_abstract_name(name.as_bytes()) else { return false };
+    let Ok(cred) = UnixStream::connect_addr(&addr).and_then(|s| peer_cred(&s)) else { return false };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if cred.pid <= 0 || cred.uid != unsafe { libc::geteuid() } {
+        return false;
+    }
+    match read_process(cred.pid, 0, &mut [0u8; 8]) {
+        Ok(()) => true, // page 0 is mapped there (vm.mmap_min_addr 0): read all the same
+        Err(e) => e.raw_os_error() == Some(libc::EFAULT),
     }
 }
 
@@ -159,6 +188,15 @@ pub fn let_peers_read() -> PeerReadsGrant {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// This process may always read itself, and a name where no one listens
+    /// is no peer to read; neither needs a word through the Store.
+    #[test]
+    fn may_read_asks_the_kernel_of_the_listening_process() {
+        let (_endpoint, name) = crate::transport::mesh::ShmEndpoint::bind(64 << 10).unwrap();
+        assert!(may_read(&name), "this process reads itself");
+        assert!(!may_read("rustc10d-no-such-endpoint"));
+    }
 
     #[test]
     fn only_scope_one_calls_for_the_prctl() {
