@@ -216,8 +216,9 @@ impl Arena {
         let fd = sealed_memfd(len)?;
         let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
         Self::init(&map, 0, world, slot_bytes);
-        let pool =
-            (pool_regions > 0).then(|| Arc::new(ArenaPool::init(map.clone(), at, world, slot_bytes, pool_regions)));
+        let pool = (pool_regions > 0)
+            .then(|| ArenaPool::init(map.clone(), at, world, slot_bytes, pool_regions).map(Arc::new))
+            .transpose()?;
         Ok(Arena { fd: Some(fd), pool, ..Arena::view(map, 0, rank, world, slot_bytes) })
     }
 

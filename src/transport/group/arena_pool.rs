@@ -16,10 +16,19 @@
 //! no memory until it uses its arena.
 //!
 //! The table is changed under a lock in the shared memory, held for a few
-//! loads and stores (and, freeing a region, one madvise): the word holds
-//! the holder's pid, so that a holder that died there (a SIGKILL at the
-//! wrong instant) is found out and its lock taken over. Lock order: the
-//! table's lock is taken last; nothing else is locked while it is held.
+//! loads and stores (and, freeing a region, one madvise): a robust,
+//! process-shared pthread mutex. Only its holder can release it, a waiter
+//! sleeps in the kernel (a futex) until it is released or the deadline
+//! passes, and a holder that dies holding it (a SIGKILL at the wrong
+//! instant) has it released by the kernel (the robust list), whichever pid
+//! namespace it ran in: the next holder finds that out (EOWNERDEAD) and
+//! goes on with the table as the dead one left it (every edit writes
+//! `used` last). A live holder is never taken over, however long it is
+//! stopped (a debugger, SIGSTOP). Before, the lock word was the holder's
+//! pid, taken over from a pid that looked dead, which a holder in another
+//! pid namespace does, and released by a plain store: two processes could
+//! hold it. Lock order: the table's lock is taken last; nothing else is
+//! locked while it is held.
 //! Every value another process wrote here is checked before it is used as
 //! an index.
 
@@ -30,6 +39,8 @@
 use crate::error::{Error, Result};
 use crate::transport::arena::Arena;
 use crate::transport::shared_mem::Mapping;
+use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,8 +58,8 @@ const ENTRIES: usize = 1024;
 const MAGIC: u64 = 0x5243_3130_504f_4f4c; // "RC10POOL"
 const HEADER_BYTES: usize = 4096;
 const NO_REGION: u32 = u32::MAX;
-/// A lock held this long by a process that no longer exists is taken over.
-const STALE_LOCK: Duration = Duration::from_secs(1);
+/// How long giving a lease back waits for the table's lock.
+const GIVE_BACK_WAIT: Duration = Duration::from_secs(2);
 
 #[repr(C)]
 struct Header {
@@ -56,8 +67,11 @@ struct Header {
     max_world: AtomicU64,
     slot_bytes: AtomicU64,
     regions: AtomicU64,
-    /// The pid of the process that holds the table's lock; 0: free.
-    lock: AtomicU32,
+    /// The pid of the process that holds the table's lock (as its own pid
+    /// namespace numbers it), for messages only; 0: none.
+    holder: AtomicU32,
+    /// The table's lock (see the module's doc).
+    lock: UnsafeCell<libc::pthread_mutex_t>,
 }
 
 /// A group's lease: its key, its members, how many gave it back, its region.
@@ -114,14 +128,16 @@ impl ArenaPool {
         max_world: usize,
         slot_bytes: usize,
         regions: usize,
-    ) -> ArenaPool {
+    ) -> Result<ArenaPool> {
         let pool = ArenaPool { map, offset, max_world, slot_bytes, regions };
         let h = pool.header();
+        init_robust_mutex(h.lock.get())?;
         h.max_world.store(max_world as u64, Ordering::Relaxed);
         h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
         h.regions.store(regions as u64, Ordering::Relaxed);
+        // Published last: a peer that sees the magic sees the mutex made.
         h.magic.store(MAGIC, Ordering::Release);
-        pool
+        Ok(pool)
     }
 
     /// The pool a peer made at `offset` of `map`, after checking it is one
@@ -248,39 +264,46 @@ impl ArenaPool {
         Ok(Some(view.leased(Lease { pool: self.clone(), entry: i, key })))
     }
 
-    /// Hold the table's lock until the guard drops: wait for it (taking it
-    /// over from a process that died holding it) until `deadline`.
+    /// Hold the table's lock until the guard drops (on this thread): wait
+    /// for it, asleep, until `deadline`.
     fn lock(&self, deadline: Instant) -> Result<Locked<'_>> {
-        let word = &self.header().lock;
-        let me = std::process::id();
-        let mut since = (0, Instant::now());
-        loop {
-            let holder = match word.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return Ok(Locked { word }),
-                Err(holder) => holder,
-            };
-            let now = Instant::now();
-            if holder != since.0 {
-                since = (holder, now);
-            } else if now - since.1 > STALE_LOCK
-                && !alive(holder)
-                && word.compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed).is_ok()
-            {
-                tracing::warn!("rustc10d: process {holder} died holding the lock of its host's arenas: taken over");
-                return Ok(Locked { word });
+        let h = self.header();
+        let until = realtime(deadline);
+        // SAFETY: the mutex lies in the header, mapped while `self` lives,
+        // and was made robust and process-shared (`init`) before the magic
+        // a peer's `open` checks was published; `until` is a live local.
+        let rc = unsafe { libc::pthread_mutex_timedlock(h.lock.get(), &until) };
+        match rc {
+            0 => {}
+            libc::EOWNERDEAD => {
+                // SAFETY: this thread holds the mutex (EOWNERDEAD locks it), as
+                // pthread_mutex_consistent requires.
+                unsafe { libc::pthread_mutex_consistent(h.lock.get()) };
+                tracing::warn!(
+                    "rustc10d: process {} died holding the lock of its host's arenas: released by the kernel",
+                    h.holder.load(Ordering::Relaxed)
+                );
             }
-            if now >= deadline {
+            libc::ETIMEDOUT => {
                 return Err(Error::timeout(format!(
-                    "rustc10d: process {holder} held the lock of this host's arenas past the deadline"
+                    "rustc10d: process {} held the lock of this host's arenas past the deadline",
+                    h.holder.load(Ordering::Relaxed)
                 )));
             }
-            std::thread::yield_now();
+            e => {
+                return Err(Error::io(format!(
+                    "rustc10d: the lock of this host's arenas failed: {}",
+                    std::io::Error::from_raw_os_error(e)
+                )));
+            }
         }
+        h.holder.store(std::process::id(), Ordering::Relaxed);
+        Ok(Locked { header: h })
     }
 
     /// Give back the lease of entry `i` for `key`: the last member frees it.
     fn give_back(&self, i: usize, key: u64) {
-        let Ok(_locked) = self.lock(Instant::now() + 2 * STALE_LOCK) else {
+        let Ok(_locked) = self.lock(Instant::now() + GIVE_BACK_WAIT) else {
             return tracing::warn!("rustc10d: could not give back an arena of this host: it stays taken");
         };
         let e = self.entry(i);
@@ -308,20 +331,63 @@ impl ArenaPool {
     }
 }
 
-/// Whether process `pid` exists (or may exist: one this process may not signal).
-fn alive(pid: u32) -> bool {
-    // SAFETY: kill with signal 0 sends nothing; it only checks the pid.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+/// Make the mutex at `mutex` (zeroes, in shared memory no one else uses
+/// yet) robust and process-shared.
+fn init_robust_mutex(mutex: *mut libc::pthread_mutex_t) -> Result<()> {
+    let failed =
+        |what: &str, rc: i32| Error::io(format!("rustc10d: {what} failed: {}", std::io::Error::from_raw_os_error(rc)));
+    let mut attr = MaybeUninit::<libc::pthread_mutexattr_t>::uninit();
+    // SAFETY: `attr` is a live local, initialised by pthread_mutexattr_init
+    // before the setters use it and destroyed once, after the mutex is made;
+    // `mutex` points at a pthread_mutex_t in a live mapping (the caller's
+    // header), which nothing else uses until the magic is published.
+    unsafe {
+        let rc = libc::pthread_mutexattr_init(attr.as_mut_ptr());
+        if rc != 0 {
+            return Err(failed("pthread_mutexattr_init", rc));
+        }
+        let mut rc = libc::pthread_mutexattr_setpshared(attr.as_mut_ptr(), libc::PTHREAD_PROCESS_SHARED);
+        if rc == 0 {
+            rc = libc::pthread_mutexattr_setrobust(attr.as_mut_ptr(), libc::PTHREAD_MUTEX_ROBUST);
+        }
+        if rc == 0 {
+            rc = libc::pthread_mutex_init(mutex, attr.as_ptr());
+        }
+        libc::pthread_mutexattr_destroy(attr.as_mut_ptr());
+        if rc != 0 {
+            return Err(failed("making the arenas' lock", rc));
+        }
+    }
+    Ok(())
 }
 
+/// `deadline` on CLOCK_REALTIME, as pthread_mutex_timedlock takes it.
+fn realtime(deadline: Instant) -> libc::timespec {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into `now`, a live local.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) };
+    let nanos = now.tv_nsec as u64 + u64::from(left.subsec_nanos());
+    libc::timespec {
+        tv_sec: now.tv_sec.saturating_add(left.as_secs().min(i64::MAX as u64 / 2) as libc::time_t)
+            + (nanos / 1_000_000_000) as libc::time_t,
+        tv_nsec: (nanos % 1_000_000_000) as libc::c_long,
+    }
+}
+
+/// The table's lock, held by this thread until dropped (a robust mutex
+/// must be unlocked by the thread that locked it: `&Header` is not `Send`).
 struct Locked<'a> {
-    word: &'a AtomicU32,
+    header: &'a Header,
 }
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
-        self.word.store(0, Ordering::Release);
+        self.header.holder.store(0, Ordering::Relaxed);
+        // SAFETY: this thread locked the mutex (`lock`) and holds it until now;
+        // the header stays mapped for the guard's lifetime.
+        let rc = unsafe { libc::pthread_mutex_unlock(self.header.lock.get()) };
+        debug_assert_eq!(rc, 0, "the arenas' lock released by its holder");
     }
 }
 
@@ -406,20 +472,100 @@ mod tests {
         assert!(pool.lease(6, 5, 0, far()).is_err(), "larger than the host");
     }
 
+    /// Run `hold` in a child process (fork: it must not allocate, as other
+    /// threads of the test may hold the allocator's locks), which ends with
+    /// `_exit(0)`; its pid.
+    fn child(hold: impl FnOnce()) -> libc::pid_t {
+        // SAFETY: fork has no preconditions; the child runs `hold`, which
+        // only locks, stores to shared memory and writes to a pipe, then exits
+        // without running anything of the parent's (no destructors, no atexit).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            hold();
+            // SAFETY: _exit ends the child at once; it has no preconditions.
+            unsafe { libc::_exit(0) };
+        }
+        pid
+    }
+
+    fn waited(pid: libc::pid_t) {
+        let mut status = 0;
+        // SAFETY: waits for our own child; `status` is a live local.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    }
+
+    /// A process that dies holding the lock (SIGKILL at the wrong instant,
+    /// here an exit without unlocking) has it released by the kernel: the
+    /// next lease takes it at once, whatever that process's pid now names.
     #[test]
-    fn a_lock_left_by_a_dead_process_is_taken_over() {
+    fn a_lock_left_by_a_dead_process_is_released_by_the_kernel() {
         let (a, _b) = host(2, 1);
         let pool = a.pool().unwrap();
-        // A pid that no process has (above the kernel's pid_max of 2^22).
-        pool.header().lock.store(1 << 30, Ordering::SeqCst);
+        let mutex = pool.header().lock.get();
+        // SAFETY: the child locks the pool's mutex, mapped (shared) in it too.
+        waited(child(|| unsafe {
+            libc::pthread_mutex_lock(mutex);
+        }));
         let started = Instant::now();
         assert!(pool.lease(3, 2, 0, far()).unwrap().is_some());
-        assert!(started.elapsed() >= STALE_LOCK);
-        // A live holder is waited for until the deadline.
-        pool.header().lock.store(1, Ordering::SeqCst);
-        let err = pool.lease(4, 2, 0, Instant::now() + Duration::from_millis(50)).err().unwrap();
-        assert!(err.message.contains("process 1 held the lock"), "{}", err.message);
-        pool.header().lock.store(0, Ordering::SeqCst);
+        assert!(started.elapsed() < Duration::from_millis(500), "{:?}", started.elapsed());
+        // And it is an ordinary lock after that.
+        assert!(pool.lease(4, 2, 0, far()).unwrap().is_none(), "the one region is leased");
+    }
+
+    /// A holder that stops (SIGSTOP, a debugger) well past the second after
+    /// which a pid-word lock took over is waited for, asleep, however long;
+    /// once it resumes and releases, the waiter leases, and by the table's
+    /// values no region serves two groups. A waiter whose deadline passes
+    /// first fails naming the holder.
+    #[test]
+    fn a_stopped_holder_is_waited_for_never_taken_over() {
+        let (a, _b) = host(2, 2);
+        let pool = a.pool().unwrap().clone();
+        let (h, e0) = (pool.header(), pool.entry(0));
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into `fds`, a live local.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let holder = child(|| {
+            // SAFETY: the pool's mutex and table are mapped (shared) in the
+            // child; the byte written is a live local.
+            unsafe {
+                libc::pthread_mutex_lock(h.lock.get());
+                h.holder.store(libc::getpid() as u32, Ordering::Relaxed);
+                libc::write(fds[1], [1u8].as_ptr().cast(), 1);
+                // Stopped here by the parent; then it leases region 0 for key 0xA, as `lease` does.
+                libc::usleep(100_000);
+                e0.key.store(0xA, Ordering::Relaxed);
+                e0.members.store(2, Ordering::Relaxed);
+                e0.returned.store(0, Ordering::Relaxed);
+                e0.region.store(0, Ordering::Relaxed);
+                e0.used.store(1, Ordering::Relaxed);
+                h.holder.store(0, Ordering::Relaxed);
+                libc::pthread_mutex_unlock(h.lock.get());
+            }
+        });
+        let mut byte = [0u8; 1];
+        // SAFETY: reads one byte into a live local from the pipe's read end.
+        assert_eq!(unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) }, 1, "the child holds the lock");
+        // SAFETY: stops our own child.
+        unsafe { libc::kill(holder, libc::SIGSTOP) };
+        let err = pool.lease(0xB, 2, 0, Instant::now() + Duration::from_millis(100)).err().unwrap();
+        assert!(err.message.contains(&format!("process {holder} held the lock")), "{}", err.message);
+        let waiter = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.lease(0xB, 2, 0, far()).map(|a| a.map(|a| a.offset())))
+        };
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(!waiter.is_finished(), "a stopped holder's lock was taken over");
+        // SAFETY: resumes our own child.
+        unsafe { libc::kill(holder, libc::SIGCONT) };
+        let offset = waiter.join().unwrap().unwrap().expect("region 1 is free");
+        waited(holder);
+        assert_eq!((e0.key.load(Ordering::Relaxed), e0.region.load(Ordering::Relaxed)), (0xA, 0));
+        assert_eq!(offset, pool.region_at(1), "key 0xB got the region key 0xA did not take");
+        // SAFETY: closes the pipe's two descriptors, used no more.
+        unsafe { (libc::close(fds[0]), libc::close(fds[1])) };
     }
 
     #[test]
