@@ -564,7 +564,7 @@ impl Round<'_> {
             if self.poll_a_while() {
                 return Some(Ok(()));
             }
-            if let Some(stuck) = self.arena.aborted() {
+            if let Some(stuck) = self.aborted_before_passing() {
                 return Some(Err(stuck));
             }
             let now = Instant::now();
@@ -575,6 +575,19 @@ impl Round<'_> {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// The arena's abort, if it was aborted before this stage passed. A
+    /// rank that passed the stage may finish its op and abort the arena
+    /// (its group destroyed at once) between this rank's last look at the
+    /// stage and its look at the abort: the stage is looked at once more,
+    /// after the abort was seen, and an abort that came after the stage
+    /// passed fails nothing of it (it fails the next round). SeqCst loads:
+    /// the aborter arrived before it aborted, so once the abort is seen
+    /// its arrival is too.
+    fn aborted_before_passing(&mut self) -> Option<Stuck> {
+        let stuck = self.arena.aborted()?;
+        (!self.passed()).then_some(stuck)
     }
 
     /// `POLLS` polls without yielding the core: whether the stage passed.
@@ -601,7 +614,7 @@ impl Round<'_> {
             if self.poll_a_while() {
                 return Ok(());
             }
-            if let Some(stuck) = a.aborted() {
+            if let Some(stuck) = self.aborted_before_passing() {
                 return Err(stuck);
             }
             if Instant::now() >= spin_until.min(deadline) {
@@ -623,7 +636,7 @@ impl Round<'_> {
             if self.passed() {
                 return Ok(());
             }
-            if let Some(stuck) = a.aborted() {
+            if let Some(stuck) = self.aborted_before_passing() {
                 return Err(stuck);
             }
             if Instant::now() >= deadline {
@@ -771,6 +784,27 @@ mod tests {
         });
         drop(r1);
         assert!(arenas[1].round(&tag(1)).is_err());
+    }
+
+    /// A rank that passed a stage may finish its op and abort the arena
+    /// (its group destroyed at once) while a slower rank, which arrived
+    /// first, has not yet looked at the stage again: that rank's stage
+    /// passed all the same (found by the group churn soak, where it failed
+    /// ops now and then), and only its next round fails.
+    #[test]
+    fn an_abort_after_the_stage_passed_fails_only_the_next_round() {
+        let arenas = Arena::in_memory(2, 64).unwrap();
+        let mut r1 = arenas[1].round(&tag(0)).unwrap();
+        assert!(!r1.arrive(), "rank 1 first: it waits");
+        let mut r0 = arenas[0].round(&tag(0)).unwrap();
+        assert!(r0.arrive(), "rank 0 last: the stage passed");
+        drop(r0);
+        arenas[0].abort("rank 0: the process group was shut down");
+        // What rank 1's wait asks when it sees the abort between two looks at the stage.
+        assert_eq!(r1.aborted_before_passing(), None);
+        assert_eq!(r1.wait(far(), Duration::ZERO, &Cost::default()), Ok(()));
+        drop(r1);
+        assert!(matches!(arenas[1].round(&tag(1)), Err(Stuck::Aborted { by: 0, .. })));
     }
 
     /// What another process wrote in the header is bounded before use: a
