@@ -221,6 +221,18 @@ fn connections_settled(group_name: &str) -> PyResult<bool> {
     Ok((0..t.size()).filter(|&p| p != t.rank()).all(|p| t.lanes_settled(p)))
 }
 
+/// {closed, numbers, given_up, names}: what the process keeps about the
+/// groups a live group's connections carried (tests of bounded growth).
+#[pyfunction]
+fn retained(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
+    let r = watched(group_name, |g| g.transport.upgrade())?.retained();
+    let out = PyDict::new(py);
+    for (name, n) in [("closed", r.closed), ("numbers", r.numbers), ("given_up", r.given_up), ("names", r.names)] {
+        out.set_item(name, n)?;
+    }
+    Ok(out.unbind())
+}
+
 /// stderr logging, once per process, at RUSTC10D_LOG's level (a bad value
 /// logs at the default level here, and fails init_process_group with Config's error).
 fn init_logging() {
@@ -243,6 +255,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(links, m)?)?;
     m.add_function(wrap_pyfunction!(connections, m)?)?;
     m.add_function(wrap_pyfunction!(connections_settled, m)?)?;
+    m.add_function(wrap_pyfunction!(retained, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

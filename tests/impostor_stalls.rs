@@ -184,6 +184,18 @@ fn a_member_flooding_a_rank_with_proved_connections_keeps_nobody_out() {
     assert!(t0.elapsed() < PROMPT, "the flood slowed the lazy connection down: {:?}", t0.elapsed());
     let bufs: Vec<Vec<Vec<u8>>> = outs.into_iter().map(|o| o.result.expect("a lazy connection got through")).collect();
     assert_eq!((bufs[0][0][0], bufs[2][0][0]), (0x22, 0x33));
+    // Nor does rank 0 hold them: a connection proved beyond the peer's
+    // lanes (one here) is closed, so a member cannot make a rank keep a
+    // reader and a socket for each one it proves.
+    let open = |w: &Wire| {
+        w.stream.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        // Open: the read waits out its timeout; closed: it ends at once.
+        (&w.stream)
+            .read(&mut [0u8; 1])
+            .is_err_and(|e| matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+    };
+    let kept = flood.iter().filter(|w| open(w)).count();
+    assert!(kept <= 1, "{kept} of the flood's 100 connections kept");
     drop(flood);
     [zero, two].into_iter().chain(engines.into_iter().flatten()).for_each(shut_down);
 }

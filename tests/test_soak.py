@@ -20,3 +20,31 @@ def test_soak_keeps_fds_and_memory_stable(tmp_path):
         r = json.loads(line[len("RESULT "):])
         assert r["late"]["fds"] <= r["early"]["fds"], (rank, r)
         assert r["late"]["rss_mb"] - r["early"]["rss_mb"] < 64, (rank, r)
+
+
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's resource use")
+@pytest.mark.timeout(600)
+def test_group_churn_keeps_what_a_process_holds_bounded(tmp_path):
+    """A group made, used and destroyed every step, W = 3, 10,000 steps (every 100th with
+    connections of its own), each all_reduce checked (about 20 s here): at the end every rank
+    holds the file descriptors, threads and /dev/shm entries it held after the first 1,000
+    steps, its memory grew by less than 32 MB (12 MB measured, of which rustc10d's count of
+    groups per name is about 0.6 MB), and the entries rustc10d keeps about closed groups are
+    within their caps (each peer's mailbox remembers the last 1,024 closed groups, the process
+    the last 4,096 channel numbers; without the caps they hold one per step). This soak also
+    found an op failing now and then when a faster rank destroyed the group at once (the
+    arena's abort seen before the stage it had passed)."""
+    world, steps = 3, 10000
+    procs = harness.launch_ranks(world, ["--steps", str(steps), "--warmup", "1000"], timeout=540, log_dir=tmp_path,
+                                 script=harness.REPO / "tests" / "group_churn_job.py")
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, proc.describe()
+        line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+        r = json.loads(line[len("RESULT "):])
+        early, late = r["early"], r["late"]
+        for what in ("fds", "threads", "dev_shm"):
+            assert late[what] <= early[what], (rank, what, r)
+        assert late["rss_mb"] - early["rss_mb"] < 32, (rank, r)
+        kept = late["retained"]
+        assert 1024 <= kept["closed"] <= 1024 * (world - 1), (rank, kept)
+        assert kept["numbers"] <= 4096 and kept["given_up"] == 0, (rank, kept)

@@ -28,6 +28,17 @@ pub use waits::{Wait, WaitOn};
 /// Makes a send's bytes ready to read (see `Transport::send`).
 pub type Ready = Box<dyn FnOnce() -> Result<()> + Send>;
 
+/// Entries kept about groups, per process (`Transport::retained`): each
+/// peer's closed groups (summed), channel numbers, groups given up on, and
+/// group names counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Retained {
+    pub closed: usize,
+    pub numbers: usize,
+    pub given_up: usize,
+    pub names: usize,
+}
+
 pub trait Transport: Send + Sync {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
@@ -157,6 +168,12 @@ pub trait Transport: Send + Sync {
     /// Whether `lanes(peer)` is final (with `nsocks=auto`, once measured).
     fn lanes_settled(&self, _peer: usize) -> bool {
         true
+    }
+
+    /// What the process keeps about the groups its connections carried
+    /// (tests of bounded growth; zeroes where nothing is kept).
+    fn retained(&self) -> Retained {
+        Retained::default()
     }
 
     /// A group of `members` (ranks of this one, in the new group's order,

@@ -15,8 +15,13 @@
 //! the group's name (the same on every member; torch's) and of how many
 //! channels of that name this rank has opened before (the same on every
 //! member too, as each opens every group it is in, in the same order). A
-//! number is never opened twice in a process, so a closed channel's late
-//! messages are dropped, never taken for a new group's.
+//! number is never opened twice in a process (of the last `NUMBERS_KEPT`
+//! opened: an older one comes back only by a collision of 64-bit hashes),
+//! so a closed channel's late messages are dropped, never taken for a new
+//! group's. What a process keeps per group it ever made is bounded (issue
+//! #42, item 3): the numbers, the groups it gave up on, and each mailbox's
+//! closed groups are the most recent so many; only the count of channels
+//! per name stays, as every member's numbering rests on it.
 
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
@@ -27,7 +32,7 @@ use crate::transport::mesh_core::{describe_as, Core};
 use crate::transport::waits::Wait;
 use crate::transport::writer::SendReq;
 use crate::transport::{Fold, Ready, Transport};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -37,17 +42,24 @@ use std::time::{Duration, Instant};
 pub struct Channels {
     /// How many channels of each name this rank has opened.
     opened: HashMap<String, u64>,
-    /// Every number opened, ever.
+    /// The last `NUMBERS_KEPT` numbers opened (`numbers_order` oldest first).
     numbers: HashSet<u64>,
-    /// The groups this rank gave up on, and what it told their members: a
-    /// member it had no connection to then is told once it has one (`told_late`).
-    given_up: Vec<GivenUp>,
+    numbers_order: VecDeque<u64>,
+    /// The last `GIVEN_UP_KEPT` groups this rank gave up on, and what it
+    /// told their members: a member it had no connection to then is told
+    /// once it has one (`told_late`).
+    given_up: VecDeque<GivenUp>,
     /// Channels open now. The connections close with the last group on
     /// them: the owner, once it has shut down (`owner_shut`), or the last
     /// channel after it.
     live: usize,
     owner_shut: bool,
 }
+
+/// How many numbers opened a process remembers, to refuse one opened again.
+const NUMBERS_KEPT: usize = 4 * crate::transport::mailbox::CLOSED_KEPT;
+/// How many groups given up on a process remembers, to tell members that connect later.
+const GIVEN_UP_KEPT: usize = crate::transport::mailbox::CLOSED_KEPT;
 
 struct GivenUp {
     key: Key,
@@ -82,7 +94,12 @@ impl Core {
         let (key, why, members) = (told.key, told.why.clone(), told.members.clone());
         // Recorded first: a connection adopted meanwhile finds it there (or
         // is found below; told twice, the peer closes the channel once).
-        self.channels.lock().unwrap().given_up.push(told);
+        let mut channels = self.channels.lock().unwrap();
+        channels.given_up.push_back(told);
+        if channels.given_up.len() > GIVEN_UP_KEPT {
+            channels.given_up.pop_front();
+        }
+        drop(channels);
         self.tell_members(key, &members, &why);
     }
 
@@ -107,6 +124,18 @@ impl Core {
             if let Some(link) = first_lane.and_then(|conn| self.link(p, conn)) {
                 link.send(SendReq::owning(key, why.to_vec()));
             }
+        }
+    }
+
+    /// What the process keeps about groups (`Transport::retained`).
+    pub(in crate::transport) fn retained(&self) -> crate::transport::Retained {
+        let closed = self.peers.iter().map(|p| p.mailbox.lock().unwrap().closed_groups()).sum();
+        let channels = self.channels.lock().unwrap();
+        crate::transport::Retained {
+            closed,
+            numbers: channels.numbers.len(),
+            given_up: channels.given_up.len(),
+            names: channels.opened.len(),
         }
     }
 
@@ -196,6 +225,11 @@ impl Channel {
                     "rustc10d: group {name:?} hashes to the number of a group opened before ({group:#x}); \
                      give it another name"
                 )));
+            }
+            channels.numbers_order.push_back(group);
+            if channels.numbers_order.len() > NUMBERS_KEPT {
+                let oldest = channels.numbers_order.pop_front().expect("more than NUMBERS_KEPT");
+                channels.numbers.remove(&oldest);
             }
             // Counted from here: the Channel made below, dropped on any
             // failure, counts itself out (`shutdown`).
@@ -399,6 +433,10 @@ impl Transport for Channel {
 
     fn lanes_settled(&self, peer: usize) -> bool {
         self.members.get(peer).is_none_or(|&p| self.core.lanes_settled_of(p))
+    }
+
+    fn retained(&self) -> crate::transport::Retained {
+        self.core.retained()
     }
 
     fn host_of(&self, peer: usize) -> usize {

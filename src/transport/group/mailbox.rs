@@ -131,10 +131,34 @@ impl AnyPosted {
         fail_where(&mut self.0, |_| true, err)
     }
 
-    /// A member of group `group` gave up on it, or this rank closed it:
-    /// that group's receives from any peer fail.
+    /// This rank closed group `group`: that group's receives from any peer fail.
     pub fn fail_group(&mut self, group: u64, err: &Error) -> usize {
         fail_where(&mut self.0, |k| k.group == group, err)
+    }
+
+    /// `peer` (the connections' rank) gave up on group `group`: that
+    /// group's receives from any peer fail, where `peer` is one of their
+    /// group's members. An abort from a rank outside the group, which no
+    /// receive of it could have waited for, fails none of them.
+    pub fn fail_group_from(&mut self, group: u64, peer: usize, err: &Error) -> usize {
+        let fails = |q: &mut VecDeque<PostedRecv>| {
+            let (failed, kept): (Vec<_>, Vec<_>) = q.drain(..).partition(|p| match &p.any_source {
+                Some(Sources::Members(members)) => members.contains(&peer),
+                Some(Sources::Owner) | None => true,
+            });
+            *q = kept.into();
+            failed
+        };
+        let mut failed = Vec::new();
+        for (_, q) in self.0.iter_mut().filter(|(k, _)| k.group == group) {
+            failed.extend(fails(q));
+        }
+        self.0.retain(|_, q| !q.is_empty());
+        let n = failed.len();
+        for p in failed {
+            p.status.finish(Err(err.clone()));
+        }
+        n
     }
 
     /// Take back a receive that no reader has claimed yet.
@@ -191,9 +215,21 @@ pub struct Mailbox {
     early: HashMap<Key, VecDeque<Vec<u8>>>,
     closed: Option<Error>,
     /// Channels of groups that share the connections, closed for this
-    /// peer: the peer gave up on the group, or this rank left it.
+    /// peer: the peer gave up on the group, or this rank left it; the most
+    /// recent `CLOSED_KEPT` of them, oldest first in `closed_order`.
     closed_groups: HashMap<u64, ClosedGroup>,
+    closed_order: VecDeque<u64>,
 }
+
+/// How many closed groups each peer's mailbox remembers. A closed group is
+/// remembered so that its late messages (on another lane, a moment after
+/// its close) are dropped rather than kept for a receive that never comes;
+/// a job that makes and destroys a group every step, or a member that
+/// sends aborts for made-up groups, would otherwise grow the table for the
+/// life of the process. A message of a group forgotten here (after this
+/// many later closes) is kept as an early message, which the early-bytes
+/// cap bounds.
+pub const CLOSED_KEPT: usize = 1024;
 
 /// Why a group's channel with one peer is closed, and what of it is still taken.
 struct ClosedGroup {
@@ -306,6 +342,11 @@ impl Mailbox {
         true
     }
 
+    /// How many closed groups it remembers.
+    pub fn closed_groups(&self) -> usize {
+        self.closed_groups.len()
+    }
+
     /// Why the peer is gone, once it is.
     pub fn closed(&self) -> Option<&Error> {
         self.closed.as_ref()
@@ -347,6 +388,13 @@ impl Mailbox {
     /// Narrow what group `group` still takes to what `closed` takes (the
     /// first reason stays), dropping and failing the rest.
     fn close_group_where(&mut self, group: u64, closed: ClosedGroup) -> usize {
+        if !self.closed_groups.contains_key(&group) {
+            self.closed_order.push_back(group);
+            if self.closed_order.len() > CLOSED_KEPT {
+                let oldest = self.closed_order.pop_front().expect("more than CLOSED_KEPT");
+                self.closed_groups.remove(&oldest);
+            }
+        }
         let c =
             self.closed_groups.entry(group).or_insert(ClosedGroup { why: closed.why, sent_below: u64::MAX, p2p: true });
         c.sent_below = c.sent_below.min(closed.sent_below);
@@ -433,6 +481,54 @@ mod tests {
         let mut acc = [1u8; 8];
         Fold::apply(&fold, &mut acc, unaligned);
         assert_eq!(acc, [6; 8]);
+    }
+
+    /// A job that makes and destroys a group every step closes one group
+    /// per peer per step: the mailbox remembers the last CLOSED_KEPT, whose
+    /// late messages it still drops.
+    #[test]
+    fn closed_groups_are_remembered_up_to_a_bound() {
+        let mut mb = Mailbox::default();
+        let any = Mutex::default();
+        for g in 1..=3 * CLOSED_KEPT as u64 {
+            mb.close_group(g, Error::peer_lost("destroyed"));
+        }
+        assert_eq!((mb.closed_groups.len(), mb.closed_order.len()), (CLOSED_KEPT, CLOSED_KEPT));
+        let newest = Key::collective(0, 0).in_group(3 * CLOSED_KEPT as u64);
+        assert!(matches!(mb.on_header(newest, 8, &any), Delivery::Drop), "a recent group's late message");
+        let forgotten = Key::collective(0, 0).in_group(1);
+        assert!(matches!(mb.on_header(forgotten, 8, &any), Delivery::Stash), "kept as early, under its cap");
+        // Closing a remembered group again neither grows nor reorders the table.
+        mb.close_group(3 * CLOSED_KEPT as u64, Error::peer_lost("again"));
+        assert_eq!(mb.closed_order.len(), CLOSED_KEPT);
+    }
+
+    /// An abort of group g from a rank outside it fails none of g's
+    /// any-source receives; from a member, it fails them all.
+    #[test]
+    fn an_abort_from_outside_a_group_fails_none_of_its_receives_from_any_peer() {
+        let mut any = AnyPosted::default();
+        let g = 0xABC;
+        let mut bufs = [[0u8; 4]; 2];
+        let statuses: Vec<_> = bufs
+            .iter_mut()
+            .map(|buf| {
+                let status = Status::new();
+                let members: Arc<[usize]> = Arc::from([0, 2]);
+                let recv = PostedRecv {
+                    buf: RecvBuf { ptr: buf.as_mut_ptr(), len: buf.len(), fold: None },
+                    status: status.clone(),
+                    any_source: Some(Sources::Members(members)),
+                };
+                any.push(Key::p2p(7).in_group(g), recv);
+                status
+            })
+            .collect();
+        assert_eq!(any.fail_group_from(g, 1, &Error::peer_lost("rank 1 is not in it")), 0);
+        assert_eq!(any.fail_group_from(g + 1, 2, &Error::peer_lost("another group")), 0);
+        assert!(statuses.iter().all(|s| !s.is_done()));
+        assert_eq!(any.fail_group_from(g, 2, &Error::peer_lost("a member gave up")), 2);
+        assert!(statuses.iter().all(|s| s.result().unwrap().is_err()));
     }
 
     #[test]

@@ -369,6 +369,10 @@ impl Transport for Mesh {
         self.core.lanes_settled_of(peer)
     }
 
+    fn retained(&self) -> crate::transport::Retained {
+        self.core.retained()
+    }
+
     fn open_channel(&self, name: &str, members: &[usize], timeout: Duration) -> Option<Result<Arc<dyn Transport>>> {
         Some(Channel::open(&self.core, name, members.to_vec(), timeout).map(|c| c as Arc<dyn Transport>))
     }

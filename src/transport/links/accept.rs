@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::transport::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
 use crate::transport::conn::{Conn, ShmConn};
 use crate::transport::dial::{Timeouts, HANDSHAKE_TIMEOUT};
-use crate::transport::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
+use crate::transport::fdpass::{check_eventfd, check_same_user, eventfd, recv_fds, send_fds};
 use crate::transport::frame::{Challenge, Hello, Refusal, HELLO_LEN};
 use crate::transport::mesh_core::Core;
 use crate::transport::reactor::{Source, Token, READABLE};
@@ -423,6 +423,7 @@ impl Handshake {
                 };
                 let mut fds = fds.into_iter();
                 let (memfd, theirs) = (fds.next().expect("two at least"), fds.next().expect("two at least"));
+                check_eventfd(&theirs).map_err(|e| Error::io(e.to_string()))?;
                 if let Some(arena) = fds.next() {
                     core.take_arena(peer, arena)?;
                 }

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::transport::auth::{nonce, Identity, Side, Transcript, PROOF_LEN};
 use crate::transport::conn::{Conn, ShmConn};
 use crate::transport::fd_limit;
-use crate::transport::fdpass::{check_same_user, eventfd, recv_fds, send_fds};
+use crate::transport::fdpass::{check_eventfd, check_same_user, eventfd, recv_fds, send_fds};
 use crate::transport::frame::{Challenge, Hello, CHALLENGE_LEN, PROTOCOL_VERSION};
 use crate::transport::ring::Segment;
 use std::io::{self, Read, Write};
@@ -131,6 +131,7 @@ impl Dialler<'_> {
         let answer = recv_fds(&sock, 1..=2).map_err(|e| fail(format!("no answer after sending the segment: {e}")))?;
         let mut answer = answer.into_iter();
         let theirs = answer.next().expect("one at least");
+        check_eventfd(&theirs).map_err(|e| fail(e.to_string()))?;
         sock.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
         Ok((Conn::Shm(ShmConn::new(seg, true, sock, mine, theirs, direct_from)), answer.next()))
     }
@@ -209,7 +210,7 @@ impl Dialler<'_> {
 /// listener's backlog is full, connect(2) waits up to the socket's send
 /// timeout (then EAGAIN), so it is set to `limit` first, which the standard
 /// library's connect gives no chance to do.
-fn unix_connect(name: &str, limit: Duration) -> io::Result<UnixStream> {
+pub(in crate::transport) fn unix_connect(name: &str, limit: Duration) -> io::Result<UnixStream> {
     // SAFETY: socket(2) with constant arguments; the result is checked before use.
     let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {

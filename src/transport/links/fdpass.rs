@@ -162,6 +162,28 @@ pub fn eventfd() -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Check that `fd`, passed by a peer as its eventfd, is one, and make
+/// writes to it non-blocking whatever it is: `notify` writes to it from the
+/// I/O thread, which a pipe or socket that fills up would otherwise stall.
+/// Where /proc is not there to ask, only the latter holds.
+pub fn check_eventfd(fd: &OwnedFd) -> io::Result<()> {
+    if let Ok(what) = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        if what.as_os_str() != "anon_inode:[eventfd]" {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the peer's wake-up descriptor is not an eventfd ({})", what.display()),
+            ));
+        }
+    }
+    // SAFETY: fcntl on an open descriptor (borrowed) with integer arguments; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Wake whoever watches the eventfd `fd`.
 pub fn notify(fd: &OwnedFd) {
     let one = 1u64;
@@ -193,6 +215,14 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn only_an_eventfd_passes_for_one() {
+        check_eventfd(&eventfd().unwrap()).unwrap();
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let err = check_eventfd(&OwnedFd::from(a)).unwrap_err();
+        assert!(err.to_string().contains("not an eventfd (socket:["), "{err}");
+    }
 
     #[test]
     fn descriptors_travel_over_a_unix_socket_and_a_wrong_count_is_refused() {

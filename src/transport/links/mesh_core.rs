@@ -34,7 +34,7 @@ pub const TELL_GRACE: Duration = Duration::from_millis(100);
 
 /// What every part of the mesh shares.
 pub struct Core {
-    /// This rank, and the group's token it proves itself with.
+    /// This rank, and the group's key it proves itself with.
     pub(in crate::transport) me: Identity,
     pub(in crate::transport) addrs: Vec<PeerAddr>,
     pub peers: Vec<PeerSlot>,

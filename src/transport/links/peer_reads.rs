@@ -16,9 +16,8 @@
 //! and the group's vote decides.
 
 use crate::transport::conn::read_process;
+use crate::transport::dial::unix_connect;
 use crate::transport::fdpass::peer_cred;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixStream};
 use std::sync::Mutex;
 
 const SCOPE_FILE: &str = "/proc/sys/kernel/yama/ptrace_scope";
@@ -59,8 +58,9 @@ pub fn at_scope(scope: Option<&str>, set_ptracer_any: impl FnOnce() -> bool) -> 
 /// not yet serving, later drops it quietly. Every actual read is checked
 /// again, per connection (conn.rs).
 pub fn may_read(name: &str) -> bool {
-    let Ok(addr) = SocketAddr::from_abstract_name(name.as_bytes()) else { return false };
-    let Ok(cred) = UnixStream::connect_addr(&addr).and_then(|s| peer_cred(&s)) else { return false };
+    // At most a second: a listener whose backlog is full (it accepts only once the vote is over) is not waited for.
+    let connected = unix_connect(name, std::time::Duration::from_secs(1));
+    let Ok(cred) = connected.and_then(|s| peer_cred(&s)) else { return false };
     // SAFETY: geteuid has no preconditions and cannot fail.
     if cred.pid <= 0 || cred.uid != unsafe { libc::geteuid() } {
         return false;

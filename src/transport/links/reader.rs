@@ -279,7 +279,7 @@ impl Reader {
                 // the other groups. Lock order: mailbox, then `any`.
                 let mut mailbox = mailbox.lock().unwrap();
                 mailbox.peer_left_group(group, sent_below, why.clone());
-                any.lock().unwrap().fail_group(group, &why);
+                any.lock().unwrap().fail_group_from(group, peer, &why);
             }
         }
         Ok(None)
