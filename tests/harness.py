@@ -97,12 +97,13 @@ def _stop(procs, grace=5.0):
 
 
 def launch_ranks(world: int, args: list[str], *, timeout: float, log_dir: Path, env=None,
-                 script: Path = WORKER) -> list[Proc]:
-    """Run `script <args>` (default worker.py) as ranks 0..world-1 around a fresh TCPStore."""
+                 script: Path = WORKER, prefix: tuple[str, ...] = ()) -> list[Proc]:
+    """Run `script <args>` (default worker.py) as ranks 0..world-1 around a fresh TCPStore,
+    each command after `prefix` (say, `unshare --pid --fork`)."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     cmds = {
-        f"rank{r}": [sys.executable, str(script), *args, "--rank", str(r), "--world", str(world),
+        f"rank{r}": [*prefix, sys.executable, str(script), *args, "--rank", str(r), "--world", str(world),
                      "--store", f"127.0.0.1:{store.port}"]
         for r in range(world)
     }

@@ -1,8 +1,12 @@
 """Sub-groups, new_subgroups, sequence numbers and monitored_barrier (checks_ops.py, suite
 "groups")."""
 
+import os
+import shutil
+
 import pytest
 
+import checks
 import harness
 
 
@@ -297,3 +301,32 @@ def test_survivors_and_a_replacement_reconfigure_the_group(tmp_path):
             assert proc.returncode == -9, proc.describe()
         else:
             assert proc.returncode == 0 and f"rank {rank} ok" in proc.stdout, proc.describe()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's shared memory")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="pid namespaces need root and unshare(1)")
+def test_ranks_in_separate_pid_namespaces_share_memory_or_fall_back(tmp_path):
+    """Every rank in a pid namespace of its own on one host (as containers that share the host's
+    network): the whole main job passes, W = 3, but for the check that counts single copy's
+    bytes. The ranks still share memory (same host, same
+    user), the arena pool's lock still works (robust: no pid in it), and single copy falls
+    back to the rings with a log line (a peer's process cannot be named from another
+    namespace)."""
+    world = 3
+    env = harness.worker_env({"RUSTC10D_LOG": "info"})
+    harness.launch_ranks(world, ["job", "--job", "main", "--out", str(tmp_path)], timeout=480,
+                         log_dir=tmp_path, env=env, prefix=("unshare", "--pid", "--fork", "--kill-child"))
+    job = harness.Job.__new__(harness.Job)
+    job.world, job.log_dir = world, tmp_path
+    job.results = [job._load(r) for r in range(world)]
+    # The one check that counts single copy's bytes copies more here, through the rings, by design.
+    counts_single_copy = {"broadcast_copies_each_byte_as_the_transport_says"}
+    failed = {name: out["message"][-500:] for res in job.results for name, out in res["checks"].items()
+              if out["status"] == "fail" and name not in counts_single_copy}
+    assert not failed, failed
+    assert all(res.get("finished") for res in job.results), [res.get("current") for res in job.results]
+    assert len(job.results[0]["checks"]) > 20, "the main job ran"
+    logs = "".join((tmp_path / f"rank{r}.err").read_text() for r in range(world))
+    assert "cannot read its peers' memory: collectives copy through the rings" in logs, logs[-3000:]
