@@ -240,9 +240,10 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
     let arena_on_every_host = with_arenas.iter().all(|&a| a);
     let layout = Layout { hosts, single_copy, arena, arena_on_every_host, peer_reads };
 
-    // This rank's own share as it drew it, whatever the Store says of it: a
-    // group whose records were swapped for another's cannot agree on a key.
-    let shares: Vec<Share> = records.iter().enumerate().map(|(p, r)| if p == rank { share } else { r.share }).collect();
+    // This rank's own record is `mine`, with its share as it drew it, never
+    // the Store's: a group whose records were swapped for another's cannot
+    // agree on a key.
+    let shares: Vec<Share> = records.iter().map(|r| r.share).collect();
     let secret = cfg.secret.as_deref().map_or(&[][..], |s| s.bytes());
     let me = Identity::new(rank as u32, size as u32, GroupKey::derive(secret, &shares));
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);

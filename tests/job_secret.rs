@@ -11,12 +11,22 @@ mod hostile;
 
 use hostile::impostor::Impostor;
 use hostile::*;
+use rustc10d::error::Error;
 use rustc10d::secret::{Sealed, Secret};
+use std::thread::JoinHandle;
 
 const SECRET: &str = "a job's secret, given to every rank out of band";
 
 fn with_secret(transport: TransportMode) -> Config {
     Config { transport, secret: Some(Arc::new(Secret::new(SECRET).unwrap())), ..Config::default() }
+}
+
+/// Rank `rank` of a group of 2 joining through `store` with `cfg`, on a thread of its own.
+fn join_as(rank: usize, store: Arc<MemStore>, timeout: Duration, cfg: Config) -> JoinHandle<Result<(), Error>> {
+    std::thread::spawn(move || {
+        let member = Member { rank, size: 2, timeout, store_host: Some("127.0.0.1".into()) };
+        connect(&*store, &member, &cfg).map(|_| ())
+    })
 }
 
 /// A stranger's proof for rank 1 of a group of 2, made with `key`, over TCP
@@ -80,13 +90,7 @@ fn an_impostor_without_the_secret_cannot_join() {
     let timeout = Duration::from_secs(5);
     let joined = |cfg: Config, answers: bool| {
         let store = Arc::new(MemStore::default());
-        let honest = {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let member = Member { rank: 0, size: 2, timeout, store_host: Some("127.0.0.1".into()) };
-                connect(&*store, &member, &cfg).map(|_| ())
-            })
-        };
+        let honest = join_as(0, store.clone(), timeout, cfg);
         let impostor = Impostor::join(&store, 1, 2);
         if answers {
             let _ = impostor.accept(); // rank 0 dials its ring neighbour
@@ -114,18 +118,12 @@ fn a_store_writer_cannot_redirect_a_rank() {
     let timeout = Duration::from_millis(1500);
     let redirected = |cfg: Config, forge: &dyn Fn(&MemStore, SocketAddr)| {
         let store = Arc::new(MemStore::default());
-        let start = |rank: usize, store: Arc<MemStore>, cfg: Config| {
-            std::thread::spawn(move || {
-                let member = Member { rank, size: 2, timeout, store_host: Some("127.0.0.1".into()) };
-                connect(&*store, &member, &cfg).map(|_| ())
-            })
-        };
         // Rank 1 publishes first; the writer replaces its record; then rank 0 reads it.
-        let one = start(1, store.clone(), cfg.clone());
+        let one = join_as(1, store.clone(), timeout, cfg.clone());
         store.get("rustc10d/0/addr/1", timeout).unwrap();
         let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         forge(&store, trap.local_addr().unwrap());
-        let zero = start(0, store.clone(), cfg);
+        let zero = join_as(0, store.clone(), timeout, cfg);
         trap.set_nonblocking(true).unwrap();
         let err = zero.join().unwrap().expect_err("rank 0 cannot reach rank 1");
         let dialled_the_trap = trap.accept().is_ok();
@@ -166,18 +164,9 @@ fn ranks_with_different_secrets_fail_init_saying_so() {
     let timeout = Duration::from_secs(3);
     let init = |cfgs: [Config; 2]| {
         let store = Arc::new(MemStore::default());
-        let hs: Vec<_> = cfgs
-            .into_iter()
-            .enumerate()
-            .map(|(rank, cfg)| {
-                let store = store.clone();
-                std::thread::spawn(move || {
-                    let member = Member { rank, size: 2, timeout, store_host: Some("127.0.0.1".into()) };
-                    connect(&*store, &member, &cfg).map(|_| ()).unwrap_err().message
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        let hs: Vec<_> =
+            cfgs.into_iter().enumerate().map(|(rank, cfg)| join_as(rank, store.clone(), timeout, cfg)).collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap_err().message).collect::<Vec<_>>()
     };
     let other =
         Config { secret: Some(Arc::new(Secret::new("another job's secret, not ours").unwrap())), ..Config::default() };
