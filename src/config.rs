@@ -64,6 +64,8 @@ pub struct Config {
     /// The job's shared secret (secret.rs), given out of band; whether it is
     /// set is shared, the secret itself never leaves this process.
     pub secret: Option<Arc<Secret>>,
+    /// Seal the frames of every TCP connection (seal.rs); needs the secret.
+    pub encrypt: bool,
     // This rank's own.
     /// At Yama's ptrace_scope 1, while a group with single copy has a peer
     /// on this host, let every process of this user attach to this one
@@ -107,6 +109,7 @@ impl Default for Config {
             single_copy_bytes: 64 << 10,
             arena_slot_bytes: 1 << 20,
             secret: None,
+            encrypt: false,
             ptracer_any: true,
             raise_fd_limit: true,
             spin: Duration::from_micros(50),
@@ -223,6 +226,16 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |_| String::new(),
+    },
+    Setting {
+        option: "encrypt",
+        env: "RUSTC10D_ENCRYPT",
+        shared: true,
+        set: |c, v| {
+            c.encrypt = flag(v)?;
+            Ok(())
+        },
+        show: |c| u8::from(c.encrypt).to_string(),
     },
     Setting {
         option: "ptracer_any",
@@ -398,6 +411,14 @@ impl Config {
             })?;
             let shown = if s.option == "secret" { "(hidden)" } else { v };
             (s.set)(&mut cfg, v.trim()).map_err(|why| bad(format_args!("rustc10d.Options({name}={shown:?})"), why))?;
+        }
+        if cfg.encrypt && cfg.secret.is_none() {
+            // Without it the keys derive from what the Store holds: sealing would hide nothing from
+            // whoever can read the Store.
+            return Err(Error::invalid(
+                "rustc10d: RUSTC10D_ENCRYPT=1 needs the job's secret (RUSTC10D_SECRET or RUSTC10D_SECRET_FILE): \
+                 without it, whoever can read the Store could derive the keys",
+            ));
         }
         Ok(cfg)
     }

@@ -245,7 +245,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
     // agree on a key.
     let shares: Vec<Share> = records.iter().map(|r| r.share).collect();
     let secret = cfg.secret.as_deref().map_or(&[][..], |s| s.bytes());
-    let me = Identity::new(rank as u32, size as u32, GroupKey::derive(secret, &shares));
+    let me = Identity::new(rank as u32, size as u32, GroupKey::derive(secret, &shares)).sealing(cfg.encrypt);
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let ring: &[usize] = if size > 1 { &[right] } else { &[] };
     let from: &[usize] = if size > 1 { &[left] } else { &[] };

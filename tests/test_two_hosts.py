@@ -142,6 +142,22 @@ def test_interleaved_ranks_against_arithmetic(make_hosts, tmp_path):
     assert_all_ok(procs, 4, [r % 2 for r in range(4)])
 
 
+@pytest.mark.timeout(180)
+def test_sealed_frames_between_hosts_against_arithmetic(make_hosts, tmp_path):
+    """RUSTC10D_ENCRYPT=1 with the job's secret, rank r on host r % 2 (2 hosts x 2 ranks), links
+    capped: every check of hosts_job.py passes with every TCP frame sealed (what sealing hides and
+    refuses: tests/sealed_frames.rs); without the secret, init fails saying it is needed."""
+    hosts = make_hosts(2, link_gbit=LINK_GBIT)
+    secret = {"RUSTC10D_ENCRYPT": 1, "RUSTC10D_SECRET": "a job's secret for the test of sealed frames"}
+    procs = harness.run_processes(plain_ranks(hosts, 4, HOSTS_JOB, env_of=lambda h: secret), timeout=150,
+                                  log_dir=tmp_path)
+    assert_all_ok(procs, 4, [r % 2 for r in range(4)])
+    procs = harness.run_processes(plain_ranks(hosts, 1, HOSTS_JOB, "init", env_of=lambda h: {"RUSTC10D_ENCRYPT": 1}),
+                                  timeout=60, log_dir=tmp_path / "no-secret")
+    out = "".join(p.stdout for p in procs)
+    assert "init failed" in out and "RUSTC10D_ENCRYPT=1 needs the job's secret" in out, out
+
+
 @pytest.mark.timeout(120)
 def test_hosts_with_different_shared_settings_fail_at_init(make_hosts, tmp_path):
     """Host 1 runs another RUSTC10D_SINGLE_COPY_BYTES (a setting every rank must share): every

@@ -57,7 +57,7 @@ class Options:
     pg_options=rustc10d.Options(...))`` or ``new_group(..., pg_options=...)``. A field left
     None takes its ``RUSTC10D_*`` environment variable, else the default; a given field wins
     over the variable. Bad values fail ``init_process_group`` naming the setting. The first
-    six must be the same on every rank of a group: a difference fails init on every rank.
+    seven must be the same on every rank of a group: a difference fails init on every rank.
     """
 
     #: Bytes per message in the pipelined algorithms (RUSTC10D_SEGMENT_BYTES; 1 MiB). Shared.
@@ -77,6 +77,11 @@ class Options:
     #: on one host, where its collectives run (but those that take single copy); 0 or a
     #: multiple of 4096; 0: no arena (RUSTC10D_ARENA_SLOT_BYTES; 1 MiB). Shared.
     arena_slot_bytes: int | None = None
+    #: Seal the frames of every TCP connection (AES-256-GCM, keys new with each connection), so
+    #: that nobody on the path between hosts can read or change them; needs the job's secret
+    #: (RUSTC10D_SECRET or RUSTC10D_SECRET_FILE). Shared memory is never sealed: no wire
+    #: (RUSTC10D_ENCRYPT; False). Shared.
+    encrypt: bool | None = None
     #: "auto", "shm" or "tcp" between ranks of one host (RUSTC10D_TRANSPORT; "auto").
     transport: str | None = None
     #: TCP connections collectives send to each peer on, 1 to 16, or "auto": measured per peer,

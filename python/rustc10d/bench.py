@@ -48,6 +48,7 @@ import json
 import math
 import multiprocessing
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -805,6 +806,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nsocks", help="rustc10d series per nsocks value, e.g. 1,auto (default: one, as configured)")
     p.add_argument("--arena-slot-bytes",
                    help="rustc10d series per arena_slot_bytes value, e.g. 0,1M (0: no arena; default: as configured)")
+    p.add_argument("--encrypt", help="rustc10d series per encrypt value, e.g. 0,1 (1: TCP frames sealed; a secret "
+                   "is made for the run unless RUSTC10D_SECRET or RUSTC10D_SECRET_FILE is set)")
     p.add_argument("--interleave", action="store_true",
                    help="--hosts: rank r on host r %% H (default: consecutive ranks on each host)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
@@ -848,8 +851,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.nsocks = [[n, n] for n in args.nsocks.split(",")] if args.nsocks else None
     if args.arena_slot_bytes:
         args.arena_slot_bytes = [[parse_size(v), v] for v in args.arena_slot_bytes.split(",")]
-    if args.nsocks and args.arena_slot_bytes:
-        p.error("--nsocks and --arena-slot-bytes each make series of their own: give one of them")
+    if args.encrypt:
+        args.encrypt = [[v == "1", v] for v in args.encrypt.split(",")]
+        if any(v not in ("0", "1") for _, v in args.encrypt):
+            p.error("--encrypt takes 0 and 1, e.g. 0,1")
+    if sum(map(bool, (args.nsocks, args.arena_slot_bytes, args.encrypt))) > 1:
+        p.error("--nsocks, --arena-slot-bytes and --encrypt each make series of their own: give one of them")
     if args.hosts is not None:
         if args.hosts < 2:
             p.error("--hosts must be at least 2")
@@ -902,6 +909,10 @@ def main(argv=None) -> int:
         cfg["vary"] = ("nsocks", "nsocks", args.nsocks)
     if args.arena_slot_bytes:
         cfg["vary"] = ("arena_slot_bytes", "arena", args.arena_slot_bytes)
+    if args.encrypt:
+        cfg["vary"] = ("encrypt", "encrypt", args.encrypt)
+        if not (os.environ.get("RUSTC10D_SECRET") or os.environ.get("RUSTC10D_SECRET_FILE")):
+            os.environ["RUSTC10D_SECRET"] = secrets.token_hex(32)  # every rank inherits it
 
     print(f"rustc10d {rustc10d.__version__} vs Gloo, torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"W={args.worlds}, {_size(args.min_size)}..{_size(args.max_size)}, {args.rounds} rounds of "

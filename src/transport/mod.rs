@@ -14,7 +14,7 @@ pub mod links;
 use group::channel;
 pub use group::{arena, arena_pool, mailbox, mesh, subgroup, waits};
 use links::{accept, dial, link, mesh_core, reader, readers, writer};
-pub use links::{auth, conn, fd_limit, fdpass, frame, peer, peer_reads, reactor, ring, shared_mem, striping};
+pub use links::{auth, conn, fd_limit, fdpass, frame, peer, peer_reads, reactor, ring, seal, shared_mem, striping};
 
 pub use frame::Key;
 pub use mailbox::Fold;

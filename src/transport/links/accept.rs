@@ -410,7 +410,7 @@ impl Handshake {
                 }
                 drop(state);
                 let Some(Shake { stream: Stream::Tcp(s), .. }) = self.finish(core) else { unreachable!() };
-                Ok(Stepped::Done(peer, Conn::Tcp(s)))
+                Ok(Stepped::Done(peer, Conn::tcp(s, me.seal_keys(Side::Listener, &t))))
             }
             Phase::Descriptors { peer } => {
                 let peer = *peer;

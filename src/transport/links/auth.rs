@@ -16,6 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::transport::frame::PROTOCOL_VERSION;
+use crate::transport::seal::SealKeys;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
@@ -30,6 +31,8 @@ pub const PROOF_LEN: usize = 32;
 const DOMAIN: &[u8] = b"rustc10d handshake";
 /// Sets the key's derivation apart from every other MAC keyed by the secret.
 const KEY_DOMAIN: &[u8] = b"rustc10d group key";
+/// Sets the keys that seal a connection's frames (seal.rs) apart from its proofs.
+const SEAL_DOMAIN: &[u8] = b"rustc10d seal";
 
 pub type Share = [u8; SHARE_LEN];
 pub type Nonce = [u8; NONCE_LEN];
@@ -90,6 +93,8 @@ pub struct Identity {
     pub rank: u32,
     pub size: u32,
     key: GroupKey,
+    /// Whether TCP connections seal their frames once proved (RUSTC10D_ENCRYPT).
+    pub seals: bool,
 }
 
 impl std::fmt::Debug for Identity {
@@ -101,18 +106,35 @@ impl std::fmt::Debug for Identity {
 
 impl Identity {
     pub fn new(rank: u32, size: u32, key: GroupKey) -> Identity {
-        Identity { rank, size, key }
+        Identity { rank, size, key, seals: false }
+    }
+
+    /// The same, sealing its TCP connections' frames (`on`).
+    pub fn sealing(self, on: bool) -> Identity {
+        Identity { seals: on, ..self }
     }
 
     /// `side`'s proof for the connection `t`.
     pub fn prove(&self, side: Side, t: &Transcript) -> Proof {
-        mac(&self.key, side, t).finalize().into_bytes().into()
+        mac(&self.key, DOMAIN, side, t).finalize().into_bytes().into()
+    }
+
+    /// The keys that seal the frames of connection `t` (seal.rs), for its
+    /// `side`, where this group seals them: one per direction, each new with
+    /// the connection's nonces, never derivable from the proofs on the wire.
+    pub fn seal_keys(&self, side: Side, t: &Transcript) -> Option<SealKeys> {
+        let key = |from: Side| mac(&self.key, SEAL_DOMAIN, from, t).finalize().into_bytes().into();
+        let other = match side {
+            Side::Dialler => Side::Listener,
+            Side::Listener => Side::Dialler,
+        };
+        self.seals.then(|| SealKeys { send: key(side), open: key(other) })
     }
 
     /// Whether `proof` is `side`'s for `t`, compared in constant time (an
     /// attacker learns nothing from how long a wrong guess takes to fail).
     pub fn check(&self, side: Side, t: &Transcript, proof: &Proof) -> Result<()> {
-        mac(&self.key, side, t).verify_slice(proof).map_err(|_| {
+        mac(&self.key, DOMAIN, side, t).verify_slice(proof).map_err(|_| {
             Error::io(
                 "the peer could not prove it belongs to this group (another group's key, a replay, or a \
                  process without the job's secret)",
@@ -121,9 +143,9 @@ impl Identity {
     }
 }
 
-fn mac(key: &GroupKey, side: Side, t: &Transcript) -> Hmac<Sha256> {
+fn mac(key: &GroupKey, domain: &[u8], side: Side, t: &Transcript) -> Hmac<Sha256> {
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&key.0).expect("HMAC takes a key of any length");
-    mac.update(DOMAIN);
+    mac.update(domain);
     mac.update(&[side as u8]);
     // Fixed-width fields, so that no two transcripts encode alike.
     for word in [PROTOCOL_VERSION, t.size, t.dialler, t.listener] {
@@ -193,18 +215,22 @@ mod tests {
     /// Python's hmac module as key = hmac.new(b"0123456789abcdef", b"rustc10d group key" +
     /// struct.pack("<Q", 2) + b"\x01" * 16 + b"\x02" * 16, "sha256").digest(), then
     /// hmac.new(key, b"rustc10d handshake" + bytes([1]) + struct.pack("<4I", 11, 4, 1, 3) +
-    /// b"\x11" * 32 + b"\x22" * 32, "sha256"). A change here changes the protocol, and
-    /// PROTOCOL_VERSION with it.
+    /// b"\x11" * 32 + b"\x22" * 32, "sha256"), and the sealing keys likewise with b"rustc10d seal"
+    /// and the side (1 for what the dialler seals, 2 for the listener). A change here changes
+    /// the protocol, and PROTOCOL_VERSION with it.
     #[test]
     fn the_key_and_the_proof_cover_what_the_protocol_says() {
-        assert_eq!(PROTOCOL_VERSION, 11, "the expected values below are for v11");
+        assert_eq!(PROTOCOL_VERSION, 12, "the expected values below are for v12");
         let key = GroupKey::derive(b"0123456789abcdef", &[[0x01; SHARE_LEN], [0x02; SHARE_LEN]]);
         assert_eq!(hex(key.bytes()), "eec845f397b2567017806ec63a2e0f80d0863845a75591d7fdc843db9486903d");
         let me = Identity::new(1, 4, key);
         assert_eq!(
             hex(&me.prove(Side::Dialler, &transcript())),
-            "e403d0d41c7739eac32856905323d710858300f16bb848c34060b131b4823b7a"
+            "cfe2d82118a05d097676bdf4e017206a27336c7d9eae5f6735c018e76a75cd41"
         );
+        let keys = me.sealing(true).seal_keys(Side::Dialler, &transcript()).unwrap();
+        assert_eq!(hex(&keys.send), "f6004c4d2b3b1412879cb834c06b9f65ba28052f22bbed65278d9d3acef89271");
+        assert_eq!(hex(&keys.open), "14720b9cf51250acf835c5c2d1d5c970d3401d71ac619cc0abc193be0e0c03d2");
     }
 
     /// Every share, its place, and the secret change the key.
@@ -221,6 +247,30 @@ mod tests {
         assert_ne!(key, GroupKey::derive(b"", &[shares[1], shares[0], shares[2]]), "the order");
         assert_ne!(key, GroupKey::derive(b"", &shares[..2]), "the count");
         assert_ne!(key, GroupKey::derive(b"a job's secret, 16+", &shares), "the secret");
+    }
+
+    /// A connection's two sides agree on its keys: what one seals with, the
+    /// other opens with; each direction, each connection and each group has
+    /// its own, none of them a proof that crosses the wire; none without the setting.
+    #[test]
+    fn sealing_keys_pair_up_per_direction_and_connection() {
+        let key = GroupKey::derive(b"", &[[7; SHARE_LEN]; 4]);
+        let (dialler, listener) =
+            (Identity::new(1, 4, key.clone()).sealing(true), Identity::new(3, 4, key).sealing(true));
+        let t = transcript();
+        let (d, l) = (dialler.seal_keys(Side::Dialler, &t).unwrap(), listener.seal_keys(Side::Listener, &t).unwrap());
+        assert_eq!((d.send, d.open), (l.open, l.send));
+        assert_ne!(d.send, d.open);
+        for proof in [dialler.prove(Side::Dialler, &t), dialler.prove(Side::Listener, &t)] {
+            assert!(proof != d.send && proof != d.open);
+        }
+        let other = dialler.seal_keys(Side::Dialler, &Transcript { listener_nonce: [0x23; NONCE_LEN], ..t }).unwrap();
+        assert!(other.send != d.send && other.open != d.open, "another connection");
+        let stranger = Identity::new(1, 4, GroupKey::derive(b"", &[[8; SHARE_LEN]; 4])).sealing(true);
+        assert_ne!(stranger.seal_keys(Side::Dialler, &t).unwrap().send, d.send, "another group");
+        assert!(Identity::new(1, 4, GroupKey::derive(b"", &[[7; SHARE_LEN]; 4]))
+            .seal_keys(Side::Dialler, &t)
+            .is_none());
     }
 
     #[test]

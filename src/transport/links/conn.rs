@@ -17,15 +17,32 @@
 
 use crate::transport::fdpass::{drain, notify, peer_cred};
 use crate::transport::ring::{Ring, Segment, FIRST_WORD};
+use crate::transport::seal::{Opener, SealKeys, Sealer};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, Ordering};
+use std::sync::Mutex;
 
 pub enum Conn {
-    Tcp(TcpStream),
+    Tcp(TcpConn),
     Shm(ShmConn),
+}
+
+/// A TCP connection, its frames sealed where the group asks (seal.rs).
+pub struct TcpConn {
+    stream: TcpStream,
+    /// Boxed: the ciphers' key schedules are large, and most connections have none.
+    sealed: Option<Box<Sealed>>,
+}
+
+/// A sealed connection's two directions: each used by one thread at a time
+/// (the link's writer under its outbox lock, its reader under the reader's), so
+/// these locks are leaves that are never contended.
+struct Sealed {
+    sealer: Mutex<Sealer>,
+    opener: Mutex<Opener>,
 }
 
 /// One end of a shared-memory connection: writes into ring `out`, reads the other.
@@ -105,6 +122,19 @@ impl ShmConn {
 }
 
 impl Conn {
+    /// A TCP connection whose handshake is done, its frames sealed with `keys`, if given.
+    pub fn tcp(stream: TcpStream, keys: Option<SealKeys>) -> Conn {
+        let sealed = keys.map(|k| {
+            Box::new(Sealed { sealer: Mutex::new(Sealer::new(&k.send)), opener: Mutex::new(Opener::new(&k.open)) })
+        });
+        Conn::Tcp(TcpConn { stream, sealed })
+    }
+
+    /// Whether its frames are sealed.
+    pub fn is_sealed(&self) -> bool {
+        matches!(self, Conn::Tcp(TcpConn { sealed: Some(_), .. }))
+    }
+
     pub fn is_shm(&self) -> bool {
         matches!(self, Conn::Shm(_))
     }
@@ -121,15 +151,13 @@ impl Conn {
     /// (0 for shared memory, or if the kernel will not say).
     pub fn unsent(&self) -> u64 {
         match self {
-            Conn::Tcp(s) => {
+            Conn::Tcp(TcpConn { stream: s, sealed }) => {
+                // A sealed record's bytes the socket has not taken yet are not sent either.
+                let held = sealed.as_ref().map_or(0, |x| x.sealer.lock().unwrap().pending().len() as u64);
                 let mut n: libc::c_int = 0;
                 // SAFETY: ioctl(TIOCOUTQ) writes one c_int into `n`, a live local; the socket is open (borrowed).
                 let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
-                if rc == 0 {
-                    n.max(0) as u64
-                } else {
-                    0
-                }
+                held + if rc == 0 { n.max(0) as u64 } else { 0 }
             }
             Conn::Shm(_) => 0,
         }
@@ -180,7 +208,7 @@ impl Conn {
     /// The descriptors the reactor watches, and what each tells.
     pub fn watched(&self) -> Vec<(RawFd, Watch)> {
         match self {
-            Conn::Tcp(s) => vec![(s.as_raw_fd(), Watch::Data)],
+            Conn::Tcp(t) => vec![(t.stream.as_raw_fd(), Watch::Data)],
             Conn::Shm(s) => vec![(s.mine.as_raw_fd(), Watch::Data), (s.sock.as_raw_fd(), Watch::Liveness)],
         }
     }
@@ -188,11 +216,26 @@ impl Conn {
     /// Read what is there: WouldBlock when nothing is, Ok(0) at the end.
     pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            // SAFETY: recv writes at most buf.len() bytes into `buf`, which is borrowed
-            // mutably for the call; the socket is open (borrowed).
-            Conn::Tcp(s) => retry_interrupted(|| unsafe {
-                libc::recv(s.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
-            }),
+            Conn::Tcp(TcpConn { stream, sealed: None }) => recv(stream, buf),
+            Conn::Tcp(TcpConn { stream, sealed: Some(sealed) }) => {
+                let mut opener = sealed.opener.lock().unwrap();
+                loop {
+                    let n = opener.take(buf)?;
+                    if n > 0 || buf.is_empty() {
+                        return Ok(n);
+                    }
+                    match recv(stream, opener.room())? {
+                        0 if opener.mid_record() => {
+                            return Err(io::Error::new(
+                                io::ErrorKind::UnexpectedEof,
+                                "the connection ended within a sealed record",
+                            ))
+                        }
+                        0 => return Ok(0),
+                        got => opener.received(got),
+                    }
+                }
+            }
             Conn::Shm(s) => {
                 let n = s.incoming().read(buf)?;
                 if n > 0 && s.incoming().writer_asleep() {
@@ -203,20 +246,24 @@ impl Conn {
         }
     }
 
-    /// Write what fits: WouldBlock when nothing does.
+    /// Write what fits: WouldBlock when nothing does. Sealed, the bytes
+    /// count as written once their record is in the socket whole; until
+    /// then the writer is told WouldBlock and offers the same bytes again.
     pub fn write(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
-            Conn::Tcp(s) => {
-                // SAFETY: msghdr is plain C data: all zeroes is a valid value (null pointers, zero lengths).
-                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-                msg.msg_iov = bufs.as_ptr() as *mut libc::iovec; // IoSlice is an iovec on unix
-                msg.msg_iovlen = bufs.len() as _;
-                // SAFETY: `msg` lives across the call and points at `bufs`, a live slice of
-                // IoSlice, which std guarantees is ABI-compatible with iovec on Unix;
-                // sendmsg only reads them (and the bytes they point at, borrowed).
-                retry_interrupted(|| unsafe {
-                    libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-                })
+            Conn::Tcp(TcpConn { stream, sealed: None }) => send(stream, bufs),
+            Conn::Tcp(TcpConn { stream, sealed: Some(sealed) }) => {
+                let mut sealer = sealed.sealer.lock().unwrap();
+                if !sealer.holds_record() && sealer.seal(bufs)? == 0 {
+                    return Ok(0);
+                }
+                while !sealer.pending().is_empty() {
+                    match send(stream, &[IoSlice::new(sealer.pending())])? {
+                        0 => return Err(io::ErrorKind::WriteZero.into()),
+                        n => sealer.sent(n),
+                    }
+                }
+                Ok(sealer.delivered().expect("all of it was sent"))
             }
             Conn::Shm(s) => {
                 let n = s.outgoing().write(bufs)?;
@@ -232,6 +279,7 @@ impl Conn {
     /// something to read after all (shared memory; TCP always waits).
     pub fn reader_waits(&self) -> bool {
         match self {
+            Conn::Tcp(TcpConn { sealed: Some(sealed), .. }) => !sealed.opener.lock().unwrap().holds_more(),
             Conn::Tcp(_) => true,
             Conn::Shm(s) => s.incoming().reader_waits(),
         }
@@ -274,8 +322,8 @@ impl Conn {
     /// End the connection both ways: the peer, and our own reactor, see the end.
     pub fn shutdown(&self) {
         match self {
-            Conn::Tcp(s) => {
-                let _ = s.shutdown(Shutdown::Both);
+            Conn::Tcp(t) => {
+                let _ = t.stream.shutdown(Shutdown::Both);
             }
             Conn::Shm(s) => {
                 s.outgoing().close();
@@ -305,6 +353,27 @@ pub fn read_process(pid: libc::pid_t, addr: u64, buf: &mut [u8]) -> io::Result<(
         done += n;
     }
     Ok(())
+}
+
+/// Read what a socket has, without blocking.
+fn recv(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: recv writes at most buf.len() bytes into `buf`, which is borrowed
+    // mutably for the call; the socket is open (borrowed).
+    retry_interrupted(|| unsafe {
+        libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+    })
+}
+
+/// Write what a socket takes of `bufs`, without blocking.
+fn send(stream: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: msghdr is plain C data: all zeroes is a valid value (null pointers, zero lengths).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec; // IoSlice is an iovec on unix
+    msg.msg_iovlen = bufs.len() as _;
+    // SAFETY: `msg` lives across the call and points at `bufs`, a live slice of
+    // IoSlice, which std guarantees is ABI-compatible with iovec on Unix;
+    // sendmsg only reads them (and the bytes they point at, borrowed).
+    retry_interrupted(|| unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) })
 }
 
 /// A system call's byte count, retried when a signal interrupts it.

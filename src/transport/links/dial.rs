@@ -87,9 +87,9 @@ impl Dialler<'_> {
                 _ => retry("connect")(e),
             })?;
             stream.set_nodelay(true).map_err(fail)?;
-            self.handshake(&stream)?;
+            let t = self.handshake(&stream)?;
             stream.set_nonblocking(true).map_err(fail)?;
-            Ok(Conn::Tcp(stream))
+            Ok(Conn::tcp(stream, self.me.seal_keys(Side::Dialler, &t)))
         })
     }
 
@@ -172,7 +172,7 @@ impl Dialler<'_> {
     /// The dialling side speaks first, with its nonce; the listener answers
     /// a hello that fits with its own; then each proves it knows the key,
     /// the dialler first, so that a stranger never gets a proof.
-    fn handshake<S>(&self, stream: &S) -> Result<(), Attempt>
+    fn handshake<S>(&self, stream: &S) -> Result<Transcript, Attempt>
     where
         S: Timeouts,
         for<'s> &'s S: Read + Write,
@@ -202,7 +202,8 @@ impl Dialler<'_> {
         let mut theirs = [0u8; PROOF_LEN];
         io.read_exact(&mut theirs).map_err(retry("the listener did not prove itself"))?;
         self.me.check(Side::Listener, &t, &theirs).map_err(fail)?;
-        stream.timeouts(None).map_err(fail)
+        stream.timeouts(None).map_err(fail)?;
+        Ok(t)
     }
 }
 

@@ -17,8 +17,9 @@ use crate::transport::auth::{Nonce, NONCE_LEN};
 /// share one process's connections; v10: a rank that destroys a group says
 /// so, which a rank of v9 would take for giving up on its connections; v11:
 /// the key is derived from every rank's share (and the secret), no token
-/// and no process id or address goes through the Store).
-pub const PROTOCOL_VERSION: u32 = 11;
+/// and no process id or address goes through the Store; v12: TCP frames
+/// may be sealed, RUSTC10D_ENCRYPT, a setting v11 ranks do not know).
+pub const PROTOCOL_VERSION: u32 = 12;
 const FRAME_MAGIC: u32 = 0x5243_3130; // "RC10"
 const HELLO_MAGIC: u32 = 0x5243_4832; // "RCH2"
 const CHALLENGE_MAGIC: u32 = 0x5243_4e32; // "RCN2"

@@ -20,6 +20,7 @@ pub mod reactor;
 pub(in crate::transport) mod reader;
 pub(in crate::transport) mod readers;
 pub mod ring;
+pub mod seal;
 pub mod shared_mem;
 pub mod striping;
 pub(in crate::transport) mod writer;

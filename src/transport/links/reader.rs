@@ -435,7 +435,7 @@ mod tests {
         let writer = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let read_end = listener.accept().unwrap().0;
         read_end.set_nonblocking(true).unwrap();
-        (writer, Conn::Tcp(read_end))
+        (writer, Conn::tcp(read_end, None))
     }
 
     /// A message nobody has posted a receive for is read into memory as it
