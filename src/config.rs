@@ -73,6 +73,8 @@ pub struct Config {
     pub ptracer_any: bool,
     /// Raise the soft limit on open files to the hard one at the first group.
     pub raise_fd_limit: bool,
+    /// Most bytes of one peer's messages kept for receives not yet posted (mailbox.rs).
+    pub early_bytes_max: u64,
     pub transport: TransportMode,
     /// TCP connections this rank sends to each peer on (`auto`: chosen by
     /// measuring, see `transport::striping`).
@@ -112,6 +114,7 @@ impl Default for Config {
             encrypt: false,
             ptracer_any: true,
             raise_fd_limit: true,
+            early_bytes_max: crate::transport::mailbox::EARLY_BYTES_MAX,
             spin: Duration::from_micros(50),
             // Ranks called at once wake from their compute tens of microseconds
             // apart: polling that long costs less than a sleep and a wake-up
@@ -246,6 +249,16 @@ const SETTINGS: &[Setting] = &[
             Ok(())
         },
         show: |c| u8::from(c.ptracer_any).to_string(),
+    },
+    Setting {
+        option: "early_bytes_max",
+        env: "RUSTC10D_EARLY_BYTES_MAX",
+        shared: false,
+        set: |c, v| {
+            c.early_bytes_max = bytes(v, 0, usize::MAX)? as u64;
+            Ok(())
+        },
+        show: |c| c.early_bytes_max.to_string(),
     },
     Setting {
         option: "raise_fd_limit",

@@ -230,6 +230,7 @@ fn retained(py: Python<'_>, group_name: &str) -> PyResult<Py<PyDict>> {
     for (name, n) in [("closed", r.closed), ("numbers", r.numbers), ("given_up", r.given_up), ("names", r.names)] {
         out.set_item(name, n)?;
     }
+    out.set_item("early_bytes", r.early_bytes)?;
     Ok(out.unbind())
 }
 

@@ -287,6 +287,36 @@ def batch_isend_irecv(ctx: Ctx):
 
 
 @check("p2p", worlds=(2,))
+def sends_past_the_early_bytes_cap_wait_for_their_receives(ctx: Ctx):
+    """In a group whose ranks keep at most 1 MiB of a peer's messages for receives not yet
+    posted (rustc10d.Options(early_bytes_max=...)), rank 1 sends 8 messages of 256 KiB before rank
+    0 posts any receive: rank 0 keeps some but at most 1 MiB of them (rustc10d._native.retained;
+    without the cap it read all 2 MiB in), while the rest wait in rank 1's socket or ring; then
+    it receives all 8, in order, intact."""
+    cap = 1 << 20
+    if ctx.backend == "rustc10d":
+        import rustc10d
+        group = dist.new_group(backend="rustc10d", pg_options=rustc10d.Options(early_bytes_max=cap))
+    else:
+        group = dist.new_group(backend=ctx.backend)
+    msgs = [ctx.input(1, (64 << 10,), torch.float32, salt=str(i)) for i in range(8)]
+    if ctx.rank == 1:
+        works = [dist.isend(m, dst=0, group=group, tag=70 + i) for i, m in enumerate(msgs)]
+        wait_done(works, "isend past the cap")
+    else:
+        time.sleep(0.5)
+        if ctx.backend == "rustc10d":
+            kept = rustc10d._native.retained(group.group_name)["early_bytes"]
+            assert 0 < kept <= cap, f"kept {kept} bytes of rank 1's messages for receives not posted, cap {cap}"
+        for i, m in enumerate(msgs):
+            buf = torch.zeros_like(m)
+            dist.recv(buf, src=1, group=group, tag=70 + i)
+            ctx.expect_equal(buf, m, f"message {i} of 256 KiB sent past the cap")
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+
+
+@check("p2p", worlds=(2,))
 def receives_land_in_issue_order_when_stream_ordered(ctx: Ctx):
     """Two receives posted in one order, their messages sent in the other, 0.6 s apart. In
     stream order (test staging, as RUSTC10D_CUDA_WAIT=stream on a GPU: one stream orders every

@@ -9,7 +9,7 @@
 mod hostile;
 
 use hostile::honest::{all_gather, recv, send, shut_down};
-use hostile::impostor::{group_with_impostor, infiltrated, Infiltrated, Wire};
+use hostile::impostor::{group_with_impostor, infiltrated, infiltrated_with, tcp_config, Infiltrated, Wire};
 use hostile::*;
 use rustc10d::transport::frame::{FrameHeader, Key, HEADER_LEN};
 
@@ -198,4 +198,43 @@ fn a_member_flooding_a_rank_with_proved_connections_keeps_nobody_out() {
     assert!(kept <= 1, "{kept} of the flood's 100 connections kept");
     drop(flood);
     [zero, two].into_iter().chain(engines.into_iter().flatten()).for_each(shut_down);
+}
+
+/// A member that sends message after message that no receive was posted
+/// for: the rank keeps at most its cap of them (RUSTC10D_EARLY_BYTES_MAX),
+/// then reads that member no further, so the flood stops in the member's
+/// own socket, not in the rank's memory. A receive posted for one of them
+/// takes it, and lets reading go on.
+#[test]
+fn a_member_flooding_a_rank_with_messages_nobody_receives_is_held_at_the_cap() {
+    const CAP: u64 = 4 << 20;
+    const MESSAGE: usize = 64 << 10;
+    let cfg = Config { early_bytes_max: CAP, ..tcp_config() };
+    let Infiltrated { mut engines, mut wires, .. } = infiltrated_with(2, 1, TIMEOUT, cfg);
+    let (e, wire) = (engines[0].take().unwrap(), wires[0].take().unwrap());
+    let retained = || e.transport().upgrade().unwrap().retained().early_bytes;
+    wire.stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let body = vec![0x5a; MESSAGE];
+    let messages = 2000; // 125 MiB: far beyond the cap and the sockets' buffers
+    let sent = (0..messages)
+        .take_while(|&tag| {
+            let frame = [&header(Key::p2p(1000 + tag), MESSAGE as u64)[..], &body].concat();
+            (&wire.stream).write_all(&frame).is_ok()
+        })
+        .count();
+    assert!(sent < messages as usize, "the member's writes were never held back: {sent} messages sent");
+    let kept = retained();
+    assert!(kept <= CAP && kept >= CAP - MESSAGE as u64, "kept {kept} bytes, cap {CAP}");
+
+    let first = recv(&e, 1, 1000, MESSAGE).finish(PROMPT);
+    assert_eq!(first.result.expect("the first message is there")[0], body);
+    // Room for one more: the rank reads on, and holds again at the cap.
+    let t0 = Instant::now();
+    while retained() < CAP - MESSAGE as u64 / 2 && t0.elapsed() < PROMPT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let kept = retained();
+    assert!(kept <= CAP && kept > CAP - MESSAGE as u64, "kept {kept} bytes after a receive, cap {CAP}");
+    shut_down(e);
+    drop(wire);
 }

@@ -92,10 +92,12 @@ fn an_impostor_without_the_secret_cannot_join() {
         let store = Arc::new(MemStore::default());
         let honest = join_as(0, store.clone(), timeout, cfg);
         let impostor = Impostor::join(&store, 1, 2);
-        if answers {
-            let _ = impostor.accept(); // rank 0 dials its ring neighbour
-        }
-        honest.join().unwrap()
+        // Rank 0 dials its ring neighbour; the connection stays open until its
+        // join is over (closed sooner, rank 0 may see rank 1 leave within it).
+        let wire = answers.then(|| impostor.accept());
+        let joined = honest.join().unwrap();
+        drop(wire);
+        joined
     };
     let cfg = Config { secret: None, ..with_secret(TransportMode::Tcp) };
     let one_lane = rustc10d::config::LaneCount::Fixed(1);

@@ -97,6 +97,11 @@ class Options:
     #: memory and registers), so that the peers can read it; undone with the last such group.
     #: False: never, and single copy only where Yama already allows it (RUSTC10D_PTRACER_ANY; True).
     ptracer_any: bool | None = None
+    #: Most bytes of one peer's messages kept in memory for receives not yet posted; past it,
+    #: the peer's connections are read no further until a receive takes some (a peer that
+    #: floods is held back, not stored; a program that posts its receives in another order
+    #: than its peer sends, past this much, times out naming the peer) (RUSTC10D_EARLY_BYTES_MAX; 1 GiB).
+    early_bytes_max: int | None = None
     #: The interface whose address this rank advertises (RUSTC10D_SOCKET_IFNAME).
     socket_ifname: str | None = None
     #: Fault injection rules (RUSTC10D_FAULT; see the README).

@@ -293,7 +293,7 @@ impl Transport for FakeTransport {
         let bytes = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(data, len) } };
         // A frame read whole: the mailbox fills or folds a posted receive of
         // this length, fails one of another length, or keeps the message early.
-        self.net.inbox[peer][self.rank].lock().unwrap().stash(key, bytes.to_vec(), &self.net.any[peer]);
+        self.net.inbox[peer][self.rank].lock().unwrap().arrived(key, bytes.to_vec(), &self.net.any[peer]);
         drop(cut);
         self.sent.fetch_add(1, Ordering::SeqCst);
         if self.hosts[peer] != self.hosts[self.rank] {

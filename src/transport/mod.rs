@@ -30,13 +30,15 @@ pub type Ready = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// Entries kept about groups, per process (`Transport::retained`): each
 /// peer's closed groups (summed), channel numbers, groups given up on, and
-/// group names counted.
+/// group names counted; and the bytes of messages kept for receives not yet
+/// posted (summed over the peers, each within its cap).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Retained {
     pub closed: usize,
     pub numbers: usize,
     pub given_up: usize,
     pub names: usize,
+    pub early_bytes: u64,
 }
 
 pub trait Transport: Send + Sync {

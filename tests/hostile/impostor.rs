@@ -42,16 +42,21 @@ pub struct Infiltrated {
 }
 
 pub fn infiltrated(world: usize, at: usize, timeout: Duration) -> Infiltrated {
+    infiltrated_with(world, at, timeout, tcp_config())
+}
+
+/// The same, the honest ranks with settings `cfg` (TCP, one connection a peer, as `tcp_config`).
+pub fn infiltrated_with(world: usize, at: usize, timeout: Duration, cfg: Config) -> Infiltrated {
     assert!(world >= 2 && at < world);
     let store = Arc::new(MemStore::default());
     let honest: Vec<_> = (0..world)
         .filter(|&rank| rank != at)
         .map(|rank| {
-            let store = store.clone();
+            let (store, cfg) = (store.clone(), cfg.clone());
             let handle = std::thread::spawn(move || {
                 let member = Member { rank, size: world, timeout, store_host: Some("127.0.0.1".into()) };
-                let mesh = connect(&*store, &member, &tcp_config()).unwrap();
-                Engine::new(Arc::new(mesh), &tcp_config(), timeout).unwrap()
+                let mesh = connect(&*store, &member, &cfg).unwrap();
+                Engine::new(Arc::new(mesh), &cfg, timeout).unwrap()
             });
             (rank, handle)
         })

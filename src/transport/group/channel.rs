@@ -129,13 +129,19 @@ impl Core {
 
     /// What the process keeps about groups (`Transport::retained`).
     pub(in crate::transport) fn retained(&self) -> crate::transport::Retained {
-        let closed = self.peers.iter().map(|p| p.mailbox.lock().unwrap().closed_groups()).sum();
+        let (mut closed, mut early_bytes) = (0, 0);
+        for p in &self.peers {
+            let mailbox = p.mailbox.lock().unwrap();
+            closed += mailbox.closed_groups();
+            early_bytes += mailbox.early_bytes();
+        }
         let channels = self.channels.lock().unwrap();
         crate::transport::Retained {
             closed,
             numbers: channels.numbers.len(),
             given_up: channels.given_up.len(),
             names: channels.opened.len(),
+            early_bytes,
         }
     }
 

@@ -207,12 +207,60 @@ pub enum Delivery {
     Drop,
 }
 
+impl Default for Mailbox {
+    /// Peer 0's, with the default cap.
+    fn default() -> Mailbox {
+        Mailbox::new(0)
+    }
+}
+
+/// Messages that arrived before their receive, by key, and the bytes they
+/// hold with those a reader is reading in (admitted, not yet stashed).
 #[derive(Default)]
+struct Early {
+    by_key: HashMap<Key, VecDeque<Vec<u8>>>,
+    bytes: u64,
+}
+
+impl Early {
+    fn pop_front(&mut self, key: Key) -> Option<Vec<u8>> {
+        let data = pop_front(&mut self.by_key, key)?;
+        self.bytes -= data.len() as u64;
+        Some(data)
+    }
+
+    /// Keep `data`, admitted (counted) already.
+    fn keep(&mut self, key: Key, data: Vec<u8>) {
+        self.by_key.entry(key).or_default().push_back(data);
+    }
+
+    /// Put back what `pop_front` took.
+    fn put_back(&mut self, key: Key, data: Vec<u8>) {
+        self.bytes += data.len() as u64;
+        self.by_key.entry(key).or_default().push_front(data);
+    }
+
+    fn retain(&mut self, keep: impl Fn(&Key) -> bool) {
+        let bytes = &mut self.bytes;
+        self.by_key.retain(|k, q| {
+            let kept = keep(k);
+            if !kept {
+                *bytes -= q.iter().map(|d| d.len() as u64).sum::<u64>();
+            }
+            kept
+        });
+    }
+}
+
 pub struct Mailbox {
     /// The peer whose messages land here.
     peer: usize,
     posted: HashMap<Key, VecDeque<PostedRecv>>,
-    early: HashMap<Key, VecDeque<Vec<u8>>>,
+    early: Early,
+    /// Most bytes of this peer's messages kept for receives not yet posted
+    /// (`RUSTC10D_EARLY_BYTES_MAX`): past it, its connections are read no
+    /// further until a receive takes some (`admit_early`).
+    early_max: u64,
     closed: Option<Error>,
     /// Channels of groups that share the connections, closed for this
     /// peer: the peer gave up on the group, or this rank left it; the most
@@ -230,6 +278,13 @@ pub struct Mailbox {
 /// many later closes) is kept as an early message, which the early-bytes
 /// cap bounds.
 pub const CLOSED_KEPT: usize = 1024;
+
+/// The default of `RUSTC10D_EARLY_BYTES_MAX`: bytes of one peer's messages
+/// kept for receives not yet posted. A member that sends more ahead than
+/// this (a flood, or a program that posts its receives in another order
+/// than its peer sends) is read no further until a receive takes some:
+/// memory stays bounded, and such a program's op times out naming the peer.
+pub const EARLY_BYTES_MAX: u64 = 1 << 30;
 
 /// Why a group's channel with one peer is closed, and what of it is still taken.
 struct ClosedGroup {
@@ -257,7 +312,41 @@ impl ClosedGroup {
 
 impl Mailbox {
     pub fn new(peer: usize) -> Mailbox {
-        Mailbox { peer, ..Mailbox::default() }
+        Mailbox::with_early_max(peer, EARLY_BYTES_MAX)
+    }
+
+    /// Keeping at most `early_max` bytes of the peer's messages ahead of their receives.
+    pub fn with_early_max(peer: usize, early_max: u64) -> Mailbox {
+        Mailbox {
+            peer,
+            posted: HashMap::new(),
+            early: Early::default(),
+            early_max,
+            closed: None,
+            closed_groups: HashMap::new(),
+            closed_order: VecDeque::new(),
+        }
+    }
+
+    /// A reader may read a message of `len` bytes into memory for a receive
+    /// not yet posted: true (and counted from now) if that keeps the peer
+    /// within its cap. False: read no further until a receive takes some.
+    /// A message larger than the whole cap waits for its own receive.
+    pub fn admit_early(&mut self, len: u64) -> bool {
+        let admitted = self.early.bytes.checked_add(len).is_some_and(|b| b <= self.early_max);
+        if admitted {
+            self.early.bytes += len;
+        }
+        admitted
+    }
+
+    pub fn early_max(&self) -> u64 {
+        self.early_max
+    }
+
+    /// Bytes kept (or being read in) for receives not yet posted.
+    pub fn early_bytes(&self) -> u64 {
+        self.early.bytes
     }
 
     /// A frame header arrived from this peer. Lock order: mailbox, then `any`.
@@ -274,15 +363,24 @@ impl Mailbox {
         }
     }
 
-    /// An early payload was read into memory. A receive may have been posted
-    /// while it was being read: then it completes now.
+    /// An early payload (admitted: `admit_early`) was read into memory. A
+    /// receive may have been posted while it was being read: then it completes now.
     pub fn stash(&mut self, key: Key, data: Vec<u8>, any: &Mutex<AnyPosted>) {
-        match self.on_header(key, data.len() as u64, any) {
+        let len = data.len() as u64;
+        match self.on_header(key, len, any) {
+            Delivery::Stash => return self.early.keep(key, data),
             Delivery::Direct(p) => p.fill(&data, self.peer),
-            Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, self.peer),
-            Delivery::Stash => self.early.entry(key).or_default().push_back(data),
+            Delivery::Mismatch(p) => fail_mismatch(p, len, self.peer),
             Delivery::Drop => {}
         }
+        self.early.bytes -= len;
+    }
+
+    /// A whole message that no reader admitted (the fake transport hands
+    /// messages over whole): delivered as `stash` does, kept whatever the cap.
+    pub fn arrived(&mut self, key: Key, data: Vec<u8>, any: &Mutex<AnyPosted>) {
+        self.early.bytes += data.len() as u64;
+        self.stash(key, data, any);
     }
 
     /// Post a receive. It completes at once from an early message, fails at
@@ -292,7 +390,7 @@ impl Mailbox {
             recv.status.finish(Err(c.why.clone()));
             return;
         }
-        if let Some(data) = pop_front(&mut self.early, key) {
+        if let Some(data) = self.early.pop_front(key) {
             if data.len() == recv.buf.len {
                 recv.fill(&data, self.peer);
             } else {
@@ -319,13 +417,11 @@ impl Mailbox {
     /// has claimed that receive meanwhile. True if `status` is now finished
     /// (by this call or by the reader).
     pub fn offer_early(&mut self, key: Key, status: &Arc<Status>, any: &Mutex<AnyPosted>) -> bool {
-        let Some(data) = pop_front(&mut self.early, key) else { return false };
+        let Some(data) = self.early.pop_front(key) else { return false };
         match any.lock().unwrap().remove(key, status) {
             Some(p) if p.buf.len == data.len() => p.fill(&data, self.peer),
             Some(p) => fail_mismatch(p, data.len() as u64, self.peer),
-            None => {
-                self.early.entry(key).or_default().push_front(data);
-            }
+            None => self.early.put_back(key, data),
         }
         true
     }
@@ -400,7 +496,7 @@ impl Mailbox {
         c.sent_below = c.sent_below.min(closed.sent_below);
         c.p2p &= closed.p2p;
         let c = &*c;
-        self.early.retain(|k, _| k.group != group || c.takes(k));
+        self.early.retain(|k| k.group != group || c.takes(k));
         fail_where(&mut self.posted, |k| k.group == group && !c.takes(k), &c.why)
     }
 
@@ -427,7 +523,7 @@ pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8], any: &Mutex<AnyPosted>) 
     match mb.on_header(key, data.len() as u64, any) {
         Delivery::Direct(p) => p.fill(data, mb.peer),
         Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, mb.peer),
-        Delivery::Stash => mb.stash(key, data.to_vec(), any),
+        Delivery::Stash => mb.arrived(key, data.to_vec(), any),
         Delivery::Drop => {}
     }
 }
@@ -486,6 +582,35 @@ mod tests {
     /// A job that makes and destroys a group every step closes one group
     /// per peer per step: the mailbox remembers the last CLOSED_KEPT, whose
     /// late messages it still drops.
+    /// Early bytes count from a reader's admission until a receive takes
+    /// them or their group closes, and never go past the cap.
+    #[test]
+    fn early_bytes_are_counted_from_admission_to_their_receive_and_capped() {
+        let any = Mutex::default();
+        let mut mb = Mailbox::with_early_max(1, 100);
+        assert!(mb.admit_early(60));
+        assert!(!mb.admit_early(41), "past the cap");
+        assert!(mb.admit_early(40));
+        assert!(!mb.admit_early(1));
+        mb.stash(Key::p2p(1), vec![1; 60], &any);
+        mb.stash(Key::p2p(2).in_group(5), vec![2; 40], &any);
+        assert_eq!(mb.early_bytes(), 100);
+        let mut buf = [0u8; 60];
+        let taken = post(&mut mb, Key::p2p(1), &mut buf);
+        assert_eq!((taken.result().unwrap().unwrap(), buf), (60, [1; 60]));
+        assert_eq!(mb.early_bytes(), 40, "a receive took 60");
+        mb.close_group(5, Error::aborted("closed"));
+        assert_eq!(mb.early_bytes(), 0, "the closed group's message is dropped");
+        // Admitted, then a receive was posted while it was read: it goes there, not kept.
+        assert!(mb.admit_early(100));
+        let mut buf = [0u8; 100];
+        let status = post(&mut mb, Key::p2p(3), &mut buf);
+        mb.stash(Key::p2p(3), vec![3; 100], &any);
+        assert_eq!((status.result().unwrap().unwrap(), mb.early_bytes()), (100, 0));
+        assert!(!mb.admit_early(u64::MAX - 5), "no overflow");
+        assert!(mb.admit_early(100));
+    }
+
     #[test]
     fn closed_groups_are_remembered_up_to_a_bound() {
         let mut mb = Mailbox::default();
@@ -636,7 +761,7 @@ mod tests {
         deliver(&mut mb, key(0, 3), &[7], &any);
         mb.close_group(g, Error::aborted("left"));
         deliver(&mut mb, key(0, 4), &[8], &any);
-        assert!(mb.early.keys().all(|k| k.group != g), "a group this rank left keeps no messages");
+        assert!(mb.early.by_key.keys().all(|k| k.group != g), "a group this rank left keeps no messages");
     }
 
     /// A peer destroys a group after collective 0 and a point-to-point

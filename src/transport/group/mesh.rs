@@ -119,7 +119,7 @@ impl Mesh {
         let tcp_addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
         let peers = (0..addrs.len())
             .map(|p| PeerSlot {
-                mailbox: Mutex::new(Mailbox::new(p)),
+                mailbox: Mutex::new(Mailbox::with_early_max(p, cfg.early_bytes_max)),
                 state: Mutex::new(Peer::new(describe(&addrs, p))),
                 linked: Condvar::new(),
                 links: Mutex::default(),

@@ -275,6 +275,23 @@ impl Conn {
         }
     }
 
+    /// Whether the peer has closed a TCP connection that this side does not
+    /// read now (held back by a cap): nothing is left to read before its end,
+    /// or the connection failed. Shared memory says so through its Unix socket.
+    pub fn peer_closed(&self) -> bool {
+        let Conn::Tcp(TcpConn { stream, sealed }) = self else { return false };
+        if sealed.as_ref().is_some_and(|s| s.opener.lock().unwrap().mid_record()) {
+            return false;
+        }
+        let mut byte = [0u8; 1];
+        // SAFETY: recv writes at most one byte into `byte`, a live local; MSG_PEEK leaves it queued.
+        let n =
+            unsafe { libc::recv(stream.as_raw_fd(), byte.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        n == 0
+            || (n < 0
+                && !matches!(io::Error::last_os_error().kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted))
+    }
+
     /// The reader is about to wait for the reactor: false if there is
     /// something to read after all (shared memory; TCP always waits).
     pub fn reader_waits(&self) -> bool {

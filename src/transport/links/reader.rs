@@ -30,6 +30,13 @@ const EARLY_RESERVE_MAX: u64 = 64 << 20;
 pub const EARLY_GRACE: Duration = Duration::from_millis(20);
 const EARLY_GRACE_MIN_BYTES: u64 = 256 * 1024;
 
+/// How often a connection held back by the early-bytes cap looks again
+/// (a receive posted meanwhile resumes it at once).
+const HELD_RECHECK: Duration = Duration::from_millis(50);
+/// Distinct questions (`Key::ask`) kept for answering per read: a peer that
+/// asks in a loop gets one answer per depth, not one per question.
+const ASKED_MAX: usize = 8;
+
 /// Pieces a folded receive reads at a time: small enough to stay in cache
 /// between the read and the fold.
 const FOLD_PIECE: usize = 64 * 1024;
@@ -46,6 +53,8 @@ pub struct Reader {
     pub reads: u64,
     /// Questions the peer asked (`Key::ask`, by depth) not answered yet.
     pub asked: Vec<u64>,
+    /// Reading is held back by the peer's early-bytes cap (said once per hold).
+    holding: bool,
 }
 
 #[derive(Default)]
@@ -143,7 +152,7 @@ impl Reader {
         mailbox: &Mutex<Mailbox>,
         any: &Mutex<AnyPosted>,
     ) -> io::Result<Option<Stop>> {
-        let Reader { state, bounce, asked, .. } = self;
+        let Reader { state, bounce, asked, holding, .. } = self;
         match state {
             State::Start => {
                 let mut buf = [0u8; HEADER_LEN + REMOTE_LEN];
@@ -186,7 +195,9 @@ impl Reader {
                         return Err(io::Error::new(io::ErrorKind::InvalidData, "a question with a payload"));
                     }
                     *state = State::Start;
-                    asked.push(header.key.channel);
+                    if asked.len() < ASKED_MAX && !asked.contains(&header.key.channel) {
+                        asked.push(header.key.channel);
+                    }
                     return Ok(None);
                 }
                 if header.key.kind == KIND_ABORT {
@@ -201,7 +212,8 @@ impl Reader {
             }
             State::Early { key, len, since, remote } => {
                 let (key, len, remote) = (*key, *len, *remote);
-                let into = match mailbox.lock().unwrap().on_header(key, len, any) {
+                let mut mb = mailbox.lock().unwrap();
+                let into = match mb.on_header(key, len, any) {
                     Delivery::Direct(p) if p.buf.fold.is_some() => Into::Folded(p, 0),
                     Delivery::Direct(p) => Into::Posted(p),
                     // Failed now: the header says it all, and the announced
@@ -216,10 +228,32 @@ impl Reader {
                         if (len >= EARLY_GRACE_MIN_BYTES || remote.is_some()) && waited < EARLY_GRACE {
                             return Ok(Some(Stop::Early(EARLY_GRACE - waited)));
                         }
+                        if !mb.admit_early(len) {
+                            if !std::mem::replace(holding, true) {
+                                tracing::warn!(
+                                    "rustc10d: a message of {len} bytes from rank {peer} has no receive yet, and {} \
+                                     bytes of that rank's messages wait for theirs already, at the cap \
+                                     (RUSTC10D_EARLY_BYTES_MAX={}): its connection is read no further until a \
+                                     receive takes some",
+                                    mb.early_bytes(),
+                                    mb.early_max()
+                                );
+                            }
+                            // Not read, so the end would go unseen: look for it.
+                            if conn.peer_closed() {
+                                return Err(io::Error::new(
+                                    io::ErrorKind::UnexpectedEof,
+                                    "the connection ended while a message waited for its receive",
+                                ));
+                            }
+                            return Ok(Some(Stop::Early(HELD_RECHECK)));
+                        }
+                        *holding = false;
                         // The length is the peer's word: reserve only so much ahead.
                         Into::Early(key, Vec::with_capacity(len.min(EARLY_RESERVE_MAX) as usize))
                     }
                 };
+                drop(mb);
                 *state = State::Body { len, got: 0, into, remote };
             }
             State::Body { len, got, into, remote } => {
@@ -441,13 +475,29 @@ mod tests {
     /// A message nobody has posted a receive for is read into memory as it
     /// comes. Its header's length is the peer's word: the reader reserves
     /// at most EARLY_RESERVE_MAX ahead for it, never what the header
-    /// says (2^62 bytes here, of which 1000 come).
+    /// says (2^62 bytes here, of which 1000 come), even where the cap on
+    /// early bytes would allow that much; under the default cap, such a
+    /// message is not read at all until its receive is posted.
     #[test]
     fn an_early_message_reserves_a_bounded_amount_whatever_its_header_says() {
-        let (mut writer, conn) = tcp_pair();
         let header = FrameHeader { key: Key::p2p(99), len: 1 << 62, remote: false }.encode();
+        let (mut writer, conn) = tcp_pair();
         std::io::Write::write_all(&mut writer, &[&header[..], &[7u8; 1000]].concat()).unwrap();
         let (mailbox, any) = (Mutex::new(Mailbox::new(1)), Mutex::default());
+        let mut reader = Reader::default();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !reader.holding {
+            assert!(Instant::now() < deadline, "never held at the cap");
+            if let Stop::Early(wait) = reader.pump(&conn, 1, &mailbox, &any).unwrap() {
+                std::thread::sleep(wait);
+            }
+        }
+        assert!(matches!(reader.state, State::Early { .. }), "held at the header, nothing reserved");
+        assert_eq!(mailbox.lock().unwrap().early_bytes(), 0);
+
+        let (mut writer, conn) = tcp_pair();
+        std::io::Write::write_all(&mut writer, &[&header[..], &[7u8; 1000]].concat()).unwrap();
+        let (mailbox, any) = (Mutex::new(Mailbox::with_early_max(1, u64::MAX)), Mutex::default());
         let mut reader = Reader::default();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -577,6 +627,9 @@ mod tests {
                 proptest::prop_assert!(Instant::now() < deadline, "the stream was never read to its end");
                 match reader.pump(&conn, 1, &mailbox, &any) {
                     Ok(Stop::Drained) => std::thread::sleep(Duration::from_millis(1)),
+                    // Held at the early-bytes cap (a message longer than it, for no receive):
+                    // read no further, as the link would until a receive is posted.
+                    Ok(Stop::Early(_)) if reader.holding => break,
                     Ok(Stop::Early(wait)) => std::thread::sleep(wait),
                     Ok(Stop::Reason(_)) => {}
                     Ok(Stop::End) | Err(_) => break,
