@@ -39,6 +39,12 @@ TORCH_FEATURES = [
     ("GATHER_INTO_TENSOR", "Backend.hpp", "gather_into_tensor"),
     # Backend::supportsReconfigure, get_reconfigure_handle, reconfigure (2.14).
     ("RECONFIGURE", "Backend.hpp", "get_reconfigure_handle"),
+    # Backend::registerAbortHook and unregisterAbortHook (2.14).
+    ("ABORT_HOOKS", "Backend.hpp", "registerAbortHook"),
+    # Backend::supportsAbortHooks (2.15).
+    ("ABORT_HOOKS_QUERY", "Backend.hpp", "supportsAbortHooks"),
+    # Backend::getError and c10d::ErrorType (2.11 on: torch's default raises).
+    ("GET_ERROR", "Backend.hpp", "getError"),
     # DeviceGuardImplInterface::isStreamCapturing: whether a stream is being captured into a graph.
     ("STREAM_CAPTURE_QUERY", "c10/core/impl/DeviceGuardImplInterface.h", "isStreamCapturing"),
 ]

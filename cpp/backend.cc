@@ -131,7 +131,15 @@ struct WorkState {
   std::vector<at::Tensor> outputs;
   std::shared_ptr<OpTiming> timing;
   std::shared_ptr<DeviceSync> cuda;
+  // The backend's, run where the op fails for good (set by RustBackend::work).
+  std::shared_ptr<compat::AbortHooks> abort_hooks;
 };
+
+// Whether an op that failed with `kind` failed for good (the group or a peer
+// is in trouble), not for its caller's input: then the abort hooks run.
+bool fails_for_good(ErrorKind kind) {
+  return kind != ErrorKind::InvalidArgument && kind != ErrorKind::Unsupported;
+}
 
 // The engine's op, as torch sees it.
 class RustWork final : public compat::Work {
@@ -142,7 +150,8 @@ class RustWork final : public compat::Work {
         future_(std::move(s.future)),
         outputs_(std::move(s.outputs)),
         timing_(std::move(s.timing)),
-        cuda_(std::move(s.cuda)) {}
+        cuda_(std::move(s.cuda)),
+        abort_hooks_(std::move(s.abort_hooks)) {}
 
   float getDuration() const override {
     float ms = timing_->duration_ms;
@@ -180,7 +189,7 @@ class RustWork final : public compat::Work {
   bool wait(milliseconds timeout = kNoTimeout) override {
     if (cuda_ && cuda_->stream_ordered()) {
       cuda_->order_after(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
-      if (op_->is_done() && !op_->error_message().empty()) raise(op_->error_kind(), std::string(op_->error_message()));
+      if (op_->is_done() && !op_->error_message().empty()) fail();
       return true;
     }
     return host_wait(timeout);
@@ -203,11 +212,17 @@ class RustWork final : public compat::Work {
         if (cuda_) cuda_->done.block(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
         return true;
       case WaitOutcome::Failed:
-        raise(op_->error_kind(), std::string(op_->error_message()));
+        fail();
       default:
         raise(ErrorKind::Timeout, c10::str("rustc10d: Timed out after ", ms, " ms in Work.wait; the ",
                                            c10d::opTypeToString(opType_), " op is still running"));
     }
+  }
+
+  // Raise the op's error, the abort hooks run first where it failed for good.
+  [[noreturn]] void fail() {
+    if (abort_hooks_ && fails_for_good(op_->error_kind())) abort_hooks_->fire();
+    raise(op_->error_kind(), std::string(op_->error_message()));
   }
 
   rust::Box<Op> op_;
@@ -215,6 +230,7 @@ class RustWork final : public compat::Work {
   std::vector<at::Tensor> outputs_;
   std::shared_ptr<OpTiming> timing_;
   std::shared_ptr<DeviceSync> cuda_;
+  std::shared_ptr<compat::AbortHooks> abort_hooks_;
 };
 
 // One op's translation: its tensors become descriptors of host memory (CPU
@@ -271,7 +287,7 @@ class OpBuilder {
                       : c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     d.hooks = std::move(hooks);
     d.key = key;
-    WorkState state{key, d.future, d.outputs, d.timing, d.cuda};
+    WorkState state{key, d.future, d.outputs, d.timing, d.cuda, nullptr};
     return {std::move(done_), std::move(state)};
   }
 
@@ -359,8 +375,26 @@ class RustBackend final : public compat::Backend<RustBackend> {
 
   // destroy_process_group() and abort: fail what is pending, close sockets, join threads.
   void shutdown() override { stop(); }
-  void abort() override { stop(); }
+  void abort() override {
+    abort_hooks_->fire();
+    stop();
+  }
   bool stopped() const { return stopped_.load(); }
+
+  // What broke the group, as torch's ErrorType's value: a timeout; a peer
+  // lost, or that gave up on the group (an error that came from another
+  // rank); anything else; 0 while nothing has (a failed point-to-point op
+  // leaves the group usable, and says nothing here).
+  int error_type() const {
+    if (!group_) return 0;
+    auto broken = (*group_)->broken_by();
+    if (!broken.broken) return 0;
+    switch (broken.kind) {
+      case ErrorKind::Timeout: return 1;
+      case ErrorKind::PeerLost: return 3;
+      default: return 2;
+    }
+  }
 
   const std::string getBackendName() const override { return "rustc10d"; }
   bool supportsCoalescing() const override { return true; }
@@ -737,7 +771,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     // Where the group is idle, the op runs here and now, with no Op to make and wait for.
     auto here = group().all_reduce_here(desc_of(t), code);
     if (here.ran) {
-      if (here.failed) raise(here.kind, std::string(here.message));
+      if (here.failed) fail(here.kind, std::string(here.message));
       return;
     }
     Call call{};
@@ -748,8 +782,9 @@ class RustBackend final : public compat::Backend<RustBackend> {
     call.sync_op = true;
     call.outputs = rvec({desc_of(t)});
     auto done = group().run_now(call);
-    if (done->failed_at_issue()) raise(done->error_kind(), std::string(done->error_message()));
-    if (done->wait(-1) != WaitOutcome::Done) raise(done->error_kind(), std::string(done->error_message()));
+    if (done->failed_at_issue() || done->wait(-1) != WaitOutcome::Done) {
+      fail(done->error_kind(), std::string(done->error_message()));
+    }
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
@@ -814,9 +849,18 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   c10::intrusive_ptr<c10d::Work> work(OpType type, rust::Box<Op> op, WorkState state) {
-    if (op->failed_at_issue()) raise(op->error_kind(), std::string(op->error_message()));
+    if (op->failed_at_issue()) fail(op->error_kind(), std::string(op->error_message()));
+    state.abort_hooks = abort_hooks_;
     return c10::make_intrusive<RustWork>(getRank(), type, std::move(op), std::move(state));
   }
+
+  // Raise an op's error, the abort hooks run first where it failed for good.
+  [[noreturn]] void fail(ErrorKind kind, const std::string& message) {
+    if (fails_for_good(kind)) abort_hooks_->fire();
+    raise(kind, message);
+  }
+
+
 
   void stop() {
     stopped_.store(true);

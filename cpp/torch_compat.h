@@ -22,7 +22,8 @@
 #if !defined(RUSTC10D_TORCH_HAS_COMPLETION_HOOKS) || !defined(RUSTC10D_TORCH_HAS_COMPLETION_KEY) || \
     !defined(RUSTC10D_TORCH_HAS_PREMUL_SUM_SUPPLEMENT) || !defined(RUSTC10D_TORCH_HAS_TENSOR_COALESCED_OPTYPES) || \
     !defined(RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR) || !defined(RUSTC10D_TORCH_HAS_RECONFIGURE) ||      \
-    !defined(RUSTC10D_TORCH_HAS_STREAM_CAPTURE_QUERY)
+    !defined(RUSTC10D_TORCH_HAS_STREAM_CAPTURE_QUERY) || !defined(RUSTC10D_TORCH_HAS_ABORT_HOOKS) ||          \
+    !defined(RUSTC10D_TORCH_HAS_GET_ERROR) || !defined(RUSTC10D_TORCH_HAS_ABORT_HOOKS_QUERY)
 #error "build_shim.py defines every RUSTC10D_TORCH_HAS_* feature macro"
 #endif
 
@@ -83,6 +84,46 @@ class CompletionHooks {
 #endif
 };
 
+// The abort hooks registered with one backend (torch 2.14 on: debug information
+// captured before an abort), run where an op fails for good (a timeout, a
+// lost or failed peer, a broken group) and when the group is aborted: as
+// torch allows, one failure may run them more than once. A hook that throws
+// is reported and the others still run. Holds nothing on a torch without them.
+class AbortHooks {
+ public:
+#if RUSTC10D_TORCH_HAS_ABORT_HOOKS
+  void add(int64_t id, c10d::AbortHook hook) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hooks_[id] = std::move(hook);
+  }
+  void remove(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hooks_.erase(id);
+  }
+  // Outside the lock: a hook may take the GIL, or unregister itself.
+  void fire() {
+    std::vector<c10d::AbortHook> hooks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, hook] : hooks_) hooks.push_back(hook);
+    }
+    for (auto& hook : hooks) {
+      try {
+        hook();
+      } catch (const std::exception& e) {
+        TORCH_WARN("rustc10d: an abort hook raised: ", e.what());
+      }
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, c10d::AbortHook> hooks_;
+#else
+  void fire() {}
+#endif
+};
+
 // c10d::Backend plus the virtuals that only some releases declare. `Impl`
 // (the real backend) provides gather_single(), the gather into one tensor,
 // and reconfigure_handle() and reconfigure_to(handles, ordered, uuid,
@@ -97,6 +138,19 @@ class Backend : public c10d::Backend {
   bool supportsCompletionHooks() const override { return true; }
   void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override { hooks_->add(id, std::move(hook)); }
   void unregisterCompletionHook(int64_t id) override { hooks_->remove(id); }
+#endif
+
+#if RUSTC10D_TORCH_HAS_ABORT_HOOKS_QUERY
+  bool supportsAbortHooks() const override { return true; }
+#endif
+#if RUSTC10D_TORCH_HAS_ABORT_HOOKS
+  void registerAbortHook(int64_t id, c10d::AbortHook hook) override { abort_hooks_->add(id, std::move(hook)); }
+  void unregisterAbortHook(int64_t id) override { abort_hooks_->remove(id); }
+#endif
+
+#if RUSTC10D_TORCH_HAS_GET_ERROR
+  // `Impl` says what broke the group as torch's ErrorType's value (0: nothing).
+  c10d::ErrorType getError() override { return static_cast<c10d::ErrorType>(static_cast<Impl*>(this)->error_type()); }
 #endif
 
 #if RUSTC10D_TORCH_HAS_GATHER_INTO_TENSOR
@@ -127,6 +181,7 @@ class Backend : public c10d::Backend {
 
  protected:
   std::shared_ptr<CompletionHooks> hooks_ = std::make_shared<CompletionHooks>();
+  std::shared_ptr<AbortHooks> abort_hooks_ = std::make_shared<AbortHooks>();
 };
 
 // c10d::Work plus the completion key that identifies it to completion hooks,

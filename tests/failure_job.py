@@ -177,11 +177,48 @@ def recv_times_out(store, rank, world):
         report(first={"raised": True, "seconds": 0, "error": ""})
 
 
+def error_type() -> str | None:
+    """What the default group's backend says broke it (torch's getError), where torch asks."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend.get_error().name if rustc10d.TORCH_FEATURES.get("get_error") else None
+
+
 def stall_times_out(store, rank, world):
     """RUSTC10D_FAULT stalls rank 0's broadcast past the group's 2 s timeout."""
     init(store, rank, world, seconds=2)
     t = torch.ones(100)
-    report(first=timed_failure(lambda: dist.broadcast(t, 0)))
+    report(first=timed_failure(lambda: dist.broadcast(t, 0)), error_type=error_type())
+
+
+def abort_hooks(store, rank, world):
+    """torch 2.15's abort hooks and getError: two hooks registered (one raises), one
+    registered and taken back. Every rank's receive times out (no sender): the hooks run, the
+    group stays usable and getError says so; then the last rank dies mid-all_reduce: the
+    others' all_reduce raises, the hooks run again and getError says a peer broke the group;
+    then the group is aborted: the hooks run once more."""
+    init(store, rank, world, seconds=2)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    calls = []
+
+    def bad_hook():
+        raise RuntimeError("a hook that fails")
+
+    backend.register_abort_hook(1, lambda: calls.append(1))
+    backend.register_abort_hook(2, lambda: calls.append(2))
+    backend.register_abort_hook(3, bad_hook)
+    backend.unregister_abort_hook(2)
+    out = {"before": backend.get_error().name}
+    out["p2p"] = timed_failure(lambda: dist.recv(torch.zeros(3), src=(rank + 1) % world, tag=9))
+    out["after_p2p"], out["calls_p2p"] = backend.get_error().name, list(calls)
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)  # let the others block in the all_reduce
+        os.kill(os.getpid(), signal.SIGKILL)
+    out["collective"] = timed_failure(lambda: dist.all_reduce(torch.ones(10)))
+    out["after_collective"], out["calls_collective"] = backend.get_error().name, list(calls)
+    dist.distributed_c10d._abort_process_group()
+    out["calls_abort"] = list(calls)
+    report(**out)
 
 
 def mismatch(store, rank, world):
@@ -332,7 +369,7 @@ def options_apply(store, rank, world):
 SCENARIOS = {f.__name__: f for f in (sigkill, sigkill_small, staged_killed, staged_recv_killed,
                                       staged_dropped_recv_expires, staged_destroy_with_recv_pending, injected, dropped, recv_times_out, stall_times_out, mismatch, world_failure_spares_groups, late_mismatch,
                                       destroy_cleans_up, settings_differ, settings_differ_store_in_rank_0, bad_setting, no_threads, error_kinds,
-                                      options_apply)}
+                                      options_apply, abort_hooks)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

@@ -10,6 +10,7 @@ import pytest
 
 import checks
 import harness
+import rustc10d
 
 pytestmark = [pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d's failure handling"),
               pytest.mark.timeout(120)]
@@ -137,6 +138,8 @@ def test_stalled_rank_times_out_the_others_naming_op_and_peer(tmp_path):
     # Over shared memory the broadcast waits in the arena; over TCP for the root's data.
     pattern = r"rustc10d: Timed out after 2000 ms: broadcast #0 on rank 1 was waiting (for data from|in the shared arena for) rank 0 \("
     assert re.search(pattern, first["error"]), first["error"]
+    if rustc10d.TORCH_FEATURES.get("get_error"):
+        assert results[1]["error_type"] == "TIMEOUT", results[1]
 
 
 def test_mismatched_calls_are_reported_not_reduced(tmp_path):
@@ -252,3 +255,23 @@ def test_options_set_each_groups_settings(tmp_path):
         assert r["world_links"] == {peer: "tcp"} and r["group_links"] == {peer: "shm"}, r
         assert r["sum"] == [4.0] * 4, r
         assert r["wrong"]["error"] == "TypeError: rustc10d: pg_options must be rustc10d.Options, got object", r
+
+
+@pytest.mark.skipif(not rustc10d.TORCH_FEATURES.get("abort_hooks") or not rustc10d.TORCH_FEATURES.get("get_error"),
+                    reason="this torch has no abort hooks or getError (README: supported versions)")
+def test_abort_hooks_run_where_an_op_fails_for_good_and_get_error_says_what_broke_the_group(tmp_path):
+    results, procs = run("abort_hooks", 3, tmp_path)
+    assert procs[2].returncode == -9
+    for rank in range(2):
+        r = results[rank]
+        assert r["before"] == "SUCCESS", r
+        assert r["p2p"]["raised"] and "Timed out" in r["p2p"]["error"], r["p2p"]
+        # A receive that timed out runs the hooks (the one taken back does not run; the one that
+        # raises does not stop the others) and leaves the group usable: getError says nothing.
+        assert r["calls_p2p"] == [1] and r["after_p2p"] == "SUCCESS", r
+        assert r["collective"]["raised"] and "rank 2" in r["collective"]["error"], r["collective"]
+        assert r["after_collective"] == "REMOTE_ERROR", r
+        assert r["calls_collective"][:2] == [1, 1] and set(r["calls_collective"]) == {1}, r
+        assert len(r["calls_abort"]) > len(r["calls_collective"]) and set(r["calls_abort"]) == {1}, r
+        stderr = procs[rank].stderr
+        assert "an abort hook raised" in stderr and "a hook that fails" in stderr, stderr[-2000:]

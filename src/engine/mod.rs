@@ -327,6 +327,15 @@ impl Engine {
         self.shared.next_seq.load(Ordering::SeqCst)
     }
 
+    /// The kind of the failure that broke the group, if one did (later
+    /// collectives fail with it).
+    pub fn broken_by(&self) -> Option<crate::error::ErrorKind> {
+        if !self.shared.is_broken.load(Ordering::Acquire) {
+            return None;
+        }
+        self.shared.broken.lock().unwrap().as_ref().map(|e| e.kind)
+    }
+
     /// The group's default timeout now.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.shared.timeout_ms.load(Ordering::SeqCst))

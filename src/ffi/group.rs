@@ -281,6 +281,13 @@ impl Group {
         self.engine.sequence_number()
     }
 
+    pub(crate) fn broken_by(&self) -> bridge::BrokenBy {
+        match self.engine.broken_by() {
+            Some(kind) => bridge::BrokenBy { broken: true, kind: kind.into() },
+            None => bridge::BrokenBy { broken: false, kind: bridge::ErrorKind::Io },
+        }
+    }
+
     pub(crate) fn set_timeout(&self, timeout_ms: i64) {
         self.engine.set_timeout(Duration::from_millis(timeout_ms.max(0) as u64));
     }

@@ -152,6 +152,13 @@ pub mod bridge {
         sync_op: bool,
     }
 
+    /// Whether an earlier failure broke the group (later collectives fail
+    /// with it), and of what kind: what torch's Backend::getError reports.
+    struct BrokenBy {
+        broken: bool,
+        kind: ErrorKind,
+    }
+
     /// What `Group::all_reduce_here` did.
     struct RanHere {
         /// Whether the op ran; if not (its group was busy), nothing was done.
@@ -184,6 +191,7 @@ pub mod bridge {
         /// One op for every op issued since start_coalescing.
         fn end_coalescing(self: &Group, done: UniquePtr<Completion>) -> Box<Op>;
         fn sequence_number(self: &Group) -> u64;
+        fn broken_by(self: &Group) -> BrokenBy;
         fn set_timeout(self: &Group, timeout_ms: i64);
         fn shutdown(self: &Group);
         /// Config::cuda: CUDA tensors are accepted.
