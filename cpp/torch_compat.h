@@ -57,13 +57,11 @@ constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::COALESCED;
 constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::COALESCED;
 #endif
 
-// The completion hooks registered with one backend (torch's flight recorder
-// registers them), fired when an op succeeds. Holds nothing on a torch
-// without them.
-class CompletionHooks {
+// Hooks of one kind registered with one backend, by torch's hook id.
+template <class Hook>
+class HookTable {
  public:
-#if RUSTC10D_TORCH_HAS_COMPLETION_HOOKS
-  void add(int64_t id, c10d::CompletionHook hook) {
+  void add(int64_t id, Hook hook) {
     std::lock_guard<std::mutex> lock(mu_);
     hooks_[id] = std::move(hook);
   }
@@ -71,14 +69,32 @@ class CompletionHooks {
     std::lock_guard<std::mutex> lock(mu_);
     hooks_.erase(id);
   }
-  void fire(uint64_t key, float duration_ms) {
+  // f(hook) for each, under the lock.
+  template <class F>
+  void each(F&& f) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, hook] : hooks_) hook(c10d::CompletionHookArgs{key, duration_ms});
+    for (auto& [id, hook] : hooks_) f(hook);
   }
 
  private:
   std::mutex mu_;
-  std::map<int64_t, c10d::CompletionHook> hooks_;
+  std::map<int64_t, Hook> hooks_;
+};
+
+// The completion hooks registered with one backend (torch's flight recorder
+// registers them), fired when an op succeeds. Holds nothing on a torch
+// without them.
+class CompletionHooks {
+ public:
+#if RUSTC10D_TORCH_HAS_COMPLETION_HOOKS
+  void add(int64_t id, c10d::CompletionHook hook) { table_.add(id, std::move(hook)); }
+  void remove(int64_t id) { table_.remove(id); }
+  void fire(uint64_t key, float duration_ms) {
+    table_.each([&](auto& hook) { hook(c10d::CompletionHookArgs{key, duration_ms}); });
+  }
+
+ private:
+  HookTable<c10d::CompletionHook> table_;
 #else
   void fire(uint64_t, float) {}
 #endif
@@ -92,21 +108,12 @@ class CompletionHooks {
 class AbortHooks {
  public:
 #if RUSTC10D_TORCH_HAS_ABORT_HOOKS
-  void add(int64_t id, c10d::AbortHook hook) {
-    std::lock_guard<std::mutex> lock(mu_);
-    hooks_[id] = std::move(hook);
-  }
-  void remove(int64_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    hooks_.erase(id);
-  }
-  // Outside the lock: a hook may take the GIL, or unregister itself.
+  void add(int64_t id, c10d::AbortHook hook) { table_.add(id, std::move(hook)); }
+  void remove(int64_t id) { table_.remove(id); }
+  // Run outside the table's lock: a hook may take the GIL, or unregister itself.
   void fire() {
     std::vector<c10d::AbortHook> hooks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& [id, hook] : hooks_) hooks.push_back(hook);
-    }
+    table_.each([&](auto& hook) { hooks.push_back(hook); });
     for (auto& hook : hooks) {
       try {
         hook();
@@ -117,8 +124,7 @@ class AbortHooks {
   }
 
  private:
-  std::mutex mu_;
-  std::map<int64_t, c10d::AbortHook> hooks_;
+  HookTable<c10d::AbortHook> table_;
 #else
   void fire() {}
 #endif

@@ -195,7 +195,8 @@ def abort_hooks(store, rank, world):
     registered and taken back. Every rank's receive times out (no sender): the hooks run, the
     group stays usable and getError says so; then the last rank dies mid-all_reduce: the
     others' all_reduce raises, the hooks run again and getError says a peer broke the group;
-    then the group is aborted: the hooks run once more."""
+    then the group is aborted: the hooks run once more. Meanwhile torch's flight recorder
+    recorded each op, completed with its duration where it succeeded."""
     init(store, rank, world, seconds=2)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     calls = []
@@ -211,11 +212,15 @@ def abort_hooks(store, rank, world):
     out["p2p"] = timed_failure(lambda: dist.recv(torch.zeros(3), src=(rank + 1) % world, tag=9))
     out["after_p2p"], out["calls_p2p"] = backend.get_error().name, list(calls)
     dist.barrier()
+    dist.all_reduce(torch.ones(10))
     if rank == world - 1:
         time.sleep(0.3)  # let the others block in the all_reduce
         os.kill(os.getpid(), signal.SIGKILL)
     out["collective"] = timed_failure(lambda: dist.all_reduce(torch.ones(10)))
     out["after_collective"], out["calls_collective"] = backend.get_error().name, list(calls)
+    # torch's flight recorder (2.15: any backend, through the completion hooks): what it holds.
+    trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False, backend="rustc10d"))
+    out["flight_recorder"] = [[e["profiling_name"], e["state"], e.get("duration_ms")] for e in trace.get("entries", [])]
     dist.distributed_c10d._abort_process_group()
     out["calls_abort"] = list(calls)
     report(**out)

@@ -275,3 +275,10 @@ def test_abort_hooks_run_where_an_op_fails_for_good_and_get_error_says_what_brok
         assert len(r["calls_abort"]) > len(r["calls_collective"]) and set(r["calls_abort"]) == {1}, r
         stderr = procs[rank].stderr
         assert "an abort hook raised" in stderr and "a hook that fails" in stderr, stderr[-2000:]
+        # The flight recorder (completion hooks): the barrier and the first all_reduce completed,
+        # with their durations; the receive that timed out and the all_reduce that failed never did.
+        fr = [(name, state) for name, state, _ in r["flight_recorder"]]
+        assert [name for name, _ in fr] == [f"rustc10d:recv {rank}<-{rank + 1}", "rustc10d:barrier",
+                                            "rustc10d:all_reduce", "rustc10d:all_reduce"], fr
+        assert [state == "completed" for _, state in fr] == [False, True, True, False], fr
+        assert all(ms is not None and ms >= 0 for _, state, ms in r["flight_recorder"] if state == "completed"), r
