@@ -26,6 +26,13 @@ int64_t to_ms(milliseconds t) {
   std::rethrow_exception(error_of(kind, msg));
 }
 
+// The group split, shrink or reconfigure formed; or its error, raised as the
+// exception of its kind.
+rust::Box<Group> formed(rust::Box<Formed> f) {
+  if (f->failed()) raise(f->error_kind(), std::string(f->error_message()));
+  return formed_group(std::move(f));
+}
+
 // f(), with the GIL let go where this thread holds it: what waits for other
 // processes (a rendezvous, an op) lets Python threads run, and engine threads
 // may need the GIL to finish futures while a group shuts down.
@@ -421,16 +428,12 @@ class RustBackend final : public compat::Backend<RustBackend> {
     if (shrink_flags & 1) stop();
     const int64_t timeout = opts_override ? to_ms(opts_override->timeout) : membership_->timeout_ms();
     rust::Slice<const int64_t> excluded(ranks_to_exclude.data(), ranks_to_exclude.size());
-    try {
-      auto join = [&] { return group().shrink(excluded, timeout); };
-      auto make = [](rust::Box<Group> child) {
-        const int rank = child->rank(), size = child->size();
-        return c10::make_intrusive<RustBackend>(std::move(child), rank, size);
-      };
-      return without_gil([&] { return make(join()); });
-    } catch (const rust::Error& e) {
-      raise(ErrorKind::Io, e.what());
-    }
+    auto join = [&] { return group().shrink(excluded, timeout); };
+    auto make = [](rust::Box<Group> child) {
+      const int rank = child->rank(), size = child->size();
+      return c10::make_intrusive<RustBackend>(std::move(child), rank, size);
+    };
+    return without_gil([&] { return make(formed(join())); });
   }
 
   // A child of the parent ranks `ranks` (in their order), with this group's
@@ -449,12 +452,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
     if (auto last = last_split_.lock(); last && !name.empty() && last_split_name_ == name) return last;
     rust::Slice<const int32_t> members(ranks.data(), ranks.size());
     auto join = [&] { return group().split(store_ref_of(store), members, rank, size, timeout, name); };
-    c10::intrusive_ptr<c10d::Backend> child;
-    try {
-      child = without_gil([&] { return c10::make_intrusive<RustBackend>(join(), rank, size); });
-    } catch (const rust::Error& e) {
-      raise(ErrorKind::Io, e.what());
-    }
+    c10::intrusive_ptr<c10d::Backend> child =
+        without_gil([&] { return c10::make_intrusive<RustBackend>(formed(join()), rank, size); });
     last_split_name_ = name;
     last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(child);
     return child;
@@ -487,14 +486,9 @@ class RustBackend final : public compat::Backend<RustBackend> {
     auto form = [&] {
       return membership_->reconfigure(getRank(), uuid, std::move(given), ordered, timeout_ms, getGroupUid());
     };
-    std::optional<rust::Box<Group>> formed;
-    try {
-      formed.emplace(without_gil(form));
-    } catch (const rust::Error& e) {
-      raise(ErrorKind::Io, e.what());
-    }
+    rust::Box<Group> group = formed(without_gil(form));
     stop();
-    group_ = std::move(formed);
+    group_ = std::move(group);
     return {(*group_)->rank(), (*group_)->size()};
   }
 

@@ -5,7 +5,7 @@ use super::bridge::{self, Call, OpKind, WaitOutcome};
 use super::translate::{
     all_reduce_of, buf, collectives, finish_with, first, op_kind, rank, shared, timeout, Fence, ShimDevice,
 };
-use super::{Group, GroupStore, Op};
+use super::{Formed, Group, GroupStore, Op};
 use crate::config::CudaWait;
 use crate::cuda::{DeviceGate, Stream};
 use crate::engine::{Device, GatedOp, HostHeld, HostStream, OpHandle, StagedBuffer, Staging, StreamGates, Waited};
@@ -347,7 +347,7 @@ impl Group {
         size: i32,
         timeout_ms: i64,
         group_name: &str,
-    ) -> Result<Box<Group>> {
+    ) -> Box<Formed> {
         let formed = || -> Result<Box<Group>> {
             let store = GroupStore::new(store)?;
             let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
@@ -364,7 +364,7 @@ impl Group {
             crate::python::watch(group_name, &child);
             Ok(Box::new(child))
         };
-        panics::contain(format_args!("split_group on rank {}", self.rank()), formed).and_then(|r| r)
+        Box::new(Formed(panics::contain(format_args!("split_group on rank {}", self.rank()), formed).and_then(|r| r)))
     }
 
     /// The survivors' group: this group's ranks but `excluded`, in their
@@ -376,9 +376,9 @@ impl Group {
     /// own. Who is gone is the caller's word, as torch's shrink_group has
     /// it; survivors that disagree make groups of different sizes, which
     /// fail at their first op or rendezvous, at the timeout.
-    pub(crate) fn shrink(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {
+    pub(crate) fn shrink(&self, excluded: &[i64], timeout_ms: i64) -> Box<Formed> {
         let shrink = || self.shrink_to_survivors(excluded, timeout_ms);
-        panics::contain(format_args!("shrink_group on rank {}", self.rank()), shrink).and_then(|r| r)
+        Box::new(Formed(panics::contain(format_args!("shrink_group on rank {}", self.rank()), shrink).and_then(|r| r)))
     }
 
     fn shrink_to_survivors(&self, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>> {

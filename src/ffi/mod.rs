@@ -172,6 +172,14 @@ pub mod bridge {
     extern "Rust" {
         type Group;
         type Op;
+        type Formed;
+
+        /// Whether forming the group failed, and then of what kind and why.
+        fn failed(self: &Formed) -> bool;
+        fn error_kind(self: &Formed) -> ErrorKind;
+        fn error_message(self: &Formed) -> String;
+        /// The group formed (an error only where `failed`, which the shim asks first).
+        fn formed_group(formed: Box<Formed>) -> Result<Box<Group>>;
 
         /// Hand a call to the engine. An op refused at once (bad input) comes
         /// back failed, with `failed_at_issue`.
@@ -216,11 +224,11 @@ pub mod bridge {
             size: i32,
             timeout_ms: i64,
             group_name: &str,
-        ) -> Result<Box<Group>>;
+        ) -> Box<Formed>;
         /// A new group of this group's ranks but `excluded` (group ranks),
         /// in their order, joined through this group's Store (torch's
         /// shrink_group: only the survivors call it).
-        fn shrink(self: &Group, excluded: &[i64], timeout_ms: i64) -> Result<Box<Group>>;
+        fn shrink(self: &Group, excluded: &[i64], timeout_ms: i64) -> Box<Formed>;
         /// torch named the group (ProcessGroup::setGroupName): Python asks about it by that name.
         fn watch_as(self: &Group, group_name: &str);
         fn membership(self: &Group) -> Box<Membership>;
@@ -242,7 +250,7 @@ pub mod bridge {
             ordered: bool,
             timeout_ms: i64,
             group_name: &str,
-        ) -> Result<Box<Group>>;
+        ) -> Box<Formed>;
 
         /// Whether the CUDA stream with native handle `stream` is being
         /// captured into a graph, asked of the driver (for a torch whose
@@ -440,6 +448,31 @@ pub struct Group {
     gates: std::sync::Mutex<std::collections::HashMap<i32, group::DeviceGates>>,
     /// The fences of the ops issued in the open coalescing batch.
     batch: std::sync::Mutex<Vec<Arc<translate::Fence>>>,
+}
+
+/// A group that split, shrink or reconfigure formed, or the error it failed
+/// with: cxx's `Result` would keep only its message, and the shim raises
+/// the exception of its kind, as for every op.
+pub struct Formed(Result<Box<Group>>);
+
+impl Formed {
+    fn failed(&self) -> bool {
+        self.0.is_err()
+    }
+
+    fn error_kind(&self) -> bridge::ErrorKind {
+        self.0.as_ref().err().map_or(bridge::ErrorKind::Io, |e| e.kind.into())
+    }
+
+    fn error_message(&self) -> String {
+        self.0.as_ref().err().map(|e| e.message.clone()).unwrap_or_default()
+    }
+}
+
+// Boxed: the shim holds a Formed only as cxx's rust::Box.
+#[allow(clippy::boxed_local)]
+fn formed_group(formed: Box<Formed>) -> Result<Box<Group>> {
+    formed.0
 }
 
 pub struct Op {

@@ -2,7 +2,7 @@
 //! `get_reconfigure_handle` and `reconfigure`), and the forming itself.
 
 use super::group::member;
-use super::{Group, GroupStore};
+use super::{Formed, Group, GroupStore};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::membership::{place, Handle};
@@ -91,7 +91,7 @@ impl Membership {
         ordered: bool,
         timeout_ms: i64,
         group_name: &str,
-    ) -> Result<Box<Group>> {
+    ) -> Box<Formed> {
         let formed = || -> Result<Box<Group>> {
             let place = place(&self.handle(rank), &handles, ordered)?;
             let join_ms = if timeout_ms < 0 { self.timeout_ms() } else { timeout_ms };
@@ -113,7 +113,8 @@ impl Membership {
             self.uuid.store(uuid, Ordering::SeqCst);
             Ok(Box::new(group))
         };
-        crate::panics::contain(format_args!("reconfigure {uuid} on rank {rank}"), formed).and_then(|r| r)
+        let formed = crate::panics::contain(format_args!("reconfigure {uuid} on rank {rank}"), formed).and_then(|r| r);
+        Box::new(Formed(formed))
     }
 }
 
