@@ -178,9 +178,10 @@ def recv_times_out(store, rank, world):
 
 
 def error_type() -> str | None:
-    """What the default group's backend says broke it (torch's getError), where torch asks."""
+    """What the default group's backend says broke it (torch's getError), where torch's Python
+    asks (2.11 binds get_error only on its own wrapper and NCCL backends)."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    return backend.get_error().name if rustc10d.TORCH_FEATURES.get("get_error") else None
+    return backend.get_error().name if hasattr(backend, "get_error") else None
 
 
 def stall_times_out(store, rank, world):
