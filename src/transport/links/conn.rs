@@ -130,9 +130,10 @@ impl Conn {
         Conn::Tcp(TcpConn { stream, sealed })
     }
 
-    /// Whether its frames are sealed.
-    pub fn is_sealed(&self) -> bool {
-        matches!(self, Conn::Tcp(TcpConn { sealed: Some(_), .. }))
+    /// Whether a sealed record waits for the socket, its bytes not yet
+    /// counted written (see `write`).
+    pub fn holds_record(&self) -> bool {
+        matches!(self, Conn::Tcp(TcpConn { sealed: Some(s), .. }) if s.sealer.lock().unwrap().holds_record())
     }
 
     pub fn is_shm(&self) -> bool {
@@ -411,6 +412,56 @@ fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
 pub mod tests {
     use super::*;
     use crate::transport::fdpass::eventfd;
+
+    /// Two ends of a sealed TCP connection, non-blocking.
+    fn sealed_pair() -> (Conn, Conn) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let b = listener.accept().unwrap().0;
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        let keys = |send: u8, open: u8| Some(SealKeys { send: [send; 32], open: [open; 32] });
+        (Conn::tcp(a, keys(1, 2)), Conn::tcp(b, keys(2, 1)))
+    }
+
+    /// Bytes written to a sealed connection count only once their record is
+    /// in the socket whole: until then `write` says WouldBlock and the
+    /// connection holds the record (a writer is mid-frame), and the same bytes
+    /// offered again complete it. The reader gets every byte, in order.
+    #[test]
+    fn a_sealed_record_counts_as_written_only_once_sent_whole() {
+        let (a, b) = sealed_pair();
+        let data: Vec<u8> = (0..16u32 << 20).map(|i| (i % 251) as u8).collect();
+        let (mut written, mut held) = (0, false);
+        while written < data.len() {
+            match a.write(&[IoSlice::new(&data[written..])]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    held |= a.holds_record();
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(held && written < data.len(), "the socket filled up within a record: {written} written");
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 1 << 16];
+        while got.len() < data.len() {
+            match b.read(&mut buf) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+            if written < data.len() {
+                match a.write(&[IoSlice::new(&data[written..])]) {
+                    Ok(n) => written += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => assert!(a.holds_record()),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        assert!(got == data && !a.holds_record());
+    }
 
     fn pair() -> (Conn, Conn) {
         pair_direct_from(0)

@@ -406,13 +406,13 @@ impl Link {
         let deadline = Instant::now() + grace;
         let mut outbox = self.outbox.lock().unwrap();
         let mut done = Vec::new();
-        while outbox.mid_frame() && Instant::now() < deadline {
+        while outbox.mid_frame(&self.conn) && Instant::now() < deadline {
             if let Flushed::Failed(_) = outbox.flush(&self.conn, &mut done) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        if outbox.mid_frame() {
+        if outbox.mid_frame(&self.conn) {
             return;
         }
         let header = FrameHeader { key: Key::abort(), len: why.len() as u64, remote: false }.encode();

@@ -94,9 +94,12 @@ impl Outbox {
         self.queue.push_back(req);
     }
 
-    /// Whether a frame is half written (nothing else may be written on the connection meanwhile).
-    pub fn mid_frame(&self) -> bool {
-        self.written > 0
+    /// Whether a frame is half written on `conn` (nothing else may be written
+    /// on it meanwhile): some of it went, or a sealed record of its first
+    /// bytes waits for the socket (`Conn::write` counts those bytes written
+    /// only once their record is sent whole).
+    pub fn mid_frame(&self, conn: &Conn) -> bool {
+        self.written > 0 || conn.holds_record()
     }
 
     /// Write what `conn` takes; the sends written in full go to `finished`
