@@ -138,15 +138,7 @@ struct WorkState {
   std::vector<at::Tensor> outputs;
   std::shared_ptr<OpTiming> timing;
   std::shared_ptr<DeviceSync> cuda;
-  // The backend's, run where the op fails for good (set by RustBackend::work).
-  std::shared_ptr<compat::AbortHooks> abort_hooks;
 };
-
-// Whether an op that failed with `kind` failed for good (the group or a peer
-// is in trouble), not for its caller's input: then the abort hooks run.
-bool fails_for_good(ErrorKind kind) {
-  return kind != ErrorKind::InvalidArgument && kind != ErrorKind::Unsupported;
-}
 
 // The engine's op, as torch sees it.
 class RustWork final : public compat::Work {
@@ -157,8 +149,7 @@ class RustWork final : public compat::Work {
         future_(std::move(s.future)),
         outputs_(std::move(s.outputs)),
         timing_(std::move(s.timing)),
-        cuda_(std::move(s.cuda)),
-        abort_hooks_(std::move(s.abort_hooks)) {}
+        cuda_(std::move(s.cuda)) {}
 
   float getDuration() const override {
     float ms = timing_->duration_ms;
@@ -196,7 +187,7 @@ class RustWork final : public compat::Work {
   bool wait(milliseconds timeout = kNoTimeout) override {
     if (cuda_ && cuda_->stream_ordered()) {
       cuda_->order_after(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
-      if (op_->is_done() && !op_->error_message().empty()) fail();
+      if (op_->is_done() && !op_->error_message().empty()) raise(op_->error_kind(), std::string(op_->error_message()));
       return true;
     }
     return host_wait(timeout);
@@ -219,17 +210,11 @@ class RustWork final : public compat::Work {
         if (cuda_) cuda_->done.block(c10::impl::getDeviceGuardImpl(cuda_->device.type())->getStream(cuda_->device));
         return true;
       case WaitOutcome::Failed:
-        fail();
+        raise(op_->error_kind(), std::string(op_->error_message()));
       default:
         raise(ErrorKind::Timeout, c10::str("rustc10d: Timed out after ", ms, " ms in Work.wait; the ",
                                            c10d::opTypeToString(opType_), " op is still running"));
     }
-  }
-
-  // Raise the op's error, the abort hooks run first where it failed for good.
-  [[noreturn]] void fail() {
-    if (abort_hooks_ && fails_for_good(op_->error_kind())) abort_hooks_->fire();
-    raise(op_->error_kind(), std::string(op_->error_message()));
   }
 
   rust::Box<Op> op_;
@@ -237,7 +222,6 @@ class RustWork final : public compat::Work {
   std::vector<at::Tensor> outputs_;
   std::shared_ptr<OpTiming> timing_;
   std::shared_ptr<DeviceSync> cuda_;
-  std::shared_ptr<compat::AbortHooks> abort_hooks_;
 };
 
 // One op's translation: its tensors become descriptors of host memory (CPU
@@ -294,7 +278,7 @@ class OpBuilder {
                       : c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     d.hooks = std::move(hooks);
     d.key = key;
-    WorkState state{key, d.future, d.outputs, d.timing, d.cuda, nullptr};
+    WorkState state{key, d.future, d.outputs, d.timing, d.cuda};
     return {std::move(done_), std::move(state)};
   }
 
@@ -382,6 +366,10 @@ class RustBackend final : public compat::Backend<RustBackend> {
 
   // destroy_process_group() and abort: fail what is pending, close sockets, join threads.
   void shutdown() override { stop(); }
+  // The abort hooks run first: torch 2.15's flight recorder registers one
+  // that writes its trace to disk (about 2 s here), which is why they run
+  // when the group is aborted and not where each op fails, whose error
+  // would wait for it.
   void abort() override {
     abort_hooks_->fire();
     stop();
@@ -765,7 +753,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     // Where the group is idle, the op runs here and now, with no Op to make and wait for.
     auto here = group().all_reduce_here(desc_of(t), code);
     if (here.ran) {
-      if (here.failed) fail(here.kind, std::string(here.message));
+      if (here.failed) raise(here.kind, std::string(here.message));
       return;
     }
     Call call{};
@@ -777,7 +765,7 @@ class RustBackend final : public compat::Backend<RustBackend> {
     call.outputs = rvec({desc_of(t)});
     auto done = group().run_now(call);
     if (done->failed_at_issue() || done->wait(-1) != WaitOutcome::Done) {
-      fail(done->error_kind(), std::string(done->error_message()));
+      raise(done->error_kind(), std::string(done->error_message()));
     }
   }
 
@@ -843,15 +831,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
   }
 
   c10::intrusive_ptr<c10d::Work> work(OpType type, rust::Box<Op> op, WorkState state) {
-    if (op->failed_at_issue()) fail(op->error_kind(), std::string(op->error_message()));
-    state.abort_hooks = abort_hooks_;
+    if (op->failed_at_issue()) raise(op->error_kind(), std::string(op->error_message()));
     return c10::make_intrusive<RustWork>(getRank(), type, std::move(op), std::move(state));
-  }
-
-  // Raise an op's error, the abort hooks run first where it failed for good.
-  [[noreturn]] void fail(ErrorKind kind, const std::string& message) {
-    if (fails_for_good(kind)) abort_hooks_->fire();
-    raise(kind, message);
   }
 
 

@@ -101,10 +101,9 @@ class CompletionHooks {
 };
 
 // The abort hooks registered with one backend (torch 2.14 on: debug information
-// captured before an abort), run where an op fails for good (a timeout, a
-// lost or failed peer, a broken group) and when the group is aborted: as
-// torch allows, one failure may run them more than once. A hook that throws
-// is reported and the others still run. Holds nothing on a torch without them.
+// captured before an abort), run when the group is aborted. A hook that
+// throws is reported and the others still run. Holds nothing on a torch
+// without them.
 class AbortHooks {
  public:
 #if RUSTC10D_TORCH_HAS_ABORT_HOOKS

@@ -193,10 +193,10 @@ def stall_times_out(store, rank, world):
 
 def abort_hooks(store, rank, world):
     """torch 2.15's abort hooks and getError: two hooks registered (one raises), one
-    registered and taken back. Every rank's receive times out (no sender): the hooks run, the
-    group stays usable and getError says so; then the last rank dies mid-all_reduce: the
-    others' all_reduce raises, the hooks run again and getError says a peer broke the group;
-    then the group is aborted: the hooks run once more. Meanwhile torch's flight recorder
+    registered and taken back. Every rank's receive times out (no sender): the group stays
+    usable and getError says so; then the last rank dies mid-all_reduce: the others'
+    all_reduce raises and getError says a peer broke the group; the hooks have not run (they
+    run at an abort); then the group is aborted: they run. Meanwhile torch's flight recorder
     recorded each op, completed with its duration where it succeeded."""
     init(store, rank, world, seconds=2)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
