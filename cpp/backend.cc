@@ -835,8 +835,6 @@ class RustBackend final : public compat::Backend<RustBackend> {
     return c10::make_intrusive<RustWork>(getRank(), type, std::move(op), std::move(state));
   }
 
-
-
   void stop() {
     stopped_.store(true);
     if (group_) without_gil([&] { (*group_)->shutdown(); });

@@ -579,9 +579,6 @@ mod tests {
         assert_eq!(acc, [6; 8]);
     }
 
-    /// A job that makes and destroys a group every step closes one group
-    /// per peer per step: the mailbox remembers the last CLOSED_KEPT, whose
-    /// late messages it still drops.
     /// Early bytes count from a reader's admission until a receive takes
     /// them or their group closes, and never go past the cap.
     #[test]
@@ -611,6 +608,9 @@ mod tests {
         assert!(mb.admit_early(100));
     }
 
+    /// A job that makes and destroys a group every step closes one group
+    /// per peer per step: the mailbox remembers the last CLOSED_KEPT, whose
+    /// late messages it still drops.
     #[test]
     fn closed_groups_are_remembered_up_to_a_bound() {
         let mut mb = Mailbox::default();

@@ -217,7 +217,7 @@ impl Conn {
     /// Read what is there: WouldBlock when nothing is, Ok(0) at the end.
     pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Conn::Tcp(TcpConn { stream, sealed: None }) => recv(stream, buf),
+            Conn::Tcp(TcpConn { stream, sealed: None }) => recv(stream, buf, 0),
             Conn::Tcp(TcpConn { stream, sealed: Some(sealed) }) => {
                 let mut opener = sealed.opener.lock().unwrap();
                 loop {
@@ -225,7 +225,7 @@ impl Conn {
                     if n > 0 || buf.is_empty() {
                         return Ok(n);
                     }
-                    match recv(stream, opener.room())? {
+                    match recv(stream, opener.room(), 0)? {
                         0 if opener.mid_record() => {
                             return Err(io::Error::new(
                                 io::ErrorKind::UnexpectedEof,
@@ -284,13 +284,10 @@ impl Conn {
         if sealed.as_ref().is_some_and(|s| s.opener.lock().unwrap().mid_record()) {
             return false;
         }
-        let mut byte = [0u8; 1];
-        // SAFETY: recv writes at most one byte into `byte`, a live local; MSG_PEEK leaves it queued.
-        let n =
-            unsafe { libc::recv(stream.as_raw_fd(), byte.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
-        n == 0
-            || (n < 0
-                && !matches!(io::Error::last_os_error().kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted))
+        match recv(stream, &mut [0u8; 1], libc::MSG_PEEK) {
+            Ok(n) => n == 0,
+            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+        }
     }
 
     /// The reader is about to wait for the reactor: false if there is
@@ -373,12 +370,12 @@ pub fn read_process(pid: libc::pid_t, addr: u64, buf: &mut [u8]) -> io::Result<(
     Ok(())
 }
 
-/// Read what a socket has, without blocking.
-fn recv(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+/// Read what a socket has, without blocking (`flags` besides: MSG_PEEK leaves it there).
+fn recv(stream: &TcpStream, buf: &mut [u8], flags: libc::c_int) -> io::Result<usize> {
     // SAFETY: recv writes at most buf.len() bytes into `buf`, which is borrowed
     // mutably for the call; the socket is open (borrowed).
     retry_interrupted(|| unsafe {
-        libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+        libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | flags)
     })
 }
 
