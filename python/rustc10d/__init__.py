@@ -48,7 +48,8 @@ TORCH_FEATURES: dict[str, bool]
 
 __version__: str = _native.__version__
 BACKEND_NAME = "rustc10d"
-__all__ = ["BACKEND_NAME", "Options", "all_reduce_", "all_reducer", "connections", "links", "register", "stats"]
+__all__ = ["BACKEND_NAME", "Options", "all_reduce_", "all_reducer", "connections", "links", "reconfigurable_group",
+           "register", "stats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +152,44 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
     unformed = bool(getattr(opts, "enable_reconfigure", False))
     return _native.create_backend(opts.store, opts.group_rank, opts.group_size, timeout, opts.group_id or "", given,
                                   share, members, unformed)
+
+
+_reconfigurable_groups = 0
+
+
+def reconfigurable_group(store: dist.Store, timeout: timedelta = timedelta(seconds=60),
+                         options: Options | None = None) -> dist.ProcessGroup:
+    """A rustc10d process group outside torch's group registry that has no members until its
+    first ``reconfigure``: the native group that torchft's ``Manager(pg=...)`` takes across
+    replica groups (torch 2.14 on), as ``dist.ProcessGroupGloo(..., enable_reconfigure=True)``
+    is for Gloo::
+
+        store = dist.PrefixStore(f"rustc10d/{group_rank}", dist.TCPStore(host, port, is_master=False))
+        manager = torchft.Manager(pg=rustc10d.reconfigurable_group(store), ...)
+
+    Each ``reconfigure`` (the Manager's, at every new quorum) meets through ``store``, so every
+    process that may ever join this group, a replacement started later included, must be given
+    a Store that reaches the same server under the same prefix: one the job's launcher hosts,
+    not one of a replica group's own (the replica ranks that share a group rank share one
+    prefix). The group serves CPU and CUDA tensors; ``timeout`` bounds every op and each
+    reconfigure's rendezvous unless the reconfigure gives its own; ``options`` as for
+    ``init_process_group``."""
+    global _reconfigurable_groups
+    if not hasattr(dist.ProcessGroup, "reconfigure"):
+        raise RuntimeError(f"rustc10d.reconfigurable_group: torch {torch.__version__} has no process group "
+                           "reconfigure (torch 2.14 on)")
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"rustc10d.reconfigurable_group: options must be rustc10d.Options, got {type(options).__name__}")
+    given = options._given() if options is not None else {}
+    backend = _native.create_backend(store, 0, 1, _millis(timeout), "", given, "", [], True)
+    pg = dist.ProcessGroup(store, 0, 1)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    for device in ("cpu", "cuda"):
+        pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
+    # A name of its own, so that each re-formed group is told apart in logs and rustc10d.stats.
+    _reconfigurable_groups += 1
+    pg._set_group_name(f"rustc10d_reconfigurable_{_reconfigurable_groups}")
+    return pg
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
