@@ -5,6 +5,10 @@
 # expecttest: torch's own test modules import it, tests/torch_suite/run.py runs them).
 REQUIREMENTS=("setuptools>=70.1" "setuptools-rust>=1.12" wheel pytest pytest-timeout numpy expecttest)
 
+# torchft, for tests/test_torchft.py on a torch with the native reconfigure API (2.14 on): the
+# nightly the tests were written against (its own tests, which they run, change between nightlies).
+TORCHFT_REQUIREMENTS=("torchft-nightly==2026.10.26" parameterized)
+
 # Where CI and torch_matrix.sh keep one environment per (torch, Python), reused between runs.
 ENVS=${RUSTC10D_ENVS:-$HOME/.cache/rustc10d/envs}
 

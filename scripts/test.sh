@@ -21,6 +21,11 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
     apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null || echo "iproute2 unavailable: two-host tests will skip"
 fi
 ensure_env "$VENV" "$TORCH_VERSION" "${PYTHON_VERSION:-}"
+# torchft where the torch can reconfigure a group; its tests then fail rather than skip without it.
+if "$VENV/bin/python" -c "import sys, torch.distributed as d; sys.exit(not hasattr(d.ProcessGroup, 'reconfigure'))"; then
+    PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip install -q "${TORCHFT_REQUIREMENTS[@]}"
+    export RUSTC10D_REQUIRE_TORCHFT=1
+fi
 build_rustc10d "$VENV"
 
 if [ "${SKIP_CARGO:-0}" != 1 ]; then

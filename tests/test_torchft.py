@@ -1,0 +1,59 @@
+"""torchft, Meta's fault-tolerant training library, on rustc10d: examples/torchft_train.py (replica
+groups as processes, a real Lighthouse, DDP through the Manager, a replica SIGKILLed and started
+again, weights checked equal), and torchft's own tests of native process groups
+(tests/torchft/run_torchft_tests.py). torchft needs torch 2.14 on (the native reconfigure API);
+scripts/test.sh installs the pinned torchft-nightly there and sets RUSTC10D_REQUIRE_TORCHFT=1,
+so that a missing torchft fails instead of skipping."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import checks
+import harness
+
+
+@pytest.fixture
+def torchft():
+    if checks.BACKEND != "rustc10d":
+        pytest.skip("rustc10d's reconfigurable group")
+    if not hasattr(dist.ProcessGroup, "reconfigure"):
+        pytest.skip("torch before 2.14 has no process group reconfigure, which torchft's native groups need")
+    if importlib.util.find_spec("torchft") is None:
+        if os.environ.get("RUSTC10D_REQUIRE_TORCHFT") == "1":
+            pytest.fail("torchft is not installed: scripts/test.sh installs torchft-nightly (scripts/lib.sh pins it)")
+        pytest.skip("torchft is not installed (pip install torchft-nightly)")
+
+
+@pytest.mark.timeout(200)
+def test_torchft_training_survives_a_killed_replica(tmp_path, torchft):
+    """3 replicas train DDP through torchft's Manager on rustc10d.reconfigurable_group; replica 2
+    is SIGKILLed at step 20 and started again: the survivors' all_reduce fails or the Lighthouse
+    drops it, they train on as two, the new process heals from a survivor and joins, and all
+    three end on the same step with equal weights."""
+    cmd = [sys.executable, str(harness.REPO / "examples" / "torchft_train.py"), "--out", str(tmp_path / "run"),
+           "--deadline", "150", "--bench-mib", "1"]
+    [proc] = harness.run_processes({"launcher": cmd}, timeout=170, log_dir=tmp_path)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    lines = proc.stdout.splitlines()
+    assert "OK" in lines, proc.stdout
+    assert "step 20: replica 2 killed (SIGKILL), started again" in lines, proc.stdout
+    for r in (0, 1):
+        survivor = next(line for line in lines if line.startswith(f"replica {r} after the kill:"))
+        assert "trained on (committed) at" in survivor and "never" not in survivor, proc.stdout
+    restarted = next(line for line in lines if line.startswith("replica 2 restarted:"))
+    assert "never" not in restarted, proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_torchfts_own_native_group_tests_pass_on_rustc10d(tmp_path, torchft):
+    """torchft's reconfigure_test._resize_worker (resize, abort, recover) and manager_integ_test's
+    native test_ddp_recovery (sync and async quorum), on rustc10d."""
+    cmd = [sys.executable, str(harness.REPO / "tests" / "torchft" / "run_torchft_tests.py")]
+    [proc] = harness.run_processes({"torchft_tests": cmd}, timeout=170, log_dir=tmp_path)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert "OK" in proc.stdout.splitlines(), proc.stdout
+    assert "reconfigure_test._resize_worker on rustc10d: passed" in proc.stdout, proc.stdout
