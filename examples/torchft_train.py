@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import statistics
@@ -71,6 +72,27 @@ def native_group(backend: str, store_port: int, timeout: timedelta, replica: int
     return ProcessGroupGloo(timeout=timeout)
 
 
+class ReconfigureTimes(logging.Handler):
+    """How long each of the Manager's group reconfigures took (the backend's part of a recovery),
+    from the Manager's own log lines before and after it: [(wall clock at its end, seconds)]."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.times: list[tuple[float, float]] = []
+        self.began: float | None = None
+        logger = logging.getLogger("torchft.manager")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "reconfiguring for quorum_id" in message:
+            self.began = record.created
+        elif "resetting fr recording" in message and self.began is not None:
+            self.times.append((record.created, record.created - self.began))
+            self.began = None
+
+
 def replica(args: argparse.Namespace) -> int:
     from torchft import Manager
     from torchft.ddp import DistributedDataParallel
@@ -78,6 +100,7 @@ def replica(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     timeout = timedelta(seconds=args.timeout)
+    reconfigures = ReconfigureTimes()
     pg = native_group(args.backend, args.store_port, timeout, args.replica, args.replicas)
     model = make_model(args.grad_mib)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -107,7 +130,16 @@ def replica(args: argparse.Namespace) -> int:
         launcher.add("started", 1)
         while int(launcher.add("started", 0)) < args.replicas:
             time.sleep(0.01)
-    ddp = DistributedDataParallel(manager, model)
+    all_reduced = []  # wall clock at the end of each gradient bucket's all_reduce
+
+    class TimedDDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):  # torchft's: Manager.allreduce of the bucket, waited for
+            future = DistributedDataParallel._comm_hook(state, bucket)
+            all_reduced.append(time.time())
+            return future
+
+    ddp = TimedDDP(manager, model)
     opt = OptimizerWrapper(manager, optimizer)
     steps = []  # (step, seconds, participants) of each step this process took
     g = torch.Generator().manual_seed(args.replica)
@@ -127,7 +159,8 @@ def replica(args: argparse.Namespace) -> int:
             break
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"final_{args.replica}.pt")
     bench = {mib: bench_allreduce(manager, mib) for mib in args.bench_mib}
-    (out / f"steps_{args.replica}.json").write_text(json.dumps({"steps": steps, "bench": bench}))
+    result = {"steps": steps, "bench": bench, "reconfigures": reconfigures.times, "all_reduced": all_reduced}
+    (out / f"steps_{args.replica}.json").write_text(json.dumps(result))
     manager.shutdown(wait=False)
     if hasattr(pg, "shutdown"):
         pg.shutdown()
@@ -156,6 +189,8 @@ def launch(args: argparse.Namespace) -> int:
 
     out = Path(args.out or f"/tmp/torchft_train_{os.getpid()}")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("progress_*"), *out.glob("final_*.pt"), *out.glob("steps_*.json"), *out.glob("replica_*.log")]:
+        stale.unlink()  # an earlier run's, in a folder given again
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.replicas - 1, join_timeout_ms=2000, quorum_tick_ms=10,
                                   heartbeat_timeout_ms=1000)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -238,7 +273,11 @@ def report(args: argparse.Namespace, out: Path, killed: int | None, killed_wall:
             # leaves it to the Lighthouse to drop the replica from the next quorum.
             failed = next((end for ok, end in after if not ok), None)
             again = next((end for ok, end in after if ok and (failed is None or end > failed)), None)
+            reconfigured = next(((end, t) for end, t in result["reconfigures"] if end > killed_wall), None)
+            first = reconfigured and next((end for end in result["all_reduced"] if end > reconfigured[0]), None)
             say(f"replica {r} after the kill: " + (f"its step failed at {since(failed)}, " if failed else "")
+                + (f"the group reconfigured in {reconfigured[1] * 1e3:.1f} ms, " if reconfigured else "")
+                + (f"its first all_reduce done {(first - reconfigured[0]) * 1e3:.1f} ms later, " if first else "")
                 + f"trained on (committed) at {since(again) if again else 'never'}")
         back = next((end for _, _, n, ok, end in results[-1]["steps"] if ok), None)
         say(f"replica {args.replicas - 1} restarted: its first committed step at {since(back) if back else 'never'}")
