@@ -3,26 +3,35 @@ Lighthouse, DDP through torchft's Manager on a native rustc10d group, one replic
 started again.
 
     pip install torchft-nightly    # torch 2.14 on (the native reconfigure API)
-    python examples/torchft_train.py [--replicas 3] [--steps 30] [--grad-mib 8] [--kill-at 10]
+    python examples/torchft_train.py [--replicas 3] [--steps 40] [--grad-mib 8] [--kill-at 20]
                                      [--backend rustc10d|gloo|torchft-gloo]
+                                     [--algorithm ddp|localsgd|diloco] [--sync-every 4]
 
 The launcher (this script without --replica) starts torchft's Lighthouse, hosts the TCPStore the
 replicas' native groups meet through, and starts one process per replica group. Each replica
-trains a model of `--grad-mib` MiB of float32 parameters with torchft's DistributedDataParallel
-and OptimizerWrapper: every step's gradients go through `Manager.allreduce` over the cross-replica
-group, `rustc10d.reconfigurable_group` (or, to compare, Gloo's native group with
-enable_reconfigure, or torchft's own ProcessGroupGloo). At step `--kill-at` the launcher SIGKILLs
-the last replica and starts it again at once; the survivors' next all_reduce fails, torchft skips
-that step, the Lighthouse forms a quorum of the survivors and the Manager reconfigures the group
-to it; the new process joins a later quorum and heals from a survivor's checkpoint. Every replica
-trains until step `--steps` in a quorum of all replicas, then saves its parameters; the launcher
-prints "OK" when all are equal, and each replica's median step time over the steps that all
-replicas took part in (before the kill, after warm-up), with the survivors' recovery.
+trains a model of `--grad-mib` MiB of float32 parameters, with torchft's DistributedDataParallel
+and OptimizerWrapper (every step's gradients averaged across replicas), LocalSGD (the parameters,
+every `--sync-every` steps) or DiLoCo (the pseudo-gradients, every `--sync-every` steps, through an
+outer optimizer), all through `Manager.allreduce` over the cross-replica group:
+`rustc10d.reconfigurable_group`, or, to compare, Gloo's native group with enable_reconfigure, or
+torchft's own ProcessGroupGloo. A step below is one of the Manager's: each DDP step, each sync.
+
+At step `--kill-at` the launcher SIGKILLs the last replica and starts it again at once. The
+survivors' all_reduce in flight fails and torchft skips that step (or, killed between steps, the
+replica is left out of the next quorum); the Lighthouse forms a quorum of the survivors and the
+Manager reconfigures the group to it; the new process joins a later quorum and heals from a
+survivor's checkpoint. Every replica trains until step `--steps` in a quorum of all replicas,
+then saves its parameters; the launcher prints "OK" when all are equal, each replica's median
+step time over the steps all replicas took part in (before the kill, after warm-up), and what the
+recovery took: when the survivors' step failed, how long the group's reconfigure and its first
+all_reduce after it took (the backend's part), when they trained on, and when the restarted
+replica did.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -95,8 +104,6 @@ class ReconfigureTimes(logging.Handler):
 
 def replica(args: argparse.Namespace) -> int:
     from torchft import Manager
-    from torchft.ddp import DistributedDataParallel
-    from torchft.optim import OptimizerWrapper
 
     out = Path(args.out)
     timeout = timedelta(seconds=args.timeout)
@@ -121,6 +128,7 @@ def replica(args: argparse.Namespace) -> int:
         timeout=timeout,
         quorum_timeout=timeout,
         connect_timeout=timeout,
+        use_async_quorum=args.algorithm != "diloco",  # DiLoCo requires the quorum before each sync
     )
     if not args.restarted:
         # The first replicas start together, so that the first quorum has all of them: the
@@ -130,33 +138,29 @@ def replica(args: argparse.Namespace) -> int:
         launcher.add("started", 1)
         while int(launcher.add("started", 0)) < args.replicas:
             time.sleep(0.01)
-    all_reduced = []  # wall clock at the end of each gradient bucket's all_reduce
-
-    class TimedDDP(DistributedDataParallel):
-        @staticmethod
-        def _comm_hook(state, bucket):  # torchft's: Manager.allreduce of the bucket, waited for
-            future = DistributedDataParallel._comm_hook(state, bucket)
-            all_reduced.append(time.time())
-            return future
-
-    ddp = TimedDDP(manager, model)
-    opt = OptimizerWrapper(manager, optimizer)
-    steps = []  # (step, seconds, participants) of each step this process took
+    all_reduced = []  # wall clock at the end of each gradient bucket's all_reduce (DDP)
+    train_step, algorithm = make_algorithm(args, manager, model, optimizer, all_reduced)
+    steps = []  # one entry a Manager step: see below
     g = torch.Generator().manual_seed(args.replica)
-    while True:
-        t0 = time.perf_counter()
-        x = torch.randn(8, 512, generator=g)
-        opt.zero_grad()
-        ddp(x).square().mean().backward()  # Manager.allreduce of each gradient bucket
-        before = manager.current_step()
-        opt.step()  # commits (steps the optimizer) only where every replica's all_reduce succeeded
-        step, participants = manager.current_step(), manager.num_participants()
-        # (step reached, seconds, replicas taking part, committed, wall clock at its end)
-        steps.append((step, time.perf_counter() - t0, participants, step > before, time.time()))
-        (out / f"progress_{args.replica}").write_text(str(step))
-        # Stop together: a step every replica took part in, at or past the last one.
-        if step >= args.steps and participants == args.replicas:
-            break
+    every = 1 if args.algorithm == "ddp" else args.sync_every
+    with algorithm:
+        t0, inner = time.perf_counter(), 0
+        while True:
+            before = manager.current_step()
+            train_step(torch.randn(8, 512, generator=g))
+            inner += 1
+            if inner % every:
+                continue  # LocalSGD and DiLoCo: the Manager takes part every `every` steps
+            # The step (DDP's) or the sync (LocalSGD's, DiLoCo's) commits only where every
+            # replica's all_reduce succeeded; then the Manager's step count moves on.
+            step, participants = manager.current_step(), manager.num_participants()
+            # (step reached, seconds since the last one, replicas taking part, committed, wall clock)
+            steps.append((step, time.perf_counter() - t0, participants, step > before, time.time()))
+            t0 = time.perf_counter()
+            (out / f"progress_{args.replica}").write_text(str(step))
+            # Stop together: a step every replica took part in, at or past the last one.
+            if step >= args.steps and participants == args.replicas:
+                break
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"final_{args.replica}.pt")
     bench = {mib: bench_allreduce(manager, mib) for mib in args.bench_mib}
     result = {"steps": steps, "bench": bench, "reconfigures": reconfigures.times, "all_reduced": all_reduced}
@@ -165,6 +169,43 @@ def replica(args: argparse.Namespace) -> int:
     if hasattr(pg, "shutdown"):
         pg.shutdown()
     return 0
+
+
+def make_algorithm(args, manager, model, optimizer, all_reduced):
+    """One training step (a function of the batch) and the context it runs in, for
+    `args.algorithm`: torchft's DDP (every step's gradients averaged across replicas), LocalSGD
+    (the parameters averaged every `sync_every` steps) or DiLoCo (the pseudo-gradients, every
+    `sync_every` steps, through an outer Nesterov optimizer)."""
+    from torchft.ddp import DistributedDataParallel
+    from torchft.local_sgd import DiLoCo, LocalSGD
+    from torchft.optim import OptimizerWrapper
+
+    def local_step(x: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    if args.algorithm == "localsgd":
+        return local_step, LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
+    if args.algorithm == "diloco":
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        return local_step, DiLoCo(manager, [model], optimizer, outer, sync_every=args.sync_every, pin_memory=False)
+
+    class TimedDDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):  # torchft's: Manager.allreduce of the bucket, waited for
+            future = DistributedDataParallel._comm_hook(state, bucket)
+            all_reduced.append(time.time())
+            return future
+
+    ddp, opt = TimedDDP(manager, model), OptimizerWrapper(manager, optimizer)
+
+    def ddp_step(x: torch.Tensor) -> None:
+        opt.zero_grad()  # starts the Manager's quorum for this step
+        ddp(x).square().mean().backward()  # Manager.allreduce of each gradient bucket
+        opt.step()  # Manager.should_commit, then the optimizer's step where it commits
+
+    return ddp_step, contextlib.nullcontext()
 
 
 def bench_allreduce(manager, mib: int, buckets: int = 8, reps: int = 10) -> float:
@@ -199,7 +240,7 @@ def launch(args: argparse.Namespace) -> int:
     def start(r: int, restarted: bool = False) -> subprocess.Popen:
         cmd = [sys.executable, __file__, "--replica", str(r), "--lighthouse", lighthouse.address(),
                "--store-port", str(store.port), "--out", str(out)] + ["--restarted"] * restarted
-        for name in ("replicas", "steps", "grad_mib", "backend", "timeout"):
+        for name in ("replicas", "steps", "grad_mib", "backend", "timeout", "algorithm", "sync_every"):
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         cmd += ["--bench-mib", *map(str, args.bench_mib)]
         log = open(out / f"replica_{r}.log", "a")
@@ -260,7 +301,8 @@ def report(args: argparse.Namespace, out: Path, killed: int | None, killed_wall:
                 if n == args.replicas and ok and step > WARMUP and (killed is None or step < killed)]
         line = f"replica {r}: {len(steps)} steps, final step {steps[-1][0]}"
         if full:
-            line += f", step time median {statistics.median(full) * 1e3:.1f} ms over {len(full)} steps"
+            what = "step" if args.algorithm == "ddp" else f"{args.sync_every} steps and a sync"
+            line += f", {what}: median {statistics.median(full) * 1e3:.1f} ms over {len(full)}"
         if result["bench"]:
             line += "; Manager.allreduce, 8 buckets: " + ", ".join(
                 f"{mib} MiB {t * 1e3:.1f} ms" for mib, t in result["bench"].items())
@@ -281,12 +323,14 @@ def report(args: argparse.Namespace, out: Path, killed: int | None, killed_wall:
                 + f"trained on (committed) at {since(again) if again else 'never'}")
         back = next((end for _, _, n, ok, end in results[-1]["steps"] if ok), None)
         say(f"replica {args.replicas - 1} restarted: its first committed step at {since(back) if back else 'never'}")
-    say(f"{args.backend}, {args.grad_mib} MiB of gradients a step, {args.replicas} replicas")
+    say(f"{args.backend}, {args.algorithm}, {args.grad_mib} MiB of parameters, {args.replicas} replicas")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["rustc10d", "gloo", "torchft-gloo"], default="rustc10d")
+    p.add_argument("--algorithm", choices=["ddp", "localsgd", "diloco"], default="ddp")
+    p.add_argument("--sync-every", type=int, default=4, help="LocalSGD's and DiLoCo's steps between syncs")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--grad-mib", type=int, default=8)

@@ -1,7 +1,8 @@
 """torchft, Meta's fault-tolerant training library, on rustc10d: examples/torchft_train.py (replica
-groups as processes, a real Lighthouse, DDP through the Manager, a replica SIGKILLed and started
-again, weights checked equal), and torchft's own tests of native process groups
-(tests/torchft/run_torchft_tests.py). torchft needs torch 2.14 on (the native reconfigure API);
+groups as processes, a real Lighthouse, DDP, LocalSGD or DiLoCo through the Manager, a replica
+SIGKILLed and started again, weights checked equal), HSDP (tests/torchft/hsdp_job.py: FSDP2
+inside replica groups, checked against one process), and torchft's own tests of native process
+groups (tests/torchft/run_torchft_tests.py). torchft needs torch 2.14 on (the native reconfigure API);
 scripts/test.sh installs the pinned torchft-nightly there and sets RUSTC10D_REQUIRE_TORCHFT=1,
 so that a missing torchft fails instead of skipping."""
 
@@ -29,18 +30,23 @@ def torchft():
 
 
 @pytest.mark.timeout(200)
-def test_torchft_training_survives_a_killed_replica(tmp_path, torchft):
-    """3 replicas train DDP through torchft's Manager on rustc10d.reconfigurable_group; replica 2
-    is SIGKILLed at step 20 and started again: the survivors' all_reduce fails or the Lighthouse
+@pytest.mark.parametrize("algorithm", ["ddp", "localsgd", "diloco"])
+def test_torchft_training_survives_a_killed_replica(tmp_path, torchft, algorithm):
+    """3 replicas train through torchft's Manager on rustc10d.reconfigurable_group (DDP every
+    step; LocalSGD and DiLoCo syncing every 4); replica 2 is SIGKILLed at (Manager) step 20, or 8
+    for the syncing ones, and started again: the survivors' all_reduce fails or the Lighthouse
     drops it, they train on as two, the new process heals from a survivor and joins, and all
     three end on the same step with equal weights."""
+    kill_at = 20 if algorithm == "ddp" else 8
     cmd = [sys.executable, str(harness.REPO / "examples" / "torchft_train.py"), "--out", str(tmp_path / "run"),
-           "--deadline", "150", "--bench-mib", "1"]
+           "--algorithm", algorithm, "--kill-at", str(kill_at), "--steps", str(2 * kill_at), "--deadline", "150"]
+    if algorithm == "ddp":
+        cmd += ["--bench-mib", "1"]
     [proc] = harness.run_processes({"launcher": cmd}, timeout=170, log_dir=tmp_path)
     assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     lines = proc.stdout.splitlines()
     assert "OK" in lines, proc.stdout
-    assert "step 20: replica 2 killed (SIGKILL), started again" in lines, proc.stdout
+    assert f"step {kill_at}: replica 2 killed (SIGKILL), started again" in lines, proc.stdout
     for r in (0, 1):
         survivor = next(line for line in lines if line.startswith(f"replica {r} after the kill:"))
         assert "trained on (committed) at" in survivor and "never" not in survivor, proc.stdout
@@ -57,3 +63,14 @@ def test_torchfts_own_native_group_tests_pass_on_rustc10d(tmp_path, torchft):
     assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
     assert "OK" in proc.stdout.splitlines(), proc.stdout
     assert "reconfigure_test._resize_worker on rustc10d: passed" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_hsdp_fsdp2_inside_replica_groups_and_rustc10d_across(tmp_path, torchft):
+    """Two replica groups of 2 ranks under torchrun: FSDP2 over each group's rustc10d default
+    group, and the Manager's all_reduce of each gradient shard (FSDP2's all-reduce hook) over
+    rustc10d.reconfigurable_group across them; the parameters after 5 steps match one process."""
+    cmd = [sys.executable, str(harness.REPO / "tests" / "torchft" / "hsdp_job.py"), "--out", str(tmp_path / "run")]
+    [proc] = harness.run_processes({"hsdp": cmd}, timeout=170, log_dir=tmp_path)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert "OK" in proc.stdout.splitlines(), proc.stdout
