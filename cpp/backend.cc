@@ -273,9 +273,9 @@ class OpBuilder {
                                                            uint64_t key) {
     auto& d = *done_->impl;
     // A CUDA future's value becomes usable on a stream only after the copies back.
-    d.future = d.cuda ? c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+    d.future = d.cuda ? c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),
                                                                    std::vector<c10::Device>{d.cuda->device})
-                      : c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+                      : c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     d.hooks = std::move(hooks);
     d.key = key;
     WorkState state{key, d.future, d.outputs, d.timing, d.cuda};
@@ -289,21 +289,30 @@ class OpBuilder {
  private:
   enum class Access { kRead, kReadWrite, kWrite };
 
-  // The engine reads and writes a detached alias of the caller's tensor:
-  // the same memory, without autograd, so that a parameter that requires
-  // grad is written in place whatever the grad mode of the thread that
-  // copies (the engine's, or the caller's outside torch.no_grad()).
+  // Where the torch side copies into or out of the caller's tensor (a
+  // non-contiguous one's copy back, a staged one's), it works on a detached
+  // alias: the same memory, without autograd, so that a parameter that
+  // requires grad is written in place whatever the grad mode of the thread
+  // that copies (the engine's, or the caller's outside torch.no_grad()).
   TensorDesc stage(const at::Tensor& user, Access access) {
-    const at::Tensor t = user.detach();
-    TORCH_CHECK(t.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", t.layout(),
+    TORCH_CHECK(user.layout() == at::kStrided, "rustc10d: ", op_, " does not support ", user.layout(),
                 " tensors; pass a dense (strided) tensor");
-    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "rustc10d: ", op_, " does not support tensors on ",
-                t.device(), "; pass CPU or CUDA tensors");
-    if (!device_) device_ = t.device();
-    TORCH_CHECK(t.device() == *device_, "rustc10d: ", op_, " got tensors on ", *device_, " and on ", t.device(),
+    const c10::Device device = user.device();
+    TORCH_CHECK(device.is_cpu() || device.is_cuda(), "rustc10d: ", op_, " does not support tensors on ", device,
+                "; pass CPU or CUDA tensors");
+    if (!device_) device_ = device;
+    TORCH_CHECK(device == *device_, "rustc10d: ", op_, " got tensors on ", *device_, " and on ", device,
                 "; all tensors of one op must be on the same device");
     auto& d = *done_->impl;
-    if (t.device().is_cuda() || test_staging_) return stage_device(t, access);
+    // A contiguous CPU tensor is the engine's as it lies: nothing copies into
+    // it on the torch side, so it needs no detached alias (making one, a new
+    // TensorImpl, was a third of this op's translation after idle).
+    if (device.is_cpu() && !test_staging_ && user.is_contiguous()) {
+      d.keep_alive.push_back(user);
+      return desc_of(user);
+    }
+    const at::Tensor t = user.detach();
+    if (device.is_cuda() || test_staging_) return stage_device(t, access);
     at::Tensor host = t.is_contiguous()           ? t
                       : access == Access::kWrite ? at::empty(t.sizes(), t.options())
                                                   : t.contiguous();
