@@ -114,10 +114,15 @@ def launch(out: Path) -> int:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
+        late = [p.poll() is None for p in procs]
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
         lighthouse.shutdown()
+    if any(late):
+        print(f"FAILED: replica groups {[r for r, x in enumerate(late) if x]} not done after 120 s; logs in {out}")
+        return 1
     if any(p.returncode != 0 for p in procs):
         print(f"FAILED: replica groups exited with {[p.returncode for p in procs]}; logs in {out}")
         return 1
