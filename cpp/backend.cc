@@ -852,8 +852,10 @@ class RustBackend final : public compat::Backend<RustBackend> {
   // The group ops run on; a backend made with enable_reconfigure has none
   // until its first reconfigure.
   const Group& group() const {
-    TORCH_CHECK(group_, "rustc10d: this process group was made with enable_reconfigure=True and has no members yet: "
-                        "call torch.distributed._reconfigure(uuid, handles) on every process first");
+    TORCH_CHECK(group_, "rustc10d: this process group was made with enable_reconfigure=True (or by "
+                        "rustc10d.reconfigurable_group) and has no members yet: reconfigure it on every process "
+                        "first (torch.distributed._reconfigure(uuid, handles), or ProcessGroup.reconfigure, which "
+                        "torchft's Manager calls at each quorum)");
     return **group_;
   }
 

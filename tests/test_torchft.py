@@ -29,6 +29,48 @@ def torchft():
         pytest.skip("torchft is not installed (pip install torchft-nightly)")
 
 
+RECONFIGURABLE_GROUP_JOB = """
+from datetime import timedelta
+import torch, torch.distributed as dist, rustc10d
+from torch._C._distributed_c10d import ReconfigureOptions
+store = dist.HashStore()
+pg = rustc10d.reconfigurable_group(store, timeout=timedelta(seconds=10))
+assert pg.supports_reconfigure
+try:
+    pg.allreduce([torch.ones(2)]).wait()
+    raise AssertionError("an all_reduce before the first reconfigure did not raise")
+except RuntimeError as e:
+    assert "no members yet" in str(e) and "reconfigure" in str(e), e
+opts = ReconfigureOptions(); opts.uuid = 7; opts.handles = [pg.get_reconfigure_handle()]
+pg.reconfigure(opts).wait()
+t = torch.full((3,), 2.0)
+pg.allreduce([t]).wait()
+assert (pg.rank(), pg.size()) == (0, 1) and t.tolist() == [2.0, 2.0, 2.0], (pg.rank(), pg.size(), t)
+for bad in ("x", {"segment_bytes": 1}):
+    try:
+        rustc10d.reconfigurable_group(store, options=bad)
+        raise AssertionError(f"options={bad!r} was taken")
+    except TypeError as e:
+        assert "rustc10d.Options" in str(e), e
+pg.shutdown()
+print("OK")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_reconfigurable_group_refuses_ops_until_reconfigured(tmp_path):
+    """rustc10d.reconfigurable_group alone (no torchft): a group that supports reconfigure, whose
+    ops raise, saying to reconfigure, until its first reconfigure; then a group of its handles;
+    options that are not rustc10d.Options are refused."""
+    if checks.BACKEND != "rustc10d" or not hasattr(dist.ProcessGroup, "reconfigure"):
+        pytest.skip("rustc10d's reconfigurable group, torch 2.14 on")
+    script = tmp_path / "reconfigurable_group_job.py"
+    script.write_text(RECONFIGURABLE_GROUP_JOB)
+    [proc] = harness.run_processes({"job": [sys.executable, str(script)]}, timeout=100, log_dir=tmp_path)
+    assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
+    assert "OK" in proc.stdout.splitlines(), proc.stdout
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("algorithm", ["ddp", "localsgd", "diloco"])
 def test_torchft_training_survives_a_killed_replica(tmp_path, torchft, algorithm):
