@@ -306,7 +306,7 @@ class OpBuilder {
     auto& d = *done_->impl;
     // A contiguous CPU tensor is the engine's as it lies: nothing copies into
     // it on the torch side, so it needs no detached alias (making one, a new
-    // TensorImpl, was a third of this op's translation after idle).
+    // TensorImpl, was about half of this op's translation after idle).
     if (device.is_cpu() && !test_staging_ && user.is_contiguous()) {
       d.keep_alive.push_back(user);
       return desc_of(user);

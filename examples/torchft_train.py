@@ -136,7 +136,10 @@ def replica(args: argparse.Namespace) -> int:
         # torch would join a later quorum and heal, as a restarted one does.
         launcher = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timeout)
         launcher.add("started", 1)
+        deadline = time.monotonic() + args.timeout
         while int(launcher.add("started", 0)) < args.replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {args.replica}: the others did not start within {args.timeout} s")
             time.sleep(0.01)
     all_reduced = []  # wall clock at the end of each gradient bucket's all_reduce (DDP)
     train_step, algorithm = make_algorithm(args, manager, model, optimizer, all_reduced)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import itertools
 import json
 import shlex
 import sys
@@ -135,10 +136,17 @@ def _millis(t: timedelta) -> int:
     return -(-t // timedelta(milliseconds=1))
 
 
+def _settings(options: object | None, what: str) -> dict[str, str]:
+    """The settings `options` gives, as text for the engine; `what` names the argument in the error."""
+    if options is None:
+        return {}
+    if not isinstance(options, Options):
+        raise TypeError(f"{what} must be rustc10d.Options, got {type(options).__name__}")
+    return options._given()
+
+
 def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, backend_options: object | None):
-    if backend_options is not None and not isinstance(backend_options, Options):
-        raise TypeError(f"rustc10d: pg_options must be rustc10d.Options, got {type(backend_options).__name__}")
-    given = backend_options._given() if backend_options is not None else {}
+    given = _settings(backend_options, "rustc10d: pg_options")
     timeout = _millis(opts.timeout)
     # A group made after the default one (new_group) sends over the default group's connections,
     # in a channel of its own, where that group is a live rustc10d group; one given settings of
@@ -154,7 +162,7 @@ def _create_backend(opts: dist.distributed_c10d._DistributedBackendOptions, back
                                   share, members, unformed)
 
 
-_reconfigurable_groups = 0
+_reconfigurable_groups = itertools.count(1)  # names them
 
 
 def reconfigurable_group(store: dist.Store, timeout: timedelta = timedelta(seconds=60),
@@ -174,21 +182,17 @@ def reconfigurable_group(store: dist.Store, timeout: timedelta = timedelta(secon
     prefix). The group serves CPU and CUDA tensors; ``timeout`` bounds every op and each
     reconfigure's rendezvous unless the reconfigure gives its own; ``options`` as for
     ``init_process_group``."""
-    global _reconfigurable_groups
     if not hasattr(dist.ProcessGroup, "reconfigure"):
         raise RuntimeError(f"rustc10d.reconfigurable_group: torch {torch.__version__} has no process group "
                            "reconfigure (torch 2.14 on)")
-    if options is not None and not isinstance(options, Options):
-        raise TypeError(f"rustc10d.reconfigurable_group: options must be rustc10d.Options, got {type(options).__name__}")
-    given = options._given() if options is not None else {}
+    given = _settings(options, "rustc10d.reconfigurable_group: options")
     backend = _native.create_backend(store, 0, 1, _millis(timeout), "", given, "", [], True)
     pg = dist.ProcessGroup(store, 0, 1)
     pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     for device in ("cpu", "cuda"):
         pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
     # A name of its own, so that each re-formed group is told apart in logs and rustc10d.stats.
-    _reconfigurable_groups += 1
-    pg._set_group_name(f"rustc10d_reconfigurable_{_reconfigurable_groups}")
+    pg._set_group_name(f"rustc10d_reconfigurable_{next(_reconfigurable_groups)}")
     return pg
 
 

@@ -37,7 +37,7 @@ made = []
 def rustc10d_as_gloo(store, rank, size, timeout=timedelta(seconds=60), enable_reconfigure=False):
     """What manager_integ_test calls dist.ProcessGroupGloo: rustc10d's reconfigurable backend."""
     assert enable_reconfigure
-    backend = rustc10d._native.create_backend(store, rank, size, rustc10d._millis(timeout), "", {}, "", [], True)
+    backend = rustc10d.reconfigurable_group(store, timeout)._get_backend(torch.device("cpu"))
     made.append(backend)
     return backend
 
