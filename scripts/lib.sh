@@ -9,6 +9,10 @@ REQUIREMENTS=("setuptools>=70.1" "setuptools-rust>=1.12" wheel pytest pytest-tim
 # nightly the tests were written against (its own tests, which they run, change between nightlies).
 TORCHFT_REQUIREMENTS=("torchft-nightly==2026.10.26" parameterized)
 
+# What scripts/build_wheels.sh links the core with, so that it needs no glibc newer than torch's
+# wheels do (manylinux_2_28): zig's linker and its stubs of every glibc, through cargo-zigbuild.
+ZIG_REQUIREMENTS=("ziglang==0.17.1" "cargo-zigbuild==0.24.1")
+
 # Where CI and torch_matrix.sh keep one environment per (torch, Python), reused between runs.
 ENVS=${RUSTC10D_ENVS:-$HOME/.cache/rustc10d/envs}
 
