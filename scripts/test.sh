@@ -6,6 +6,7 @@
 #
 #   bash scripts/test.sh                                   # torch 2.15.0 into .venv
 #   TORCH_VERSION=2.11.0 PYTHON_VERSION=3.12 VENV=/tmp/t211 bash scripts/test.sh
+#   bash scripts/test.sh -m "not torch_independent"       # arguments go to pytest
 #
 # TORCH_VERSION: the torch to test against (scripts/torch-versions.txt lists the supported ones).
 # PYTHON_VERSION: the Python to create VENV with (default: python3); VENV: the environment
@@ -34,4 +35,4 @@ if [ "${SKIP_CARGO:-0}" != 1 ]; then
     PYO3_PYTHON="$(cd "$VENV" && pwd)/bin/python" cargo clippy --locked --all-targets --features extension -- -D warnings
     cargo test --locked
 fi
-"$VENV/bin/python" -m pytest
+"$VENV/bin/python" -m pytest "$@"

@@ -12,6 +12,9 @@ import pytest
 from rustc10d.bench import OPS
 from rustc10d import testbed
 
+# The benchmark's plumbing is the same on every torch (pytest.ini).
+pytestmark = pytest.mark.torch_independent
+
 TIMEOUT = 240  # --quick takes well under 2 minutes on 2 cores
 
 

@@ -17,7 +17,8 @@ import harness
 from rustc10d import testbed
 from rustc10d.testbed import Hosts
 
-pytestmark = pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d jobs")
+# torch_independent: the links between hosts are the core's alone (pytest.ini).
+pytestmark = [pytest.mark.skipif(checks.BACKEND != "rustc10d", reason="rustc10d jobs"), pytest.mark.torch_independent]
 
 TWO_HOSTS_JOB = str(harness.REPO / "tests" / "two_hosts_job.py")
 HOSTS_JOB = str(harness.REPO / "tests" / "hosts_job.py")
