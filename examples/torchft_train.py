@@ -160,7 +160,9 @@ def replica(args: argparse.Namespace) -> int:
             # (step reached, seconds since the last one, replicas taking part, committed, wall clock)
             steps.append((step, time.perf_counter() - t0, participants, step > before, time.time()))
             t0 = time.perf_counter()
-            (out / f"progress_{args.replica}").write_text(str(step))
+            # Whole or not at all (the launcher polls it): written aside, then renamed over.
+            (out / f"progress_{args.replica}.new").write_text(str(step))
+            (out / f"progress_{args.replica}.new").replace(out / f"progress_{args.replica}")
             # Stop together: a step every replica took part in, at or past the last one.
             if step >= args.steps and participants == args.replicas:
                 break
@@ -266,11 +268,11 @@ def launch(args: argparse.Namespace) -> int:
                 say(f"FAILED: replica {failed[0]} exited with {procs[failed[0]].returncode}; logs in {out}")
                 return 1
             progress = out / f"progress_{victim}"
-            if args.kill_at and killed is None and progress.exists() and progress.read_text() \
-                    and int(progress.read_text()) >= args.kill_at:
+            reached = int(progress.read_text()) if progress.exists() else -1
+            if args.kill_at and killed is None and reached >= args.kill_at:
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()
-                killed, killed_wall = int(progress.read_text()), time.time()
+                killed, killed_wall = int(progress.read_text()), time.time()  # its last step, now final
                 say(f"step {killed}: replica {victim} killed (SIGKILL), started again")
                 procs[victim] = start(victim, restarted=True)
             time.sleep(0.02)
