@@ -9,10 +9,10 @@
 //! the trees' hops on the host, run there (`Hosts::arena`). Groups on one host with
 //! a shared arena run their collectives there (`in_arena`), but for those
 //! that take the single-copy algorithms (an all-reduce that fits a round of
-//! the arena runs there anyway). What a call depends on of its group
-//! (its arena, its hosts, single copy) is looked at once, in its `Plan`,
-//! which says both whether the algorithm checks the call itself and which
-//! algorithm runs.
+//! the arena runs there anyway). One place decides each call's algorithm,
+//! from what it depends on of its group (its arena, its hosts, single
+//! copy): `Plan::of`, which also says whether the algorithm checks the call
+//! itself; `run` only follows it.
 
 use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
@@ -36,61 +36,121 @@ use crate::transport::arena::Arena;
 use crate::transport::subgroup::Subgroup;
 use std::sync::Arc;
 
+/// The algorithm one collective runs (`Plan::of` decides it; `run` follows
+/// it; the table test below pins it for every kind of group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algorithm {
+    /// In the group's shared arena (`run_in_arena`): every collective but
+    /// those the single-copy algorithms take.
+    Arena,
+    /// Every rank reads the others' memory: broadcast, all-gather,
+    /// reduce-scatter and all-reduce in one or two steps.
+    SingleCopy,
+    /// One exchange among all ranks: all-reduce and barrier, small ones.
+    Direct,
+    /// One exchange on each host, then one across (hosts of as many ranks
+    /// each): all-reduce and barrier, small ones.
+    HostsDirect,
+    /// On each host, across hosts, on each host again: all-reduce,
+    /// all-gather and reduce-scatter on several hosts.
+    Hierarchical,
+    /// Two hops at most from or to the root: broadcast and reduce, small ones.
+    Tree,
+    /// A pipelined chain through every rank (W-1 hops; in host order on
+    /// several hosts): broadcast and reduce.
+    Chain,
+    /// The bandwidth-optimal ring: all-reduce, all-gather, reduce-scatter,
+    /// and a barrier too wide for the direct exchange.
+    Ring,
+    /// Messages between the root and each rank (gather, scatter), or
+    /// between every pair (all-to-all).
+    Pairwise,
+    /// The collective's only algorithm: monitored barrier, sparse all-reduce.
+    OwnOnly,
+}
+
 /// How one collective runs on its group: decided once (`Plan::of`), the same
 /// on every rank for the same call, then followed by `run`.
 pub struct Plan {
-    /// The group's arena, where it has one (direct exchanges give way to it).
-    arena: Option<Arc<Arena>>,
-    /// The call runs in the arena (`in_arena`).
-    in_arena: bool,
-    /// The call's single-copy algorithm takes it (`single_copy`).
-    single_copy: bool,
-    /// The group's hosts, where it spans several.
-    hosts: Option<Hosts>,
-}
-
-impl Plan {
-    pub fn of(ctx: &OpCtx, part: &Collective) -> Plan {
-        let arena = ctx.transport.arena();
-        let single_copy = single_copy(ctx, part);
-        let in_arena = arena.as_ref().is_some_and(|a| in_arena(ctx, a, part, single_copy));
-        Plan { arena, in_arena, single_copy, hosts: Hosts::apart(ctx.transport) }
-    }
-
+    pub algorithm: Algorithm,
     /// Whether the algorithm checks the call itself, with every rank,
     /// rather than before it starts (`call_check::agree`): the smallest
     /// all-reduces and barriers (alongside their one exchange), and the
     /// single-copy algorithms (before any data moves), and whatever runs in
     /// the arena (in its first round). PREMUL_SUM all-reduce outside the
     /// arena scales the caller's buffer first, so it checks before.
-    pub fn checks_inline(&self, ctx: &OpCtx, part: &Collective) -> bool {
-        if self.in_arena {
-            return true;
-        }
-        let direct = |bytes| self.direct(ctx, bytes, ctx.transport.size());
-        match part {
-            Collective::AllReduce { buf, red } => red.premul.is_none() && (direct(buf.len) || self.single_copy),
-            Collective::Barrier => direct(1),
-            _ => self.single_copy,
-        }
-    }
+    pub checks_inline: bool,
+    /// The group's arena, where the call runs there.
+    arena: Option<Arc<Arena>>,
+    /// The group's hosts, where it spans several.
+    hosts: Option<Hosts>,
+}
 
-    /// Whether an all-reduce (or a tree) of `bytes` among `fanout` ranks takes
-    /// the direct exchange: small enough, and not in a group with an arena,
-    /// where the arena's algorithms do small ones in fewer steps.
-    fn direct(&self, ctx: &OpCtx, bytes: usize, fanout: usize) -> bool {
-        self.arena.is_none() && prefers_direct(bytes, fanout, ctx.small_allreduce_bytes)
-    }
-
-    /// Whether a broadcast or reduce of `bytes` takes the tree (two hops at
-    /// most) rather than the pipelined chain (W-1 hops): messages as small as the
-    /// direct all-reduce's, where the root exchanges with at most SMALL_MAX_WORLD ranks.
-    fn small_tree(&self, ctx: &OpCtx, bytes: usize) -> bool {
-        let fanout = match &self.hosts {
+impl Plan {
+    /// The plan of `part` on `ctx`'s group. `may_check_inline`: false where
+    /// the call was checked before already (the pieces of a staged op), so
+    /// that no algorithm that checks it itself (single copy) is chosen, and
+    /// the direct exchange does not check it again.
+    pub fn of(ctx: &OpCtx, part: &Collective, may_check_inline: bool) -> Plan {
+        let arena = ctx.transport.arena();
+        let hosts = Hosts::apart(ctx.transport);
+        let world = ctx.transport.size();
+        let single_copy = single_copy(ctx, part);
+        // The direct exchanges give way to an arena, even where the call does not
+        // run there: the arena's algorithms do small ones in fewer steps.
+        let no_arena = arena.is_none();
+        if let Some(arena) = arena.filter(|a| in_arena(ctx, a, part, single_copy)) {
+            return Plan { algorithm: Algorithm::Arena, checks_inline: may_check_inline, arena: Some(arena), hosts };
+        }
+        let direct = |bytes, fanout| no_arena && prefers_direct(bytes, fanout, ctx.small_allreduce_bytes);
+        // A broadcast or reduce takes the tree (two hops at most) rather than the
+        // chain (W-1 hops) for messages as small as the direct all-reduce's, where
+        // the root exchanges with at most SMALL_MAX_WORLD ranks.
+        let tree_fanout = match &hosts {
             Some(hosts) => hosts.members.len() + hosts.members.iter().map(Vec::len).max().unwrap_or(0),
-            None => ctx.transport.size(),
+            None => world,
         };
-        self.direct(ctx, bytes, fanout)
+        let rooted = |bytes| if direct(bytes, tree_fanout) { Algorithm::Tree } else { Algorithm::Chain };
+        // Small ones: one direct exchange (on several hosts of as many ranks each,
+        // one on each host, then one across); large ones: the ring.
+        let exchange = |bytes| match direct(bytes, world) {
+            true if hosts.as_ref().is_some_and(|h| h.per_host().is_some()) => Algorithm::HostsDirect,
+            true => Algorithm::Direct,
+            false => Algorithm::Ring,
+        };
+        // Single copy only where this call may be checked by the algorithm.
+        let single_copy = single_copy && may_check_inline;
+        let spread = if single_copy {
+            Algorithm::SingleCopy
+        } else if hosts.is_some() {
+            Algorithm::Hierarchical
+        } else {
+            Algorithm::Ring
+        };
+        let (algorithm, checks_inline) = match part {
+            // PREMUL_SUM scales the caller's buffer first: its call is checked before.
+            Collective::AllReduce { buf, red } if red.premul.is_some() => match direct(buf.len, world) {
+                true => (exchange(buf.len), false),
+                false if hosts.is_some() => (Algorithm::Hierarchical, false),
+                false => (Algorithm::Ring, false),
+            },
+            Collective::AllReduce { buf, .. } => match direct(buf.len, world) {
+                true => (exchange(buf.len), true),
+                false => (spread, single_copy),
+            },
+            Collective::Barrier => (exchange(1), direct(1, world)),
+            Collective::Reduce { buf, .. } => (rooted(buf.len), false),
+            Collective::Broadcast { buf, .. } => match single_copy {
+                true => (Algorithm::SingleCopy, true),
+                false => (rooted(buf.len), false),
+            },
+            Collective::AllGather { .. } | Collective::ReduceScatter { .. } => (spread, single_copy),
+            Collective::Gather { .. } | Collective::Scatter { .. } | Collective::AllToAll { .. } => {
+                (Algorithm::Pairwise, false)
+            }
+            Collective::MonitoredBarrier { .. } | Collective::AllReduceSparse { .. } => (Algorithm::OwnOnly, false),
+        };
+        Plan { algorithm, checks_inline: checks_inline && may_check_inline, arena: None, hosts }
     }
 }
 
@@ -163,28 +223,25 @@ fn goes_as_address(ctx: &OpCtx, bytes: usize) -> bool {
     ctx.transport.single_copy_bytes().is_some_and(|from| bytes >= from)
 }
 
-/// Run one collective as `plan` says, its call checked before (or, with
-/// `check`, by the algorithm itself: see `Plan::checks_inline`; without it,
-/// as for the pieces of a staged op, the ring algorithms run).
-pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, check: Option<&Fingerprint>) -> Result<()> {
-    if let Some(arena) = plan.arena.as_ref().filter(|_| plan.in_arena) {
-        return run_in_arena(ctx, arena, part, &check.copied().unwrap_or_else(|| Fingerprint::of(part)));
-    }
+/// Run one collective as `plan` says: `fp` is the call, which the
+/// algorithm checks where `plan.checks_inline` (the arena's rounds and the
+/// hosts' phases compare it in any case).
+pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Result<()> {
+    use Algorithm::*;
+    let check = plan.checks_inline.then_some(fp);
     let apart = plan.hosts.as_ref();
-    // What the rounds in a host's arena compare (`Hosts::arena`).
-    let fp = &check.copied().unwrap_or_else(|| Fingerprint::of(part));
-    let single_copy = check.filter(|_| plan.single_copy);
-    match part {
-        Collective::AllReduce { buf, red } => {
+    let hosts = || apart.expect("hierarchical algorithms are planned for groups on several hosts");
+    match (plan.algorithm, part) {
+        (Arena, _) => run_in_arena(ctx, plan.arena.as_ref().expect("planned with its arena"), part, fp),
+        (algorithm, Collective::AllReduce { buf, red }) => {
             let op = premultiply(buf, red);
-            let direct = plan.direct(ctx, buf.len, ctx.transport.size());
-            match (single_copy.filter(|_| !direct), apart.filter(|_| !direct)) {
-                (Some(check), _) => single_copy_allreduce(ctx, *buf, red.dtype, op, check),
-                (None, Some(hosts)) => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts, fp),
-                _ => all_reduce(ctx, plan, *buf, red.dtype, op, (check, fp)),
+            match algorithm {
+                SingleCopy => single_copy_allreduce(ctx, *buf, red.dtype, op, fp),
+                Hierarchical => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts(), fp),
+                _ => all_reduce(ctx, algorithm, apart, *buf, red.dtype, op, (check, fp)),
             }
         }
-        Collective::Reduce { buf, root, red } => {
+        (algorithm, Collective::Reduce { buf, root, red }) => {
             // PREMUL_SUM scales the root's buffer, which the op overwrites, in
             // place; the others' must stay as they were, so they send a scaled copy.
             let mut copy = Scratch::new(0);
@@ -193,44 +250,45 @@ pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, check: Option<&Fingerpri
             } else {
                 (premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red)[0], red.op)
             };
-            if plan.small_tree(ctx, buf.len) {
-                tree_reduce(ctx, input, *root, red.dtype, op, apart, fp)
-            } else {
-                chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input, root, red.dtype, op))
+            match algorithm {
+                Tree => tree_reduce(ctx, input, *root, red.dtype, op, apart, fp),
+                _ => {
+                    chained(ctx, apart, *root, Towards::Root, |ctx, root| ring_reduce(ctx, input, root, red.dtype, op))
+                }
             }
         }
-        Collective::Broadcast { buf, root, .. } => match single_copy {
-            Some(check) => single_copy_broadcast(ctx, *buf, *root, check),
-            _ if plan.small_tree(ctx, buf.len) => tree_broadcast(ctx, *buf, *root, apart, fp),
-            _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root)),
-        },
-        Collective::AllGather { input, outputs, .. } => match (single_copy, apart) {
-            (Some(check), _) => single_copy_allgather(ctx, *input, outputs, check),
-            (None, Some(hosts)) => hierarchical_allgather(ctx, *input, outputs, hosts, fp),
-            _ => ring_allgather(ctx, *input, outputs),
-        },
-        Collective::Gather { input, outputs, root, .. } => direct_gather(ctx, *input, outputs, *root),
-        Collective::Scatter { inputs, output, root, .. } => direct_scatter(ctx, inputs, *output, *root),
-        Collective::ReduceScatter { inputs, output, red } => {
+        (SingleCopy, Collective::Broadcast { buf, root, .. }) => single_copy_broadcast(ctx, *buf, *root, fp),
+        (Tree, Collective::Broadcast { buf, root, .. }) => tree_broadcast(ctx, *buf, *root, apart, fp),
+        (_, Collective::Broadcast { buf, root, .. }) => {
+            chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root))
+        }
+        (SingleCopy, Collective::AllGather { input, outputs, .. }) => single_copy_allgather(ctx, *input, outputs, fp),
+        (Hierarchical, Collective::AllGather { input, outputs, .. }) => {
+            hierarchical_allgather(ctx, *input, outputs, hosts(), fp)
+        }
+        (_, Collective::AllGather { input, outputs, .. }) => ring_allgather(ctx, *input, outputs),
+        (_, Collective::Gather { input, outputs, root, .. }) => direct_gather(ctx, *input, outputs, *root),
+        (_, Collective::Scatter { inputs, output, root, .. }) => direct_scatter(ctx, inputs, *output, *root),
+        (algorithm, Collective::ReduceScatter { inputs, output, red }) => {
             let mut copy = Scratch::new(0);
             let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
-            match (single_copy, apart) {
-                (Some(check), _) => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, check),
-                (None, Some(hosts)) => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts, fp),
+            match algorithm {
+                SingleCopy => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, fp),
+                Hierarchical => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts(), fp),
                 _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
             }
         }
-        Collective::AllToAll { inputs, outputs, .. } => pairwise_alltoall(ctx, inputs, outputs),
+        (_, Collective::AllToAll { inputs, outputs, .. }) => pairwise_alltoall(ctx, inputs, outputs),
         // An all-reduce of one byte: nobody finishes before everybody has arrived.
-        Collective::Barrier => {
+        (algorithm, Collective::Barrier) => {
             let mut one = Scratch::new(1);
             let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            all_reduce(ctx, plan, buf, DType::U8, ReduceOp::BOr, (check, fp))
+            all_reduce(ctx, algorithm, apart, buf, DType::U8, ReduceOp::BOr, (check, fp))
         }
-        Collective::MonitoredBarrier { wait_all, timeout } => {
+        (_, Collective::MonitoredBarrier { wait_all, timeout }) => {
             monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
         }
-        Collective::AllReduceSparse { indices, values, shape, out, .. } => {
+        (_, Collective::AllReduceSparse { indices, values, shape, out, .. }) => {
             let rows = shape.rows(indices, values).expect("checked by Collective::check");
             *out.lock().unwrap() = sparse_allreduce(ctx, *indices, *values, rows, shape)?;
             Ok(())
@@ -264,25 +322,25 @@ fn chained(
     f(&ctx.phase(&chain, ctx.phase), chain.position(root).expect("the root is in the chain"))
 }
 
-/// Small messages: one direct exchange (on several hosts of as many ranks
-/// each, one on each host, then one across); large ones: the
-/// bandwidth-optimal ring. `check`: the call, if checked here; `fp`: the call.
+/// An all-reduce by one of the exchanges (`Direct`, `HostsDirect`) or the
+/// ring. `check`: the call, if checked here; `fp`: the call.
 fn all_reduce(
     ctx: &OpCtx,
-    plan: &Plan,
+    algorithm: Algorithm,
+    apart: Option<&Hosts>,
     buf: RawBuf,
     dtype: DType,
     op: ReduceOp,
     (check, fp): (Option<&Fingerprint>, &Fingerprint),
 ) -> Result<()> {
-    if plan.direct(ctx, buf.len, ctx.transport.size()) {
-        match plan.hosts.as_ref().filter(|hosts| hosts.per_host().is_some()) {
-            Some(hosts) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check, fp),
-            None => direct_allreduce(ctx, buf, dtype, op, check),
+    match (algorithm, apart) {
+        (Algorithm::HostsDirect, Some(hosts)) => hierarchical_direct_allreduce(ctx, buf, dtype, op, hosts, check, fp),
+        (Algorithm::Direct, _) => direct_allreduce(ctx, buf, dtype, op, check),
+        _ => {
+            debug_assert_eq!(algorithm, Algorithm::Ring, "planned for an all-reduce");
+            debug_assert!(check.is_none(), "the ring checks the call before it starts");
+            ring_allreduce(ctx, buf, dtype, op)
         }
-    } else {
-        debug_assert!(check.is_none(), "the ring checks the call before it starts");
-        ring_allreduce(ctx, buf, dtype, op)
     }
 }
 
@@ -323,4 +381,224 @@ fn premultiplied_copies<'a>(
             dst
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithms::{ScratchPool, What};
+    use crate::dtype::BYTES;
+    use crate::transport::fake::{FakeNet, FakeTransport};
+    use std::time::{Duration, Instant};
+
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+    /// The defaults (config.rs): all-reduces up to 16 KiB go direct, messages
+    /// from 64 KiB go as addresses (`with_single_copy`), arena slots of 1 MiB.
+    const SMALL: usize = 16 * KIB;
+    const SINGLE_COPY: Option<usize> = Some(64 * KIB);
+    const SLOT: usize = MIB;
+
+    fn buf(len: usize) -> RawBuf {
+        // Planning reads lengths only: nothing is ever read or written here.
+        RawBuf::new(std::ptr::NonNull::<u8>::dangling().as_ptr(), len)
+    }
+
+    fn sum(premul: Option<f64>) -> Reduction {
+        Reduction { premul, ..Reduction::new(DType::F32, ReduceOp::Sum) }
+    }
+
+    /// Every collective the table covers, of `bytes` per rank (per block where
+    /// the op has a block per rank) on a group of `world`.
+    fn ops(bytes: usize, world: usize) -> Vec<(&'static str, Collective)> {
+        let blocks = || vec![buf(bytes); world];
+        vec![
+            ("all_reduce", Collective::AllReduce { buf: buf(bytes * world), red: sum(None) }),
+            ("all_reduce premul", Collective::AllReduce { buf: buf(bytes * world), red: sum(Some(0.5)) }),
+            ("broadcast", Collective::Broadcast { buf: buf(bytes), root: 0, dtype: BYTES }),
+            ("reduce", Collective::Reduce { buf: buf(bytes), root: 0, red: sum(None) }),
+            ("all_gather", Collective::AllGather { input: buf(bytes), outputs: blocks(), dtype: BYTES }),
+            ("reduce_scatter", Collective::ReduceScatter { inputs: blocks(), output: buf(bytes), red: sum(None) }),
+            ("gather", Collective::Gather { input: buf(bytes), outputs: blocks(), root: 0, dtype: BYTES }),
+            ("all_to_all", Collective::AllToAll { inputs: blocks(), outputs: blocks(), dtype: BYTES }),
+            ("barrier", Collective::Barrier),
+            ("monitored_barrier", Collective::MonitoredBarrier { wait_all: false, timeout: None }),
+        ]
+    }
+
+    /// What rank 0 of `net` plans for `part`: the algorithm, and whether it
+    /// checks the call itself.
+    fn planned(net: &[Arc<FakeTransport>], part: &Collective, may_check_inline: bool) -> (Algorithm, bool) {
+        let (pool, cost) = (ScratchPool::default(), Default::default());
+        let ctx = OpCtx {
+            transport: &*net[0],
+            seq: 0,
+            timeout: Duration::from_secs(5),
+            deadline: Instant::now() + Duration::from_secs(5),
+            what: What::new("plan", 0, 0),
+            segment_bytes: MIB,
+            small_allreduce_bytes: SMALL,
+            pool: &pool,
+            spin: Duration::ZERO,
+            piece: 0,
+            phase: 0,
+            cost: &cost,
+        };
+        let plan = Plan::of(&ctx, part, may_check_inline);
+        (plan.algorithm, plan.checks_inline)
+    }
+
+    /// The route of every collective at 8 B, 32 KiB and 1 MiB (per rank or
+    /// block) on each kind of group: one row per op, "algorithm/inline" at
+    /// each size, "before" where the call is checked before the algorithm.
+    fn table(net: &[Arc<FakeTransport>], may_check_inline: bool) -> Vec<String> {
+        let world = net.len();
+        let sizes = [8, 32 * KIB, MIB];
+        let per_size: Vec<Vec<(&str, Collective)>> = sizes.iter().map(|&b| ops(b, world)).collect();
+        (0..per_size[0].len())
+            .map(|i| {
+                let cells: Vec<String> = per_size
+                    .iter()
+                    .map(|ops| {
+                        let (algorithm, inline) = planned(net, &ops[i].1, may_check_inline);
+                        format!("{algorithm:?}/{}", if inline { "inline" } else { "before" })
+                    })
+                    .collect();
+                format!("{}: {}", per_size[0][i].0, cells.join(" "))
+            })
+            .collect()
+    }
+
+    #[track_caller]
+    fn pinned(net: &[Arc<FakeTransport>], may_check_inline: bool, expected: &str) {
+        let expected: Vec<String> =
+            expected.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
+        assert_eq!(table(net, may_check_inline), expected);
+    }
+
+    /// A change of route for any size, group or topology fails here: change
+    /// the table only together with the benchmark that justifies it.
+    #[test]
+    fn each_collective_takes_the_algorithm_pinned_for_its_size_and_group() {
+        // One host, TCP and rings only.
+        pinned(
+            &FakeNet::new(4),
+            true,
+            "all_reduce: Direct/inline Ring/before Ring/before
+             all_reduce premul: Direct/before Ring/before Ring/before
+             broadcast: Tree/before Chain/before Chain/before
+             reduce: Tree/before Chain/before Chain/before
+             all_gather: Ring/before Ring/before Ring/before
+             reduce_scatter: Ring/before Ring/before Ring/before
+             gather: Pairwise/before Pairwise/before Pairwise/before
+             all_to_all: Pairwise/before Pairwise/before Pairwise/before
+             barrier: Direct/inline Direct/inline Direct/inline
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+        // Wider than the direct exchange goes (16 ranks).
+        pinned(
+            &FakeNet::new(17),
+            true,
+            "all_reduce: Ring/before Ring/before Ring/before
+             all_reduce premul: Ring/before Ring/before Ring/before
+             broadcast: Chain/before Chain/before Chain/before
+             reduce: Chain/before Chain/before Chain/before
+             all_gather: Ring/before Ring/before Ring/before
+             reduce_scatter: Ring/before Ring/before Ring/before
+             gather: Pairwise/before Pairwise/before Pairwise/before
+             all_to_all: Pairwise/before Pairwise/before Pairwise/before
+             barrier: Ring/before Ring/before Ring/before
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+        // Every rank reads the others' memory, no arena (RUSTC10D_ARENA_SLOT_BYTES=0).
+        pinned(
+            &FakeNet::with_single_copy(4, SINGLE_COPY),
+            true,
+            "all_reduce: Direct/inline Ring/before SingleCopy/inline
+             all_reduce premul: Direct/before Ring/before Ring/before
+             broadcast: Tree/before Chain/before SingleCopy/inline
+             reduce: Tree/before Chain/before Chain/before
+             all_gather: Ring/before Ring/before SingleCopy/inline
+             reduce_scatter: Ring/before Ring/before SingleCopy/inline
+             gather: Pairwise/before Pairwise/before Pairwise/before
+             all_to_all: Pairwise/before Pairwise/before Pairwise/before
+             barrier: Direct/inline Direct/inline Direct/inline
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+        // The pieces of a staged op, checked before: no single copy.
+        pinned(
+            &FakeNet::with_single_copy(4, SINGLE_COPY),
+            false,
+            "all_reduce: Direct/before Ring/before Ring/before
+             all_reduce premul: Direct/before Ring/before Ring/before
+             broadcast: Tree/before Chain/before Chain/before
+             reduce: Tree/before Chain/before Chain/before
+             all_gather: Ring/before Ring/before Ring/before
+             reduce_scatter: Ring/before Ring/before Ring/before
+             gather: Pairwise/before Pairwise/before Pairwise/before
+             all_to_all: Pairwise/before Pairwise/before Pairwise/before
+             barrier: Direct/before Direct/before Direct/before
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+        // One host with an arena (the default there).
+        pinned(
+            &FakeNet::with_arena(4, SLOT, None),
+            true,
+            "all_reduce: Arena/inline Arena/inline Arena/inline
+             all_reduce premul: Arena/inline Arena/inline Arena/inline
+             broadcast: Arena/inline Arena/inline Arena/inline
+             reduce: Arena/inline Arena/inline Arena/inline
+             all_gather: Arena/inline Arena/inline Arena/inline
+             reduce_scatter: Arena/inline Arena/inline Arena/inline
+             gather: Arena/inline Arena/inline Arena/inline
+             all_to_all: Arena/inline Arena/inline Arena/inline
+             barrier: Arena/inline Arena/inline Arena/inline
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+        // An arena and single copy: large blocks go as addresses, small ones
+        // through the arena; an all-reduce that fits a round stays there.
+        pinned(
+            &FakeNet::with_arena(4, SLOT, SINGLE_COPY),
+            true,
+            "all_reduce: Arena/inline Arena/inline SingleCopy/inline
+             all_reduce premul: Arena/inline Arena/inline Arena/inline
+             broadcast: Arena/inline Arena/inline SingleCopy/inline
+             reduce: Arena/inline Arena/inline Arena/inline
+             all_gather: Arena/inline Arena/inline SingleCopy/inline
+             reduce_scatter: Arena/inline Arena/inline SingleCopy/inline
+             gather: Arena/inline Arena/inline Pairwise/before
+             all_to_all: Arena/inline Arena/inline Arena/inline
+             barrier: Arena/inline Arena/inline Arena/inline
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+        // Two hosts of two ranks each, with or without an arena on each host
+        // (which only the hierarchical algorithms' phases use).
+        let two_by_two = "all_reduce: HostsDirect/inline Hierarchical/before Hierarchical/before
+             all_reduce premul: HostsDirect/before Hierarchical/before Hierarchical/before
+             broadcast: Tree/before Chain/before Chain/before
+             reduce: Tree/before Chain/before Chain/before
+             all_gather: Hierarchical/before Hierarchical/before Hierarchical/before
+             reduce_scatter: Hierarchical/before Hierarchical/before Hierarchical/before
+             gather: Pairwise/before Pairwise/before Pairwise/before
+             all_to_all: Pairwise/before Pairwise/before Pairwise/before
+             barrier: HostsDirect/inline HostsDirect/inline HostsDirect/inline
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before";
+        pinned(&FakeNet::on_hosts(vec![0, 0, 1, 1]), true, two_by_two);
+        pinned(&FakeNet::on_hosts_with_arenas(vec![0, 0, 1, 1], SLOT), true, two_by_two);
+        // Hosts of unequal sizes: the small exchanges go among all ranks at once.
+        pinned(
+            &FakeNet::on_hosts(vec![0, 0, 0, 1]),
+            true,
+            "all_reduce: Direct/inline Hierarchical/before Hierarchical/before
+             all_reduce premul: Direct/before Hierarchical/before Hierarchical/before
+             broadcast: Tree/before Chain/before Chain/before
+             reduce: Tree/before Chain/before Chain/before
+             all_gather: Hierarchical/before Hierarchical/before Hierarchical/before
+             reduce_scatter: Hierarchical/before Hierarchical/before Hierarchical/before
+             gather: Pairwise/before Pairwise/before Pairwise/before
+             all_to_all: Pairwise/before Pairwise/before Pairwise/before
+             barrier: Direct/inline Direct/inline Direct/inline
+             monitored_barrier: OwnOnly/before OwnOnly/before OwnOnly/before",
+        );
+    }
 }

@@ -51,7 +51,7 @@ pub use alltoall::pairwise_alltoall;
 pub use broadcast::ring_broadcast;
 pub use direct::{direct_gather, direct_scatter};
 pub use direct_allreduce::{direct_allreduce, prefers_direct};
-pub use dispatch::{run, Plan};
+pub use dispatch::{run, Algorithm, Plan};
 pub use hier_allgather::hierarchical_allgather;
 pub use hier_allreduce::hierarchical_allreduce;
 pub use hier_direct_allreduce::hierarchical_direct_allreduce;

@@ -70,7 +70,7 @@ impl Shared {
                             piece: i as u64,
                             ..*ctx
                         };
-                        algorithms::run(&piece_ctx, piece, &Plan::of(&piece_ctx, piece), None)
+                        algorithms::run(&piece_ctx, piece, &Plan::of(&piece_ctx, piece, false), &Fingerprint::of(piece))
                     })
                 })
             }
@@ -90,12 +90,11 @@ impl Shared {
         self.run_part(seq, part, timeout, spin, fingerprint, |ctx| {
             // The smallest all-reduces and barriers check the call
             // alongside their one exchange; the rest before they start.
-            let plan = Plan::of(ctx, part);
-            let inline = plan.checks_inline(ctx, part);
-            if !inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
+            let plan = Plan::of(ctx, part, true);
+            if !plan.checks_inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
                 algorithms::call_check::agree(ctx, &fingerprint)?;
             }
-            algorithms::run(ctx, part, &plan, inline.then_some(&fingerprint))
+            algorithms::run(ctx, part, &plan, &fingerprint)
         })
     }
 

@@ -73,10 +73,9 @@ impl Rank<'_> {
             cost: &Default::default(),
         };
         let fingerprint = call_check::Fingerprint::of(&part);
-        let plan = algorithms::Plan::of(&ctx, &part);
-        let inline = plan.checks_inline(&ctx, &part);
-        let checked = if inline { Ok(()) } else { call_check::agree(&ctx, &fingerprint) };
-        let r = checked.and_then(|()| algorithms::run(&ctx, &part, &plan, inline.then_some(&fingerprint)));
+        let plan = algorithms::Plan::of(&ctx, &part, true);
+        let checked = if plan.checks_inline { Ok(()) } else { call_check::agree(&ctx, &fingerprint) };
+        let r = checked.and_then(|()| algorithms::run(&ctx, &part, &plan, &fingerprint));
         if let Err(e) = &r {
             self.t.abort_all(e, seq);
         }
