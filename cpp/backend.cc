@@ -758,24 +758,8 @@ class RustBackend final : public compat::Backend<RustBackend> {
       allreduce(tensors, opts)->wait();
       return;
     }
-    auto code = static_cast<ReduceOpCode>(op);
-    // Where the group is idle, the op runs here and now, with no Op to make and wait for.
-    auto here = group().all_reduce_here(desc_of(t), code);
-    if (here.ran) {
-      if (here.failed) raise(here.kind, std::string(here.message));
-      return;
-    }
-    Call call{};
-    call.kind = OpKind::AllReduce;
-    call.root = -1;
-    call.reduce = code;
-    call.timeout_ms = -1;
-    call.sync_op = true;
-    call.outputs = rvec({desc_of(t)});
-    auto done = group().run_now(call);
-    if (done->failed_at_issue() || done->wait(-1) != WaitOutcome::Done) {
-      raise(done->error_kind(), std::string(done->error_message()));
-    }
+    auto ended = group().all_reduce_direct(desc_of(t), static_cast<ReduceOpCode>(op));
+    if (ended.failed) raise(ended.kind, std::string(ended.message));
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {

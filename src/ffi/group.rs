@@ -201,41 +201,33 @@ impl Group {
         }
     }
 
-    pub(crate) fn run_now(&self, call: &Call) -> Box<Op> {
-        let name = op_kind(call.kind).map_or("op", |k| k.name());
-        let run = || -> Result<OpHandle> {
-            let parts = collectives(call, None)?;
-            // SAFETY: the buffers are the caller's tensors, which it holds, and
-            // neither reads nor changes, until it has waited for the Op (the
-            // bridge's contract for `run_now`); the op ends, at the latest,
-            // at its timeout.
-            unsafe { self.engine.run_now(parts, timeout(call.timeout_ms), None, Box::new(|_| Ok(()))) }
-        };
-        match panics::contain(format_args!("{name} on rank {}", self.engine.rank()), run) {
-            Ok(Ok(handle)) => self.op(handle, false, Vec::new()),
-            Ok(Err(e)) | Err(e) => self.op(OpHandle::failed(e), true, Vec::new()),
-        }
-    }
-
-    pub(crate) fn all_reduce_here(&self, tensor: &bridge::TensorDesc, reduce: bridge::ReduceOpCode) -> bridge::RanHere {
-        let ran = panics::contain(format_args!("allreduce on rank {}", self.engine.rank()), || {
-            // PREMUL_SUM, whose factor this does not take, the shim sends `run_now`'s way.
-            let part = all_reduce_of(tensor, reduce, 1.0)?;
+    pub(crate) fn all_reduce_direct(&self, tensor: &bridge::TensorDesc, reduce: bridge::ReduceOpCode) -> bridge::Ended {
+        let run = || -> Result<()> {
+            // PREMUL_SUM, whose factor this does not take, the shim refuses.
+            let part = || all_reduce_of(tensor, reduce, 1.0);
             // SAFETY: the buffer is the caller's tensor, which it holds, and
             // neither reads nor changes, until this returns (the bridge's
-            // contract for `all_reduce_here`).
-            Ok(unsafe { self.engine.run_here(part) })
-        });
-        let (ran, result) = match ran.and_then(|r| r) {
-            Ok(Some(result)) => (true, result),
-            Ok(None) => (false, Ok(())),
-            Err(e) => (true, Err(e)),
+            // contract for `all_reduce_direct`).
+            if let Some(ran) = unsafe { self.engine.run_here(part()?) } {
+                return ran;
+            }
+            // Busy: queued behind what runs, and waited for here.
+            // SAFETY: as above; the wait below returns once the op has ended,
+            // which it does by its timeout at the latest.
+            let handle = unsafe { self.engine.run_now(vec![part()?], None, None, Box::new(|_| Ok(()))) }?;
+            match handle.wait(None) {
+                Waited::Done => Ok(()),
+                Waited::Failed(e) => Err(e),
+                Waited::TimedOut => Err(handle.error().unwrap_or_else(|| {
+                    Error::timeout(format!("rustc10d: allreduce on rank {} did not end", self.engine.rank()))
+                })),
+            }
         };
-        let (failed, kind, message) = match result {
-            Ok(()) => (false, bridge::ErrorKind::InvalidArgument, String::new()),
-            Err(e) => (true, e.kind.into(), e.message),
-        };
-        bridge::RanHere { ran, failed, kind, message }
+        let ran = panics::contain(format_args!("allreduce on rank {}", self.engine.rank()), run).and_then(|r| r);
+        match ran {
+            Ok(()) => bridge::Ended { failed: false, kind: bridge::ErrorKind::InvalidArgument, message: String::new() },
+            Err(e) => bridge::Ended { failed: true, kind: e.kind.into(), message: e.message },
+        }
     }
 
     pub(crate) fn start_coalescing(&self) -> Result<()> {

@@ -159,10 +159,8 @@ pub mod bridge {
         kind: ErrorKind,
     }
 
-    /// What `Group::all_reduce_here` did.
-    struct RanHere {
-        /// Whether the op ran; if not (its group was busy), nothing was done.
-        ran: bool,
+    /// How `Group::all_reduce_direct` ended.
+    struct Ended {
         failed: bool,
         /// Of a failure: which, and its message.
         kind: ErrorKind,
@@ -184,17 +182,11 @@ pub mod bridge {
         /// Hand a call to the engine. An op refused at once (bad input) comes
         /// back failed, with `failed_at_issue`.
         fn submit(self: &Group, call: &Call, done: UniquePtr<Completion>) -> Box<Op>;
-        /// A collective whose caller holds its tensors and waits for it at
-        /// once, with nothing to finish on the torch side (the direct op,
-        /// `rustc10d.all_reduce_`): on the caller's thread where the group is
-        /// idle, else queued. The caller must wait for the Op before it lets
-        /// go of the tensors.
-        fn run_now(self: &Group, call: &Call) -> Box<Op>;
-        /// The direct op's all-reduce of `tensor` in place, run at once on
-        /// the caller's thread where the group is idle, with no Op to wait
-        /// for; where it is busy, not run (the shim then takes `run_now`).
-        /// The caller holds the tensor, untouched, until this returns.
-        fn all_reduce_here(self: &Group, tensor: &TensorDesc, reduce: ReduceOpCode) -> RanHere;
+        /// The direct op's all-reduce of `tensor` in place (`rustc10d.all_reduce_`),
+        /// ended when this returns: run at once on the caller's thread where the
+        /// group is idle, with no Op made, else queued and waited for. The
+        /// caller holds the tensor, untouched, until this returns.
+        fn all_reduce_direct(self: &Group, tensor: &TensorDesc, reduce: ReduceOpCode) -> Ended;
         fn start_coalescing(self: &Group) -> Result<()>;
         /// One op for every op issued since start_coalescing.
         fn end_coalescing(self: &Group, done: UniquePtr<Completion>) -> Box<Op>;
