@@ -120,31 +120,28 @@ impl Plan {
         };
         // Single copy only where this call may be checked by the algorithm.
         let single_copy = single_copy && may_check_inline;
-        let spread = if single_copy {
-            Algorithm::SingleCopy
-        } else if hosts.is_some() {
-            Algorithm::Hierarchical
-        } else {
-            Algorithm::Ring
+        let spread = |single_copy| match single_copy {
+            true => Algorithm::SingleCopy,
+            false if hosts.is_some() => Algorithm::Hierarchical,
+            false => Algorithm::Ring,
         };
         let (algorithm, checks_inline) = match part {
-            // PREMUL_SUM scales the caller's buffer first: its call is checked before.
-            Collective::AllReduce { buf, red } if red.premul.is_some() => match direct(buf.len, world) {
-                true => (exchange(buf.len), false),
-                false if hosts.is_some() => (Algorithm::Hierarchical, false),
-                false => (Algorithm::Ring, false),
-            },
-            Collective::AllReduce { buf, .. } => match direct(buf.len, world) {
-                true => (exchange(buf.len), true),
-                false => (spread, single_copy),
-            },
+            Collective::AllReduce { buf, red } => {
+                // PREMUL_SUM scales the caller's buffer first: its call is
+                // checked before, so not by single copy, which checks it itself.
+                let checked_here = red.premul.is_none();
+                match direct(buf.len, world) {
+                    true => (exchange(buf.len), checked_here),
+                    false => (spread(single_copy && checked_here), single_copy && checked_here),
+                }
+            }
             Collective::Barrier => (exchange(1), direct(1, world)),
             Collective::Reduce { buf, .. } => (rooted(buf.len), false),
             Collective::Broadcast { buf, .. } => match single_copy {
                 true => (Algorithm::SingleCopy, true),
                 false => (rooted(buf.len), false),
             },
-            Collective::AllGather { .. } | Collective::ReduceScatter { .. } => (spread, single_copy),
+            Collective::AllGather { .. } | Collective::ReduceScatter { .. } => (spread(single_copy), single_copy),
             Collective::Gather { .. } | Collective::Scatter { .. } | Collective::AllToAll { .. } => {
                 (Algorithm::Pairwise, false)
             }

@@ -219,7 +219,10 @@ impl Group {
                 Waited::Done => Ok(()),
                 Waited::Failed(e) => Err(e),
                 Waited::TimedOut => Err(handle.error().unwrap_or_else(|| {
-                    Error::timeout(format!("rustc10d: allreduce on rank {} did not end", self.engine.rank()))
+                    Error::timeout(format!(
+                        "rustc10d: allreduce on rank {} did not end within its timeout",
+                        self.engine.rank()
+                    ))
                 })),
             }
         };
