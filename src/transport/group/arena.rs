@@ -217,7 +217,7 @@ impl Arena {
         let map = Arc::new(Mapping::of(fd.as_raw_fd(), len)?);
         Self::init(&map, 0, world, slot_bytes);
         let pool = (pool_regions > 0)
-            .then(|| ArenaPool::init(map.clone(), at, world, slot_bytes, pool_regions).map(Arc::new))
+            .then(|| ArenaPool::init(map.clone(), at, world, slot_bytes, pool_regions, rank).map(Arc::new))
             .transpose()?;
         Ok(Arena { fd: Some(fd), pool, ..Arena::view(map, 0, rank, world, slot_bytes) })
     }
@@ -245,7 +245,7 @@ impl Arena {
         }
         let pool = match Self::pool_offset(world, slot_bytes) {
             _ if own == Some(len) => None,
-            Some(at) if at < len => Some(Arc::new(ArenaPool::open(map.clone(), at, world, slot_bytes)?)),
+            Some(at) if at < len => Some(Arc::new(ArenaPool::open(map.clone(), at, world, slot_bytes, rank)?)),
             _ => return Err(malformed()),
         };
         Ok(Arena { pool, ..Arena::view(map, 0, rank, world, slot_bytes) })

@@ -2,38 +2,52 @@
 //! (issue #31: groups share the host's memory as they share its links).
 //!
 //! A host's arena (arena.rs) is followed, in the same memfd, by a pool: a
-//! table of leases and `regions` regions, each large enough for an arena of
-//! every rank of the host. Every rank of the host maps it with the host's
-//! arena, at init. A group whose members all run on one host leases its
-//! arena here by a key every member computes alike (its channel's number
-//! and its members): the first member to come claims an entry for the key
-//! and a free region (or none, if every region is taken: then the group
-//! runs over the rings, and so does every member, which finds the entry
-//! saying so), and writes the region's header; the others find the entry.
-//! Each member gives its lease back when its view of the arena is dropped;
-//! the last of them frees the entry and the region (and its memory, which
-//! goes back to the system). So a group costs no message, no descriptor and
-//! no memory until it uses its arena.
+//! slot per rank of the host, a table of leases and `regions` regions, each
+//! large enough for an arena of every rank of the host. Every rank of the
+//! host maps it with the host's arena, at init. A group whose members all
+//! run on one host leases its arena here by a key every member computes
+//! alike (its channel's number and its members): the first member to come
+//! claims an entry for the key and a free region (or none, if every region
+//! is taken: then the group runs over the rings, and so does every member,
+//! which finds the entry saying so), and writes the region's header; the
+//! others find the entry. An entry records its group's members as ranks of
+//! the host, and which of them have found it and given it back. It is freed
+//! once every member has found it, if it holds no region (its verdict is
+//! read; before, such entries were never freed, and the table filled); and
+//! once every member has given it back, if it holds one (its memory goes
+//! back to the system). So a group costs no message, no descriptor and no
+//! memory until it uses its arena.
 //!
-//! The table is changed under a lock in the shared memory, held for a few
-//! loads and stores (and, freeing a region, one madvise): a robust,
-//! process-shared pthread mutex. Only its holder can release it, a waiter
-//! sleeps in the kernel (a futex) until it is released or the deadline
-//! passes, and a holder that dies holding it (a SIGKILL at the wrong
-//! instant) has it released by the kernel (the robust list), whichever pid
-//! namespace it ran in: the next holder finds that out (EOWNERDEAD) and
-//! goes on with the table as the dead one left it (every edit writes
-//! `used` last). A live holder is never taken over, however long it is
-//! stopped (a debugger, SIGSTOP). Before, the lock word was the holder's
-//! pid, taken over from a pid that looked dead, which a holder in another
-//! pid namespace does, and released by a plain store: two processes could
-//! hold it. Lock order: the table's lock is taken last; nothing else is
-//! locked while it is held.
+//! **Dead members.** Each rank of the host holds its slot's lock for as
+//! long as its process maps the pool: a robust, process-shared mutex locked
+//! by a thread of its own (`Keeper`), which the kernel releases when the
+//! process dies (its robust list), whichever pid namespace it ran in, and
+//! which a stopped process (SIGSTOP, a debugger) still holds. Where the
+//! table or the regions are full, the pool counts every member whose slot's
+//! lock is free as having found and given back every lease it was in
+//! (`reclaim`): a SIGKILLed rank's leases come back while its host's other
+//! ranks go on, and no region is ever freed under a live member's view.
+//!
+//! **The table's lock.** The table is changed under a lock in the shared
+//! memory, held for a few loads and stores (and, freeing a region, one
+//! madvise): a robust, process-shared pthread mutex too. Only its holder can
+//! release it, a waiter sleeps in the kernel (a futex) until it is released
+//! or the deadline passes, and a holder that dies holding it (a SIGKILL at
+//! the wrong instant) has it released by the kernel: the next holder finds
+//! that out (EOWNERDEAD) and goes on with the table as the dead one left it
+//! (every edit writes `used` last). A live holder is never taken over,
+//! however long it is stopped. Before, the lock word was the holder's pid,
+//! taken over from a pid that looked dead, which a holder in another pid
+//! namespace does, and released by a plain store: two processes could hold
+//! it. Lock order: the table's lock is taken last; nothing else is locked
+//! while it is held (a slot's lock is only tried, never waited for).
+//!
 //! Every value another process wrote here is checked before it is used as
 //! an index.
 
-// The header, the table and the regions are memory other processes write:
-// every unsafe block says why its access is in bounds and race-free.
+// The header, the slots, the table and the regions are memory other
+// processes write: every unsafe block says why its access is in bounds and
+// race-free.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::error::{Error, Result};
@@ -42,7 +56,8 @@ use crate::transport::shared_mem::Mapping;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How many arenas a host's pool holds at most: groups of its ranks that
@@ -52,14 +67,40 @@ const REGIONS: usize = 64;
 /// `ulimit -v` is set, every byte mapped counts): fewer regions where an
 /// arena of every rank of the host is large.
 const MAX_BYTES: usize = 4 << 30;
-/// How many groups of a host's ranks may be alive at once (leases, with a
-/// region or without).
+/// How many groups of a host's ranks may hold an entry at once: a region,
+/// or a verdict of none that some member has yet to find.
 const ENTRIES: usize = 1024;
-const MAGIC: u64 = 0x5243_3130_504f_4f4c; // "RC10POOL"
+/// The most ranks a host may have for its groups to lease arenas (an entry
+/// records its members as a set of them); a host with more has no pool, and
+/// its groups run over the rings.
+pub const MAX_SLOTS: usize = 256;
+const WORDS: usize = MAX_SLOTS / 64;
+const MAGIC: u64 = 0x5243_3130_504f_4c32; // "RC10POL2"
 const HEADER_BYTES: usize = 4096;
 const NO_REGION: u32 = u32::MAX;
 /// How long giving a lease back waits for the table's lock.
 const GIVE_BACK_WAIT: Duration = Duration::from_secs(2);
+
+/// A set of the host's ranks, a bit each.
+type Ranks = [u64; WORDS];
+
+fn ranks_of(slots: &[usize]) -> Ranks {
+    let mut set = [0; WORDS];
+    slots.iter().for_each(|&s| set[s / 64] |= 1 << (s % 64));
+    set
+}
+
+fn has(set: &Ranks, s: usize) -> bool {
+    set[s / 64] & 1 << (s % 64) != 0
+}
+
+fn union(a: &Ranks, b: &Ranks) -> Ranks {
+    std::array::from_fn(|w| a[w] | b[w])
+}
+
+fn meet(a: &Ranks, b: &Ranks) -> Ranks {
+    std::array::from_fn(|w| a[w] & b[w])
+}
 
 #[repr(C)]
 struct Header {
@@ -74,19 +115,43 @@ struct Header {
     lock: UnsafeCell<libc::pthread_mutex_t>,
 }
 
-/// A group's lease: its key, its members, how many gave it back, its region.
+/// One rank of the host, as the pool knows it.
+#[repr(C)]
+struct Slot {
+    /// Held by the rank's keeper thread while its process maps the pool.
+    alive: UnsafeCell<libc::pthread_mutex_t>,
+    /// 1 once the rank holds `alive`: before, it is counted as alive.
+    claimed: AtomicU32,
+}
+
+/// A group's lease: its key, its members, who found it and gave it back,
+/// its region.
 #[repr(C)]
 struct Entry {
     key: AtomicU64,
     /// 1 while the entry is leased.
     used: AtomicU32,
-    members: AtomicU32,
-    returned: AtomicU32,
     region: AtomicU32,
+    members: [AtomicU64; WORDS],
+    arrived: [AtomicU64; WORDS],
+    returned: [AtomicU64; WORDS],
+}
+
+impl Entry {
+    fn load(words: &[AtomicU64; WORDS]) -> Ranks {
+        std::array::from_fn(|w| words[w].load(Ordering::Relaxed))
+    }
+
+    fn store(words: &[AtomicU64; WORDS], set: &Ranks) {
+        words.iter().zip(set).for_each(|(w, &v)| w.store(v, Ordering::Relaxed));
+    }
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
-const _: () = assert!(std::mem::size_of::<Entry>() == 24);
+const ENTRY_BYTES: usize = std::mem::size_of::<Entry>();
+const _: () = assert!(ENTRY_BYTES == 16 + 24 * WORDS && ENTRY_BYTES.is_multiple_of(8));
+const SLOT_BYTES: usize = std::mem::size_of::<Slot>();
+const _: () = assert!(SLOT_BYTES.is_multiple_of(8));
 
 /// A host's pool of arenas, as this process maps it.
 pub struct ArenaPool {
@@ -97,11 +162,19 @@ pub struct ArenaPool {
     max_world: usize,
     slot_bytes: usize,
     regions: usize,
+    /// This process's slot (its rank of the host).
+    slot: usize,
+    /// Holds the slot's lock while the pool is mapped here.
+    _keeper: Option<Keeper>,
 }
 
 impl ArenaPool {
+    fn slots_bytes(max_world: usize) -> usize {
+        (max_world * SLOT_BYTES).div_ceil(4096) * 4096
+    }
+
     fn table_bytes() -> usize {
-        (ENTRIES * std::mem::size_of::<Entry>()).div_ceil(4096) * 4096
+        (ENTRIES * ENTRY_BYTES).div_ceil(4096) * 4096
     }
 
     fn region_bytes(max_world: usize, slot_bytes: usize) -> Option<usize> {
@@ -110,50 +183,69 @@ impl ArenaPool {
 
     /// How many regions a pool for arenas of up to `max_world` ranks with
     /// slots of `slot_bytes` holds: as many as fit `MAX_BYTES`, one at least,
-    /// `REGIONS` at most.
+    /// `REGIONS` at most; none (no pool) for a host of more than MAX_SLOTS.
     pub fn regions_for(max_world: usize, slot_bytes: usize) -> usize {
+        if max_world > MAX_SLOTS {
+            return 0;
+        }
         let region = Self::region_bytes(max_world, slot_bytes).unwrap_or(usize::MAX);
         (MAX_BYTES / region).clamp(1, REGIONS)
     }
 
     /// The bytes of a pool of `regions` arenas of up to `max_world` ranks.
     pub fn bytes_for(max_world: usize, slot_bytes: usize, regions: usize) -> Option<usize> {
-        Self::region_bytes(max_world, slot_bytes)?.checked_mul(regions)?.checked_add(HEADER_BYTES + Self::table_bytes())
+        if max_world > MAX_SLOTS {
+            return None;
+        }
+        Self::region_bytes(max_world, slot_bytes)?
+            .checked_mul(regions)?
+            .checked_add(HEADER_BYTES + Self::slots_bytes(max_world) + Self::table_bytes())
     }
 
-    /// Write a new pool at `offset` of `map` (zeroes, `bytes_for` long).
+    /// Write a new pool at `offset` of `map` (zeroes, `bytes_for` long), as
+    /// rank `slot` of the host maps it.
     pub(in crate::transport) fn init(
         map: Arc<Mapping>,
         offset: usize,
         max_world: usize,
         slot_bytes: usize,
         regions: usize,
+        slot: usize,
     ) -> Result<ArenaPool> {
-        let pool = ArenaPool { map, offset, max_world, slot_bytes, regions };
+        if slot >= max_world || max_world > MAX_SLOTS || regions > REGIONS {
+            return Err(Error::invalid(format!(
+                "rustc10d: no pool of {regions} arenas for rank {slot} of {max_world}"
+            )));
+        }
+        let pool = ArenaPool { map, offset, max_world, slot_bytes, regions, slot, _keeper: None };
         let h = pool.header();
         init_robust_mutex(h.lock.get())?;
+        for s in 0..max_world {
+            init_robust_mutex(pool.slot_of(s).alive.get())?;
+        }
         h.max_world.store(max_world as u64, Ordering::Relaxed);
         h.slot_bytes.store(slot_bytes as u64, Ordering::Relaxed);
         h.regions.store(regions as u64, Ordering::Relaxed);
-        // Published last: a peer that sees the magic sees the mutex made.
+        // Published last: a peer that sees the magic sees the mutexes made.
         h.magic.store(MAGIC, Ordering::Release);
-        Ok(pool)
+        pool.kept()
     }
 
     /// The pool a peer made at `offset` of `map`, after checking it is one
     /// for arenas of `max_world` with slots of `slot_bytes`, filling the
-    /// rest of the mapping.
+    /// rest of the mapping, as rank `slot` of the host maps it.
     pub(in crate::transport) fn open(
         map: Arc<Mapping>,
         offset: usize,
         max_world: usize,
         slot_bytes: usize,
+        slot: usize,
     ) -> Result<ArenaPool> {
         let malformed = || Error::io("rustc10d: malformed pool of arenas from a peer");
         if !offset.is_multiple_of(4096) || offset.checked_add(HEADER_BYTES).is_none_or(|end| end > map.len) {
             return Err(malformed());
         }
-        let pool = ArenaPool { map, offset, max_world, slot_bytes, regions: 0 };
+        let pool = ArenaPool { map, offset, max_world, slot_bytes, regions: 0, slot, _keeper: None };
         let h = pool.header();
         let regions = h.regions.load(Ordering::Relaxed);
         let fits = usize::try_from(regions)
@@ -164,13 +256,20 @@ impl ArenaPool {
                 if h.magic.load(Ordering::Acquire) == MAGIC
                     && h.max_world.load(Ordering::Relaxed) == max_world as u64
                     && h.slot_bytes.load(Ordering::Relaxed) == slot_bytes as u64
-                    && regions > 0
+                    && (1..=REGIONS).contains(&regions)
+                    && slot < max_world
                     && len == pool.map.len =>
             {
-                Ok(ArenaPool { regions, ..pool })
+                ArenaPool { regions, ..pool }.kept()
             }
             _ => Err(malformed()),
         }
+    }
+
+    /// This pool, its slot held by a keeper from now on.
+    fn kept(self) -> Result<ArenaPool> {
+        let keeper = Keeper::start(self.map.clone(), self.slot_offset(self.slot), self.slot)?;
+        Ok(ArenaPool { _keeper: Some(keeper), ..self })
     }
 
     fn header(&self) -> &Header {
@@ -182,86 +281,221 @@ impl ArenaPool {
         unsafe { &*(self.map.base.add(self.offset) as *const Header) }
     }
 
+    /// Where slot `s` (< max_world) lies in the mapping.
+    fn slot_offset(&self, s: usize) -> usize {
+        assert!(s < self.max_world);
+        self.offset + HEADER_BYTES + s * SLOT_BYTES
+    }
+
+    fn slot_of(&self, s: usize) -> &Slot {
+        // SAFETY: the slots are the `slots_bytes(max_world)` after the header,
+        // inside the mapping (its length was checked against `bytes_for`);
+        // slot s < max_world (asserted by `slot_offset`) is in them, aligned
+        // (a page plus multiples of SLOT_BYTES, itself a multiple of 8). Its
+        // fields are a process-shared mutex and an atomic, made to be shared;
+        // `self.map` keeps it mapped as long as the borrow.
+        unsafe { &*(self.map.base.add(self.slot_offset(s)) as *const Slot) }
+    }
+
     fn entry(&self, i: usize) -> &Entry {
         assert!(i < ENTRIES);
-        // SAFETY: the table is the `table_bytes()` after the header, inside
-        // the mapping (its length was checked against `bytes_for`); entry i
-        // < ENTRIES is in it, aligned (a page plus multiples of 24 bytes, of
-        // fields of 8 bytes at most, 8 first). Every field is an atomic,
-        // valid as zeroes; `self.map` keeps it mapped as long as the borrow.
-        unsafe { &*(self.map.base.add(self.offset + HEADER_BYTES + i * 24) as *const Entry) }
+        let at = self.offset + HEADER_BYTES + Self::slots_bytes(self.max_world) + i * ENTRY_BYTES;
+        // SAFETY: the table is the `table_bytes()` after the slots, inside the
+        // mapping (its length was checked against `bytes_for`); entry i <
+        // ENTRIES is in it, aligned (pages plus multiples of ENTRY_BYTES, a
+        // multiple of 8, of fields of 8 bytes at most, 8 first). Every field
+        // is an atomic, valid as zeroes; `self.map` keeps it mapped as long
+        // as the borrow.
+        unsafe { &*(self.map.base.add(at) as *const Entry) }
     }
 
     /// Where region `r` (< regions) starts in the mapping.
     fn region_at(&self, r: usize) -> usize {
         assert!(r < self.regions);
         let bytes = Self::region_bytes(self.max_world, self.slot_bytes).expect("checked in open");
-        self.offset + HEADER_BYTES + Self::table_bytes() + r * bytes
+        self.offset + HEADER_BYTES + Self::slots_bytes(self.max_world) + Self::table_bytes() + r * bytes
     }
 
-    /// Rank `rank`'s view of the arena of the group of `world` ranks that
-    /// `key` names (the same on every member, and on no other group of this
-    /// host's ranks), leased until the view is dropped; None if the pool
-    /// had no region free when the group's first member came (then none
-    /// of them has one). Every member must lease it once.
+    /// The view of member `me` of the arena of the group whose member i is
+    /// rank `slots[i]` of the host, named by `key` (the same on every
+    /// member, and on no other group of this host's ranks), leased until the
+    /// view is dropped; None if the pool had no region free when the
+    /// group's first member came (then none of them has one). Every member
+    /// must lease it once, as itself (`slots[me]` is this process's slot).
     pub(in crate::transport) fn lease(
         self: &Arc<Self>,
         key: u64,
-        world: usize,
-        rank: usize,
+        slots: &[usize],
+        me: usize,
         deadline: Instant,
     ) -> Result<Option<Arena>> {
-        if world > self.max_world || rank >= world {
+        let members = ranks_of(slots);
+        let distinct = members.iter().map(|w| w.count_ones() as usize).sum::<usize>() == slots.len();
+        if slots.iter().any(|&s| s >= self.max_world) || !distinct || slots.get(me) != Some(&self.slot) {
             return Err(Error::invalid(format!(
-                "rustc10d: rank {rank} of a group of {world} cannot lease an arena of a host of {}",
-                self.max_world
+                "rustc10d: member {me} of the group of this host's ranks {slots:?} cannot lease an arena of \
+                 a host of {} as its rank {}",
+                self.max_world, self.slot
             )));
         }
         let locked = self.lock(deadline)?;
+        let (i, region) = self.take(key, &members, self.slot)?;
+        drop(locked);
+        if region as usize >= self.regions {
+            return Ok(None);
+        }
+        let view = Arena::view(self.map.clone(), self.region_at(region as usize), me, slots.len(), self.slot_bytes);
+        Ok(Some(view.leased(Lease { pool: self.clone(), entry: i, key })))
+    }
+
+    /// Find (or, the group's first, make) the entry of `key` for the group
+    /// of `members` as member `mine` of the host: its index and region
+    /// (NO_REGION: none). With the table's lock held; allocates nothing (a
+    /// test runs it in a forked child).
+    fn take(&self, key: u64, members: &Ranks, mine: usize) -> Result<(usize, u32)> {
         let found = (0..ENTRIES).find(|&i| {
             let e = self.entry(i);
             e.used.load(Ordering::Relaxed) == 1 && e.key.load(Ordering::Relaxed) == key
         });
-        let i = match found {
-            Some(i) => i,
-            None => {
-                let Some(free) = (0..ENTRIES).find(|&i| self.entry(i).used.load(Ordering::Relaxed) == 0) else {
-                    return Err(Error::invalid(format!(
-                        "rustc10d: more than {ENTRIES} groups of this host's ranks are alive at once \
-                         (RUSTC10D_ARENA_SLOT_BYTES=0 gives groups no arena)"
-                    )));
-                };
-                let taken: Vec<usize> = (0..ENTRIES)
-                    .map(|i| self.entry(i))
-                    .filter(|e| e.used.load(Ordering::Relaxed) == 1)
-                    .map(|e| e.region.load(Ordering::Relaxed) as usize)
-                    .collect();
-                let region = (0..self.regions).find(|r| !taken.contains(r));
-                if let Some(r) = region {
-                    Arena::init(&self.map, self.region_at(r), world, self.slot_bytes);
-                }
-                let e = self.entry(free);
-                e.key.store(key, Ordering::Relaxed);
-                e.members.store(world as u32, Ordering::Relaxed);
-                e.returned.store(0, Ordering::Relaxed);
-                e.region.store(region.map_or(NO_REGION, |r| r as u32), Ordering::Relaxed);
-                e.used.store(1, Ordering::Relaxed);
-                free
+        if let Some(i) = found {
+            let e = self.entry(i);
+            let arrived = Entry::load(&e.arrived);
+            if Entry::load(&e.members) != *members || has(&arrived, mine) {
+                return Err(Error::invalid(format!(
+                    "rustc10d: another group of this host's ranks leased the arena of key {key:#x}: give the group \
+                     another name"
+                )));
             }
-        };
-        let e = self.entry(i);
-        if e.members.load(Ordering::Relaxed) as usize != world {
+            Entry::store(&e.arrived, &union(&arrived, &ranks_of(&[mine])));
+            let region = e.region.load(Ordering::Relaxed);
+            self.settle(i);
+            return Ok((i, region));
+        }
+        let free_entry = || (0..ENTRIES).find(|&i| self.entry(i).used.load(Ordering::Relaxed) == 0);
+        let Some(free) = free_entry().or_else(|| self.reclaim().then(free_entry).flatten()) else {
             return Err(Error::invalid(format!(
-                "rustc10d: another group of this host's ranks leased the arena of key {key:#x}: give the group another name"
+                "rustc10d: more than {ENTRIES} groups of this host's ranks are being made at once, or hold an \
+                 arena (RUSTC10D_ARENA_SLOT_BYTES=0 gives groups no arena)"
             )));
+        };
+        let region = self.free_region().or_else(|| self.reclaim().then(|| self.free_region()).flatten());
+        if let Some(r) = region {
+            Arena::init(
+                &self.map,
+                self.region_at(r),
+                members.iter().map(|w| w.count_ones() as usize).sum(),
+                self.slot_bytes,
+            );
         }
+        let e = self.entry(free);
+        e.key.store(key, Ordering::Relaxed);
+        Entry::store(&e.members, members);
+        Entry::store(&e.arrived, &ranks_of(&[mine]));
+        Entry::store(&e.returned, &[0; WORDS]);
+        let region = region.map_or(NO_REGION, |r| r as u32);
+        e.region.store(region, Ordering::Relaxed);
+        e.used.store(1, Ordering::Relaxed);
+        self.settle(free);
+        Ok((free, region))
+    }
+
+    /// A region no entry holds, if any. With the table's lock held.
+    fn free_region(&self) -> Option<usize> {
+        let mut taken = [false; REGIONS];
+        // `regions` is at most REGIONS (checked in `init` and `open`).
+        for i in 0..ENTRIES {
+            let e = self.entry(i);
+            let r = e.region.load(Ordering::Relaxed) as usize;
+            if e.used.load(Ordering::Relaxed) == 1 && r < self.regions {
+                taken[r] = true;
+            }
+        }
+        (0..self.regions).find(|&r| !taken[r])
+    }
+
+    /// Free entry `i` if it is done with: every member gave it back, or it
+    /// holds no region and every member found it. With the table's lock held.
+    fn settle(&self, i: usize) {
+        let e = self.entry(i);
+        let members = Entry::load(&e.members);
         let region = e.region.load(Ordering::Relaxed) as usize;
-        drop(locked);
-        if region >= self.regions {
-            return Ok(None);
+        let done = if region < self.regions {
+            Entry::load(&e.returned) == members
+        } else {
+            Entry::load(&e.arrived) == members
+        };
+        if !done {
+            return;
         }
-        let view = Arena::view(self.map.clone(), self.region_at(region), rank, world, self.slot_bytes);
-        Ok(Some(view.leased(Lease { pool: self.clone(), entry: i, key })))
+        if region < self.regions {
+            // Its memory goes back to the system now, not when the host's
+            // ranks exit; done before the region is free, so that no new
+            // group's header is lost to it.
+            let bytes = Self::region_bytes(self.max_world, self.slot_bytes).expect("checked in open");
+            // SAFETY: the region is inside the mapping (`region_at`), page
+            // aligned and `bytes` long; MADV_REMOVE drops its pages (they read
+            // as zeroes after), and no arena view of it is left: every member
+            // gave its lease back (a lease outlives its view) or is dead.
+            unsafe { libc::madvise(self.map.base.add(self.region_at(region)).cast(), bytes, libc::MADV_REMOVE) };
+        }
+        e.used.store(0, Ordering::Relaxed);
+    }
+
+    /// The host's ranks whose process has ended (or unmapped the pool):
+    /// their slot's lock was claimed and is free now. A slot whose lock is
+    /// held (a live process, stopped or not) or never claimed counts as alive.
+    fn dead(&self) -> Ranks {
+        let mut dead = [0; WORDS];
+        for s in 0..self.max_world {
+            let slot = self.slot_of(s);
+            if slot.claimed.load(Ordering::Acquire) == 0 {
+                continue;
+            }
+            // SAFETY: the mutex lies in slot s, mapped while `self` lives, and
+            // was made robust and process-shared before the magic was published.
+            let rc = unsafe { libc::pthread_mutex_trylock(slot.alive.get()) };
+            match rc {
+                0 => {}
+                libc::EOWNERDEAD => {
+                    // SAFETY: this thread holds the mutex (EOWNERDEAD locks it).
+                    unsafe { libc::pthread_mutex_consistent(slot.alive.get()) };
+                }
+                _ => continue,
+            }
+            // SAFETY: this thread locked it just now (0 or EOWNERDEAD).
+            unsafe { libc::pthread_mutex_unlock(slot.alive.get()) };
+            dead[s / 64] |= 1 << (s % 64);
+        }
+        dead
+    }
+
+    /// Count every dead member of every entry as having found it and given
+    /// it back, freeing the entries that are then done with; whether any
+    /// member was dead. With the table's lock held.
+    fn reclaim(&self) -> bool {
+        let dead = self.dead();
+        if dead == [0; WORDS] {
+            return false;
+        }
+        let mut freed = 0;
+        for i in 0..ENTRIES {
+            let e = self.entry(i);
+            if e.used.load(Ordering::Relaxed) != 1 {
+                continue;
+            }
+            let gone = meet(&Entry::load(&e.members), &dead);
+            if gone == [0; WORDS] {
+                continue;
+            }
+            Entry::store(&e.arrived, &union(&Entry::load(&e.arrived), &gone));
+            Entry::store(&e.returned, &union(&Entry::load(&e.returned), &gone));
+            self.settle(i);
+            freed += usize::from(e.used.load(Ordering::Relaxed) == 0);
+        }
+        if freed > 0 {
+            tracing::info!("rustc10d: {freed} leases of this host's arenas held by ended processes taken back");
+        }
+        true
     }
 
     /// Hold the table's lock until the guard drops (on this thread): wait
@@ -301,7 +535,8 @@ impl ArenaPool {
         Ok(Locked { header: h })
     }
 
-    /// Give back the lease of entry `i` for `key`: the last member frees it.
+    /// Give back this process's lease of entry `i` for `key`: the last
+    /// member frees it.
     fn give_back(&self, i: usize, key: u64) {
         let Ok(_locked) = self.lock(Instant::now() + GIVE_BACK_WAIT) else {
             return tracing::warn!("rustc10d: could not give back an arena of this host: it stays taken");
@@ -310,24 +545,71 @@ impl ArenaPool {
         if e.used.load(Ordering::Relaxed) != 1 || e.key.load(Ordering::Relaxed) != key {
             return;
         }
-        let returned = e.returned.load(Ordering::Relaxed) + 1;
-        e.returned.store(returned, Ordering::Relaxed);
-        if returned < e.members.load(Ordering::Relaxed) {
-            return;
+        Entry::store(&e.returned, &union(&Entry::load(&e.returned), &ranks_of(&[self.slot])));
+        self.settle(i);
+    }
+}
+
+/// The thread that holds a slot's lock while this process maps the pool:
+/// a robust mutex belongs to a thread, and no other thread of ours is sure
+/// to live as long. Dropped, it releases the lock and ends.
+struct Keeper {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Keeper {
+    /// Hold the lock of the slot at `offset` of `map` (rank `slot` of the host).
+    fn start(map: Arc<Mapping>, offset: usize, slot: usize) -> Result<Keeper> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let (ready, held) = mpsc::channel::<i32>();
+        let keep = move || {
+            // SAFETY: `offset` is slot `slot`'s place in the mapping (`slot_offset`,
+            // in bounds and aligned), which `map`, moved here, keeps mapped
+            // until the thread ends; its fields are made to be shared.
+            let s = unsafe { &*(map.base.add(offset) as *const Slot) };
+            // Tried, never waited for: another live process holding it means
+            // two processes claim one rank of the host.
+            // SAFETY: a robust process-shared mutex made before the magic was published.
+            let mut rc = unsafe { libc::pthread_mutex_trylock(s.alive.get()) };
+            if rc == libc::EOWNERDEAD {
+                // SAFETY: this thread holds it (EOWNERDEAD locks it).
+                rc = unsafe { libc::pthread_mutex_consistent(s.alive.get()) };
+            }
+            let _ = ready.send(rc);
+            if rc != 0 {
+                return;
+            }
+            s.claimed.store(1, Ordering::Release);
+            // Until the pool is dropped (the sender with it).
+            let _ = stopped.recv();
+            // SAFETY: this thread locked it above and holds it until now.
+            unsafe { libc::pthread_mutex_unlock(s.alive.get()) };
+        };
+        let thread = std::thread::Builder::new()
+            .name("rustc10d-alive".into())
+            .stack_size(64 * 1024)
+            .spawn(keep)
+            .map_err(|e| Error::io(format!("rustc10d: could not start the arenas' keeper thread: {e}")))?;
+        match held.recv() {
+            Ok(0) => Ok(Keeper { stop: Some(stop), thread: Some(thread) }),
+            rc => {
+                let _ = thread.join();
+                Err(Error::io(format!(
+                    "rustc10d: rank {slot} of this host's arenas is held by another live process ({})",
+                    rc.map_or_else(|_| "its keeper ended".into(), |e| std::io::Error::from_raw_os_error(e).to_string())
+                )))
+            }
         }
-        let region = e.region.load(Ordering::Relaxed) as usize;
-        if region < self.regions {
-            // Its memory goes back to the system now, not when the host's
-            // ranks exit; done before the region is free, so that no new
-            // group's header is lost to it.
-            let bytes = Self::region_bytes(self.max_world, self.slot_bytes).expect("checked in open");
-            // SAFETY: the region is inside the mapping (`region_at`), page
-            // aligned and `bytes` long; MADV_REMOVE drops its pages (they read
-            // as zeroes after), and no arena view of it is left: every member
-            // gave its lease back, and a lease outlives its view.
-            unsafe { libc::madvise(self.map.base.add(self.region_at(region)).cast(), bytes, libc::MADV_REMOVE) };
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
-        e.used.store(0, Ordering::Relaxed);
     }
 }
 
@@ -340,7 +622,7 @@ fn init_robust_mutex(mutex: *mut libc::pthread_mutex_t) -> Result<()> {
     // SAFETY: `attr` is a live local, initialised by pthread_mutexattr_init
     // before the setters use it and destroyed once, after the mutex is made;
     // `mutex` points at a pthread_mutex_t in a live mapping (the caller's
-    // header), which nothing else uses until the magic is published.
+    // header or slot), which nothing else uses until the magic is published.
     unsafe {
         let rc = libc::pthread_mutexattr_init(attr.as_mut_ptr());
         if rc != 0 {
@@ -426,12 +708,12 @@ mod tests {
     fn members_lease_one_region_by_key_and_the_last_frees_it() {
         let (a, b) = host(4, 2);
         let (pa, pb) = (a.pool().unwrap(), b.pool().unwrap());
-        let x0 = pa.lease(7, 2, 0, far()).unwrap().unwrap();
-        let x1 = pb.lease(7, 2, 1, far()).unwrap().unwrap();
-        let y0 = pa.lease(8, 3, 0, far()).unwrap().unwrap();
+        let x0 = pa.lease(7, &[0, 1], 0, far()).unwrap().unwrap();
+        let x1 = pb.lease(7, &[0, 1], 1, far()).unwrap().unwrap();
+        let y0 = pa.lease(8, &[0, 1, 2], 0, far()).unwrap().unwrap();
         // Both regions taken: a third group gets none, on every member.
-        assert!(pa.lease(9, 2, 0, far()).unwrap().is_none());
-        assert!(pb.lease(9, 2, 1, far()).unwrap().is_none());
+        assert!(pa.lease(9, &[0, 1], 0, far()).unwrap().is_none());
+        assert!(pb.lease(9, &[0, 1], 1, far()).unwrap().is_none());
         // The two members of key 7 share its region: a round passes between them.
         std::thread::scope(|s| {
             s.spawn(|| x1.round(&[1; 56]).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap());
@@ -441,12 +723,12 @@ mod tests {
         assert_ne!(x0.offset(), y0.offset());
         // A group whose members have not all given it back keeps its region.
         drop(x0);
-        assert!(pa.lease(10, 2, 0, far()).unwrap().is_none());
+        assert!(pa.lease(10, &[0, 1], 0, far()).unwrap().is_none());
         drop(x1);
         // Key 10's members follow its first, which found no region free.
-        assert!(pb.lease(10, 2, 1, far()).unwrap().is_none());
+        assert!(pb.lease(10, &[0, 1], 1, far()).unwrap().is_none());
         // Freed: a new group gets it, its header written anew.
-        let z0 = pa.lease(11, 2, 0, far()).unwrap().unwrap();
+        let z0 = pa.lease(11, &[0, 1], 0, far()).unwrap().unwrap();
         assert!(z0.aborted().is_none());
         assert_eq!(z0.round(&[2; 56]).unwrap().late(), None, "no stage arrived at yet");
         drop((y0, z0));
@@ -456,10 +738,10 @@ mod tests {
     fn an_aborted_region_starts_over_for_the_next_group() {
         let (a, _b) = host(2, 1);
         let pool = a.pool().unwrap();
-        let x = pool.lease(1, 1, 0, far()).unwrap().unwrap();
+        let x = pool.lease(1, &[0], 0, far()).unwrap().unwrap();
         x.abort("gone");
         drop(x);
-        let y = pool.lease(2, 1, 0, far()).unwrap().unwrap();
+        let y = pool.lease(2, &[0], 0, far()).unwrap().unwrap();
         assert!(y.aborted().is_none(), "a new group's arena is not aborted");
     }
 
@@ -467,9 +749,11 @@ mod tests {
     fn a_key_leased_for_another_size_is_refused() {
         let (a, _b) = host(4, 2);
         let pool = a.pool().unwrap();
-        let _x = pool.lease(5, 2, 0, far()).unwrap();
-        assert!(pool.lease(5, 3, 0, far()).is_err());
-        assert!(pool.lease(6, 5, 0, far()).is_err(), "larger than the host");
+        let _x = pool.lease(5, &[0, 1], 0, far()).unwrap();
+        assert!(pool.lease(5, &[0, 1, 2], 0, far()).is_err());
+        assert!(pool.lease(6, &[0, 4], 0, far()).is_err(), "a rank the host does not have");
+        assert!(pool.lease(6, &[0, 0], 0, far()).is_err(), "a rank twice");
+        assert!(pool.lease(6, &[1, 0], 0, far()).is_err(), "as another rank of the host");
     }
 
     /// Run `hold` in a child process (fork: it must not allocate, as other
@@ -508,10 +792,10 @@ mod tests {
             libc::pthread_mutex_lock(mutex);
         }));
         let started = Instant::now();
-        assert!(pool.lease(3, 2, 0, far()).unwrap().is_some());
+        assert!(pool.lease(3, &[0, 1], 0, far()).unwrap().is_some());
         assert!(started.elapsed() < Duration::from_millis(500), "{:?}", started.elapsed());
         // And it is an ordinary lock after that.
-        assert!(pool.lease(4, 2, 0, far()).unwrap().is_none(), "the one region is leased");
+        assert!(pool.lease(4, &[0, 1], 0, far()).unwrap().is_none(), "the one region is leased");
     }
 
     /// A holder that stops (SIGSTOP, a debugger) well past the second after
@@ -537,8 +821,9 @@ mod tests {
                 // Stopped here by the parent; then it leases region 0 for key 0xA, as `lease` does.
                 libc::usleep(100_000);
                 e0.key.store(0xA, Ordering::Relaxed);
-                e0.members.store(2, Ordering::Relaxed);
-                e0.returned.store(0, Ordering::Relaxed);
+                Entry::store(&e0.members, &ranks_of(&[0, 1]));
+                Entry::store(&e0.arrived, &ranks_of(&[1]));
+                Entry::store(&e0.returned, &[0; WORDS]);
                 e0.region.store(0, Ordering::Relaxed);
                 e0.used.store(1, Ordering::Relaxed);
                 h.holder.store(0, Ordering::Relaxed);
@@ -550,11 +835,11 @@ mod tests {
         assert_eq!(unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) }, 1, "the child holds the lock");
         // SAFETY: stops our own child.
         unsafe { libc::kill(holder, libc::SIGSTOP) };
-        let err = pool.lease(0xB, 2, 0, Instant::now() + Duration::from_millis(100)).err().unwrap();
+        let err = pool.lease(0xB, &[0, 1], 0, Instant::now() + Duration::from_millis(100)).err().unwrap();
         assert!(err.message.contains(&format!("process {holder} held the lock")), "{}", err.message);
         let waiter = {
             let pool = pool.clone();
-            std::thread::spawn(move || pool.lease(0xB, 2, 0, far()).map(|a| a.map(|a| a.offset())))
+            std::thread::spawn(move || pool.lease(0xB, &[0, 1], 0, far()).map(|a| a.map(|a| a.offset())))
         };
         std::thread::sleep(Duration::from_millis(2500));
         assert!(!waiter.is_finished(), "a stopped holder's lock was taken over");
@@ -568,17 +853,131 @@ mod tests {
         unsafe { (libc::close(fds[0]), libc::close(fds[1])) };
     }
 
+    /// Groups that find no region free hold an entry only until every
+    /// member has found it: before, each kept one for good, and after
+    /// ENTRIES of them no group of the host could be made.
+    #[test]
+    fn entries_of_groups_without_a_region_are_freed_once_every_member_found_them() {
+        let (a, b) = host(2, 1);
+        let (pa, pb) = (a.pool().unwrap(), b.pool().unwrap());
+        let x0 = pa.lease(1, &[0, 1], 0, far()).unwrap().unwrap();
+        for key in 2..2 + 3 * ENTRIES as u64 {
+            assert!(pa.lease(key, &[0, 1], 0, far()).unwrap().is_none());
+            assert!(pb.lease(key, &[0, 1], 1, far()).unwrap().is_none());
+        }
+        let used = (0..ENTRIES).filter(|&i| pa.entry(i).used.load(Ordering::Relaxed) == 1).count();
+        assert_eq!(used, 1, "only the group with the region holds an entry");
+        drop(x0);
+        drop(pb.lease(1, &[0, 1], 1, far()).unwrap().expect("rank 1 finds key 1's region, kept for it"));
+        let used = (0..ENTRIES).filter(|&i| pa.entry(i).used.load(Ordering::Relaxed) == 1).count();
+        assert_eq!(used, 0, "given back by both");
+    }
+
+    /// As rank `slot` of the host in a forked child: hold the slot's lock
+    /// (on the child's one thread, as its keeper would) and, with `key`,
+    /// lease as member of `members`. Allocates nothing.
+    fn as_rank(pool: &ArenaPool, slot: usize, lease: Option<(u64, &Ranks)>) {
+        let s = pool.slot_of(slot);
+        // SAFETY: the slot's mutex is mapped (shared) in the child too.
+        assert_eq!(unsafe { libc::pthread_mutex_trylock(s.alive.get()) }, 0);
+        s.claimed.store(1, Ordering::Release);
+        if let Some((key, members)) = lease {
+            let locked = pool.lock(far()).unwrap();
+            pool.take(key, members, slot).unwrap();
+            drop(locked);
+        }
+    }
+
+    /// A rank of the host SIGKILLed while in a group (or before it came)
+    /// has its part of the lease counted as given back once the pool needs
+    /// the room: the region serves the next group while the host's other
+    /// ranks go on.
+    #[test]
+    fn a_dead_members_leases_are_taken_back() {
+        let made = Arena::create(3, 4096, 0, 1).unwrap();
+        let pool = made.pool().unwrap();
+        let two = ranks_of(&[0, 1]);
+        // Rank 1 leases key 7 and dies holding it.
+        waited(child(|| as_rank(pool, 1, Some((7, &two)))));
+        let x = pool.lease(7, &[0, 1], 0, far()).unwrap().expect("the one region");
+        drop(x);
+        let y = pool.lease(8, &[0, 1], 0, far()).unwrap().expect("taken back from dead rank 1");
+        assert_eq!(y.offset(), pool.region_at(0));
+        // Rank 1 never comes to key 8 (it is dead): taken back too.
+        drop(y);
+        let w = pool.lease(9, &[0, 1], 0, far()).unwrap().expect("key 8's region, taken back");
+        assert!(pool.lease(10, &[0, 2], 0, far()).unwrap().is_none(), "rank 0 holds key 9's region");
+        drop(w);
+        assert!(pool.lease(11, &[0, 2], 0, far()).unwrap().is_some(), "key 9's, taken back");
+        // Rank 2 never claimed its slot: counted as alive, so key 10's
+        // verdict is kept for it to find.
+        let kept = (0..ENTRIES).any(|i| {
+            let e = pool.entry(i);
+            e.used.load(Ordering::Relaxed) == 1 && e.key.load(Ordering::Relaxed) == 10
+        });
+        assert!(kept);
+    }
+
+    /// A member that is stopped (SIGSTOP, a debugger) keeps its lease
+    /// however long; killed, it is taken back.
+    #[test]
+    fn a_stopped_members_lease_is_kept_until_it_dies() {
+        let made = Arena::create(2, 4096, 0, 1).unwrap();
+        let pool = made.pool().unwrap();
+        let two = ranks_of(&[0, 1]);
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into `fds`, a live local.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let member = child(|| {
+            as_rank(pool, 1, Some((7, &two)));
+            // SAFETY: writes one byte from a live local, then stops this child.
+            unsafe {
+                libc::write(fds[1], [1u8].as_ptr().cast(), 1);
+                libc::raise(libc::SIGSTOP);
+                loop {
+                    libc::pause();
+                }
+            }
+        });
+        let mut byte = [0u8; 1];
+        // SAFETY: reads one byte into a live local from the pipe's read end.
+        assert_eq!(unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) }, 1, "the member leased");
+        drop(pool.lease(7, &[0, 1], 0, far()).unwrap().expect("the one region"));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(pool.lease(8, &[0, 1], 0, far()).unwrap().is_none(), "a stopped member keeps its region");
+        // SAFETY: kills our own child.
+        unsafe { libc::kill(member, libc::SIGKILL) };
+        waited(member);
+        assert!(pool.lease(9, &[0, 1], 0, far()).unwrap().is_some(), "a dead member's region is taken back");
+        // SAFETY: closes the pipe's two descriptors, used no more.
+        unsafe { (libc::close(fds[0]), libc::close(fds[1])) };
+    }
+
+    /// A rank's slot is held for as long as its pool is mapped, and free
+    /// once it is dropped; two live processes cannot claim one rank.
+    #[test]
+    fn a_ranks_slot_is_held_while_its_pool_lives() {
+        let (a, b) = host(2, 1);
+        let pool = a.pool().unwrap();
+        assert_eq!(pool.dead(), [0; WORDS]);
+        assert!(Arena::open(a.fd().unwrap(), 1, 2).is_err(), "rank 1 is claimed already");
+        drop(b);
+        assert_eq!(pool.dead(), ranks_of(&[1]));
+    }
+
     #[test]
     fn a_pool_keeps_to_its_address_space() {
         assert_eq!(ArenaPool::regions_for(4, 1 << 20), REGIONS);
         let big = ArenaPool::regions_for(256, 1 << 20);
         assert!(big < REGIONS && big * ArenaPool::region_bytes(256, 1 << 20).unwrap() <= MAX_BYTES, "{big}");
-        assert_eq!(ArenaPool::regions_for(4096, 1 << 20), 1);
+        assert_eq!(ArenaPool::regions_for(MAX_SLOTS, 1 << 12), REGIONS);
+        assert_eq!(ArenaPool::regions_for(MAX_SLOTS + 1, 1 << 12), 0, "a host too large for a pool");
     }
 
     #[test]
     fn a_pool_that_does_not_add_up_is_refused() {
-        let (a, _b) = host(2, 2);
+        let (a, b) = host(2, 2);
+        drop(b);
         a.pool().unwrap().header().regions.store(3, Ordering::SeqCst);
         assert!(Arena::open(a.fd().unwrap(), 1, 2).is_err(), "three regions in the room of two");
         a.pool().unwrap().header().regions.store(u64::MAX, Ordering::SeqCst);

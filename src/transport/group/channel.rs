@@ -265,9 +265,13 @@ impl Channel {
             everyone,
             shut: AtomicBool::new(false),
         });
-        if let Some(pool) = pool {
+        // The members as ranks of the host (slots of its arena), which the
+        // pool records to know whose process has ended.
+        let slots: Option<Vec<usize>> =
+            channel.members.iter().map(|r| core.arena_members.iter().position(|a| a == r)).collect();
+        if let (Some(pool), Some(slots)) = (pool, slots) {
             let leased = pool
-                .lease(key, channel.members.len(), me, Instant::now() + timeout)
+                .lease(key, &slots, me, Instant::now() + timeout)
                 .map_err(|e| e.context(format_args!("rustc10d: group {name:?} could not start")))?;
             if let Some(arena) = leased {
                 *channel.arena.lock().unwrap() = Some(Arc::new(arena));
