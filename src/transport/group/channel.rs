@@ -34,7 +34,7 @@ use crate::transport::writer::SendReq;
 use crate::transport::{Fold, Ready, Transport};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The channels a process's connections carry (`Core::channels`).
@@ -54,6 +54,11 @@ pub struct Channels {
     /// channel after it.
     live: usize,
     owner_shut: bool,
+    /// The arenas that groups on these connections leased, with their
+    /// members (the connections' ranks): a member lost fails its groups'
+    /// rounds there at once, as it fails their messages (`arenas_with`).
+    /// Pruned of those that have ended whenever one is added.
+    leased: Vec<(Arc<[usize]>, Weak<Arena>)>,
 }
 
 /// How many numbers opened a process remembers, to refuse one opened again.
@@ -69,6 +74,17 @@ struct GivenUp {
 }
 
 impl Channels {
+    /// The arenas of live groups that have `peer` among their members.
+    pub(in crate::transport) fn arenas_with(&self, peer: usize) -> Vec<Arc<Arena>> {
+        let with = self.leased.iter().filter(|(members, _)| members.contains(&peer));
+        with.filter_map(|(_, arena)| arena.upgrade()).collect()
+    }
+
+    fn lease_taken(&mut self, members: Arc<[usize]>, arena: &Arc<Arena>) {
+        self.leased.retain(|(_, a)| a.strong_count() > 0);
+        self.leased.push((members, Arc::downgrade(arena)));
+    }
+
     /// The owner shuts down: true if the connections are its alone now, to
     /// close; else the last channel closes them.
     pub(in crate::transport) fn owner_shuts(&mut self) -> bool {
@@ -274,7 +290,9 @@ impl Channel {
                 .lease(key, &slots, me, Instant::now() + timeout)
                 .map_err(|e| e.context(format_args!("rustc10d: group {name:?} could not start")))?;
             if let Some(arena) = leased {
-                *channel.arena.lock().unwrap() = Some(Arc::new(arena));
+                let arena = Arc::new(arena);
+                core.channels.lock().unwrap().lease_taken(channel.members.clone(), &arena);
+                *channel.arena.lock().unwrap() = Some(arena);
             }
         }
         Ok(channel)

@@ -373,7 +373,12 @@ impl Core {
         // connection" there, and the reason is lost for every rank.
         if let Some(Action::Lost(err)) = actions.iter().find(|a| matches!(a, Action::Lost(_))) {
             if !self.stopping.load(Ordering::SeqCst) {
-                self.abort_arena(&format!("rank {}: {}", self.rank(), err.message));
+                let why = format!("rank {}: {}", self.rank(), err.message);
+                self.abort_arena(&why);
+                // And the arenas of the groups on these connections that it
+                // was in: before, their ranks waited there for their timeout.
+                let leased = self.channels.lock().unwrap().arenas_with(peer);
+                leased.iter().for_each(|arena| arena.abort(&why));
             }
         }
         let mut lost = None;
