@@ -63,6 +63,10 @@ int64_t store_add(const StoreRef& s, rust::Str key, int64_t delta) {
   return s.impl->store->add(std::string(key), delta);
 }
 
+bool store_delete(const StoreRef& s, rust::Str key) {
+  return s.impl->store->deleteKey(std::string(key));
+}
+
 rust::String store_host(const StoreRef& s) {
   c10::intrusive_ptr<c10d::Store> store = s.impl->store;
   if (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(store.get())) {

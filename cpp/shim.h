@@ -30,6 +30,7 @@ struct Completion {
 void store_set(const StoreRef& store, rust::Str key, rust::Slice<const uint8_t> value);
 rust::Vec<uint8_t> store_get(const StoreRef& store, rust::Str key, int64_t timeout_ms);
 int64_t store_add(const StoreRef& store, rust::Str key, int64_t delta);
+bool store_delete(const StoreRef& store, rust::Str key);
 rust::String store_host(const StoreRef& store);
 std::unique_ptr<StoreRef> store_clone(const StoreRef& store);
 std::unique_ptr<StoreRef> store_from_python(size_t pyobject);

@@ -31,6 +31,8 @@ pub trait Store {
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
     /// Atomically add `delta` to the integer at `key` (0 if unset); returns the new value.
     fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// Remove `key`; whether it was there.
+    fn delete(&self, key: &str) -> Result<bool>;
 }
 
 /// A Store for tests: threads in one process share it.
@@ -38,12 +40,52 @@ pub trait Store {
 pub struct MemStore {
     map: Mutex<HashMap<String, Vec<u8>>>,
     cv: Condvar,
+    /// The last value of every key deleted since (`seen`).
+    deleted: Mutex<HashMap<String, Vec<u8>>>,
 }
 
 impl MemStore {
     /// Everything in it, as a Store reader could list it (tests of what a rendezvous leaves there).
     pub fn entries(&self) -> Vec<(String, Vec<u8>)> {
         self.map.lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
+    /// Everything it held at some time, each key's last value: what a reader
+    /// that watched it during a rendezvous saw (tests of what leaks there).
+    pub fn seen(&self) -> Vec<(String, Vec<u8>)> {
+        let mut all = self.deleted.lock().unwrap().clone();
+        all.extend(self.entries());
+        all.into_iter().collect()
+    }
+
+    /// `key`'s value now or, deleted, its last (see `seen`).
+    pub fn seen_at(&self, key: &str) -> Option<Vec<u8>> {
+        let now = self.map.lock().unwrap().get(key).cloned();
+        now.or_else(|| self.deleted.lock().unwrap().get(key).cloned())
+    }
+
+    /// This Store as a reader that watched it from the start sees it: a
+    /// key deleted since still reads as its last value.
+    pub fn watcher(&self) -> Watcher<'_> {
+        Watcher(self)
+    }
+}
+
+/// A MemStore as a reader that watched it sees it (`MemStore::watcher`).
+pub struct Watcher<'a>(&'a MemStore);
+
+impl Store for Watcher<'_> {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.0.set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.0.seen_at(key).map_or_else(|| self.0.get(key, timeout), Ok)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.0.add(key, delta)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.0.delete(key)
     }
 }
 
@@ -60,6 +102,12 @@ impl Store for MemStore {
         map.insert(key.to_string(), (old + delta).to_string().into_bytes());
         self.cv.notify_all();
         Ok(old + delta)
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        let Some(value) = self.map.lock().unwrap().remove(key) else { return Ok(false) };
+        self.deleted.lock().unwrap().insert(key.to_string(), value);
+        Ok(true)
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
@@ -234,6 +282,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         store.set(&keys.readable(rank), b"1")?;
     }
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
+    keys.read_by(store, rank, size);
     let hosts = number_hosts(&records);
     let with_arenas = hosts_with_arenas(cfg, &records, &hosts);
     let arena = arena_role(cfg, &hosts, with_arenas[hosts[rank]], rank, arena)?;
@@ -411,6 +460,30 @@ impl Keys {
     }
     fn all_settled(&self) -> String {
         format!("rustc10d/{}/settled/all", self.0)
+    }
+    fn read(&self) -> String {
+        format!("rustc10d/{}/read", self.0)
+    }
+
+    /// This rank has read every key of the incarnation it will read: the
+    /// last to say so deletes them, so that a job that re-forms its groups
+    /// again and again (a reconfigure per quorum, a group per step with
+    /// connections of its own) does not grow the Store by a record per rank
+    /// each time, and the records (addresses, key shares) are there to read
+    /// only while the ranks meet. The count of incarnations ("joined") and a
+    /// reconfigure's count of members stay: they tell an incarnation or a
+    /// uuid used before. Best effort: a Store that cannot delete keeps them.
+    fn read_by(&self, store: &dyn Store, rank: usize, size: usize) {
+        if store.add(&self.read(), 1).ok() != Some(size as i64) {
+            return;
+        }
+        let per_rank = (0..size).flat_map(|r| [self.addr(r), self.readable(r), self.vote(r)]);
+        for key in per_rank.chain([self.settled(), self.all_settled(), self.read()]) {
+            if let Err(e) = store.delete(&key) {
+                tracing::debug!("rustc10d: rank {rank} left {key} in the Store: {}", e.message);
+                return;
+            }
+        }
     }
 }
 
@@ -635,6 +708,9 @@ mod tests {
         }
         fn get(&self, key: &str, _: Duration) -> Result<Vec<u8>> {
             Err(Error::timeout(format!("store get {key}: Connection was likely closed")))
+        }
+        fn delete(&self, _: &str) -> Result<bool> {
+            Ok(false)
         }
     }
 

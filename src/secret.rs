@@ -127,6 +127,10 @@ impl Store for Sealed<'_> {
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         self.store.add(key, delta)
     }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.store.delete(key)
+    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use hostile::*;
 #[test]
 fn a_stranger_gets_at_most_a_challenge() {
     let (engines, addrs, store) = group_via(2, TransportMode::Tcp);
-    let key = key_of(&*store, 2);
+    let key = key_of(&store.watcher(), 2);
     for (from, to, size) in [(1, 0, 3), (1, 1, 2), (0, 0, 2), (5, 0, 2)] {
         let mut s = tcp_stranger(addrs[0]);
         assert!(s.hello(from, to, size, nonce().unwrap()).is_none(), "hello from {from} to {to} of {size}");
@@ -62,7 +62,7 @@ fn a_proof_made_with_another_key_is_refused() {
 #[test]
 fn a_recorded_handshake_replayed_against_a_new_nonce_fails() {
     let (engines, addrs, store) = group_via(2, TransportMode::Tcp);
-    let key = key_of(&*store, 2);
+    let key = key_of(&store.watcher(), 2);
     let member = Identity::new(1, 2, key.clone());
     let mut recorded = tcp_stranger(addrs[0]);
     let mine = nonce().unwrap();

@@ -201,6 +201,30 @@ fn a_group_recreated_over_the_same_store_ignores_the_old_keys() {
     }
 }
 
+/// Once a group's ranks have met, its Store holds only the count of
+/// incarnations: the last rank to read the records deletes them, so a job
+/// that re-forms its groups again and again (a reconfigure per quorum, a
+/// group per step with connections of its own) does not grow the Store, and
+/// the records (addresses, key shares) are there only while the ranks meet.
+#[test]
+fn a_group_leaves_only_its_count_of_incarnations_in_the_store() {
+    let store = Arc::new(MemStore::default());
+    for _ in 0..3 {
+        let cfg = Config { single_copy_bytes: 64 << 10, ..Config::default() };
+        let engines = group_on(store.clone(), 3, Duration::from_secs(5), "127.0.0.1", cfg);
+        let out = on_all(&engines, |rank, e| {
+            let mut v = vec![rank as u8 + 1; 3];
+            wait_ok(all_reduce(e, raw(&mut v), DType::U8, ReduceOp::Sum));
+            v
+        });
+        assert!(out.iter().all(|v| v == &vec![6u8; 3]));
+    }
+    let left: Vec<String> = store.entries().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(left, ["rustc10d/joined"]);
+    let seen = store.seen();
+    assert!(seen.iter().any(|(k, _)| k == "rustc10d/2/addr/2"), "the records were there while the ranks met");
+}
+
 #[test]
 fn ipv6_group_when_the_store_host_is_ipv6() {
     if std::net::TcpListener::bind("[::1]:0").is_err() {
@@ -210,7 +234,7 @@ fn ipv6_group_when_the_store_host_is_ipv6() {
     let store = Arc::new(MemStore::default());
     let cfg = Config { transport: TransportMode::Tcp, ..Config::default() };
     let engines = group_on(store.clone(), 2, Duration::from_secs(5), "::1", cfg);
-    let addr = String::from_utf8(store.get("rustc10d/0/addr/0", Duration::from_secs(1)).unwrap()).unwrap();
+    let addr = String::from_utf8(store.seen_at("rustc10d/0/addr/0").unwrap()).unwrap();
     assert!(addr.contains("[::1]:"), "{addr}");
     let out = on_all(&engines, |rank, e| {
         let mut v = vec![rank as u8 + 1; 3];

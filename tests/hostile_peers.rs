@@ -78,7 +78,7 @@ fn strangers_on_the_shared_memory_socket_get_nothing() {
     let t = Transcript { size: 2, dialler: 1, listener: 0, dialler_nonce: mine, listener_nonce: challenge.nonce };
     other_job.say(&Identity::new(1, 2, GroupKey::derive(b"", &[[0x5A; SHARE_LEN]; 2])).prove(Side::Dialler, &t));
     assert!(other_job.rest().is_empty(), "no proof, no descriptors for another job");
-    assert!(!contains(&other_job.heard, key_of(&*store, 2).bytes()));
+    assert!(!contains(&other_job.heard, key_of(&store.watcher(), 2).bytes()));
     still_works(&engines);
 }
 
@@ -94,7 +94,7 @@ fn another_user_gets_nothing_from_the_shared_memory_socket() {
     }
     let (engines, _, store) = group_via(2, TransportMode::Shm);
     let name = shm_name(&store, 0).expect("rank 0 offers shared memory");
-    let shares: String = shares_of(&*store, 2).concat().iter().map(|b| format!("{b:02x}")).collect();
+    let shares: String = shares_of(&store.watcher(), 2).concat().iter().map(|b| format!("{b:02x}")).collect();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "other_user_role", "--nocapture", "--test-threads=1"])
         .env(OTHER_USER_SOCKET, &name)

@@ -57,7 +57,7 @@ fn a_store_reader_without_the_secret_cannot_prove_itself() {
     let (engines, addrs, store) = group_via(2, TransportMode::Shm);
     let name = shm_name(&store, 0).expect("rank 0 offers shared memory");
     assert_eq!(
-        proved_with(&key_of(&*store, 2), addrs[0], &name),
+        proved_with(&key_of(&store.watcher(), 2), addrs[0], &name),
         [true, true],
         "no secret: the Store is the root of trust"
     );
@@ -65,7 +65,7 @@ fn a_store_reader_without_the_secret_cannot_prove_itself() {
 
     let (engines, addrs, store) = group_with(2, with_secret(TransportMode::Shm));
     let secret = Secret::new(SECRET).unwrap();
-    let sealed = Sealed { store: &*store, secret: Some(&secret) };
+    let sealed = Sealed { store: &store.watcher(), secret: Some(&secret) };
     let name = sealed_shm_name(&sealed, 0);
     let shares = shares_of(&sealed, 2);
     let readers_key = GroupKey::derive(b"", &shares);
@@ -180,7 +180,8 @@ fn ranks_with_different_secrets_fail_init_saying_so() {
     assert!(errs[0].contains("under rustc10d/0/addr/1 was not written"), "{}", errs[0]);
 }
 
-/// What a group leaves in its Store, with and without the secret: no
+/// What a group leaves in its Store, or had there while its ranks met, with
+/// and without the secret: no
 /// process id of a rank, no address in a process, and never the secret.
 #[test]
 fn the_store_holds_no_process_id_no_address_and_not_the_secret() {
@@ -188,7 +189,7 @@ fn the_store_holds_no_process_id_no_address_and_not_the_secret() {
         let (engines, _, store) = group_with(2, Config { single_copy_bytes: 64 << 10, ..cfg });
         still_works(&engines);
         let pid = std::process::id().to_string();
-        for (key, value) in store.entries() {
+        for (key, value) in store.seen() {
             let text = String::from_utf8_lossy(&value);
             let words: Vec<&str> = text.split([' ', ':', ',', '=']).collect();
             assert!(!words.contains(&pid.as_str()), "{key}: {text}");

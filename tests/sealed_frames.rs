@@ -138,6 +138,10 @@ impl Store for OnPath {
     fn add(&self, key: &str, delta: i64) -> rustc10d::error::Result<i64> {
         self.store.add(key, delta)
     }
+
+    fn delete(&self, key: &str) -> rustc10d::error::Result<bool> {
+        self.store.delete(key)
+    }
 }
 
 /// A group of 2 whose connections cross relays, and the relays.

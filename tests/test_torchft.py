@@ -46,6 +46,10 @@ pg.reconfigure(opts).wait()
 t = torch.full((3,), 2.0)
 pg.allreduce([t]).wait()
 assert (pg.rank(), pg.size()) == (0, 1) and t.tolist() == [2.0, 2.0, 2.0], (pg.rank(), pg.size(), t)
+# What a reconfigure leaves in the Store: its counts of members and of incarnations, which tell
+# a uuid used before; each member's record is deleted once every member has read it.
+kept = [k for k in ("rustc10d/reconfigure/7/members", "rustc10d/reconfigure/7/rustc10d/joined") if store.check([k])]
+assert len(kept) == 2 and store.num_keys() == 2, (kept, store.num_keys())
 for bad in ("x", {"segment_bytes": 1}):
     try:
         rustc10d.reconfigurable_group(store, options=bad)
@@ -60,8 +64,9 @@ print("OK")
 @pytest.mark.timeout(120)
 def test_reconfigurable_group_refuses_ops_until_reconfigured(tmp_path):
     """rustc10d.reconfigurable_group alone (no torchft): a group that supports reconfigure, whose
-    ops raise, saying to reconfigure, until its first reconfigure; then a group of its handles;
-    options that are not rustc10d.Options are refused."""
+    ops raise, saying to reconfigure, until its first reconfigure; then a group of its handles,
+    which leaves two counts in the Store and no record; options that are not rustc10d.Options
+    are refused."""
     if checks.BACKEND != "rustc10d" or not hasattr(dist.ProcessGroup, "reconfigure"):
         pytest.skip("rustc10d's reconfigurable group, torch 2.14 on")
     script = tmp_path / "reconfigurable_group_job.py"

@@ -274,6 +274,7 @@ pub mod bridge {
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: i64) -> Result<Vec<u8>>;
         fn store_add(store: &StoreRef, key: &str, delta: i64) -> Result<i64>;
+        fn store_delete(store: &StoreRef, key: &str) -> Result<bool>;
         fn store_host(store: &StoreRef) -> String;
         /// Another handle on the same Store.
         fn store_clone(store: &StoreRef) -> UniquePtr<StoreRef>;
@@ -354,6 +355,9 @@ impl Store for StoreRef {
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         bridge::store_add(self, key, delta).map_err(|e| Error::io(format!("store add {key}: {e}")))
     }
+    fn delete(&self, key: &str) -> Result<bool> {
+        bridge::store_delete(self, key).map_err(|e| Error::io(format!("store delete {key}: {e}")))
+    }
 }
 
 impl Group {
@@ -420,6 +424,9 @@ impl Store for GroupStore {
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         self.store.add(&format!("{}{key}", self.prefix), delta)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.store.delete(&format!("{}{key}", self.prefix))
     }
 }
 

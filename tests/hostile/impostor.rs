@@ -129,7 +129,7 @@ impl Impostor {
 
     /// Dial `peer` at the address it published in `store`, as a member dials.
     pub fn dial(&self, store: &MemStore, peer: usize) -> Wire {
-        let record = store.get(&format!("rustc10d/0/addr/{peer}"), PATIENCE).unwrap();
+        let record = store.watcher().get(&format!("rustc10d/0/addr/{peer}"), PATIENCE).unwrap();
         let addr: SocketAddr = String::from_utf8(record).unwrap().split(' ').nth(1).unwrap().parse().unwrap();
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(PATIENCE)).unwrap();

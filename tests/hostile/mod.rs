@@ -90,7 +90,7 @@ pub fn key_of(store: &dyn Store, size: usize) -> GroupKey {
 
 /// The abstract name of `rank`'s shared-memory socket, as it published it (None: TCP only).
 pub fn shm_name(store: &MemStore, rank: usize) -> Option<String> {
-    let published = store.get(&format!("rustc10d/0/addr/{rank}"), Duration::from_secs(1)).unwrap();
+    let published = store.seen_at(&format!("rustc10d/0/addr/{rank}")).expect("published");
     let name = String::from_utf8(published).unwrap().split(' ').nth(3)?.to_string();
     (name != "-").then_some(name)
 }
