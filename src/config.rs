@@ -8,7 +8,7 @@
 use crate::error::{Error, Result};
 use crate::fault::Faults;
 use crate::secret::Secret;
-pub use crate::transport::striping::LaneCount;
+pub use crate::transport::links::striping::LaneCount;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -114,7 +114,7 @@ impl Default for Config {
             encrypt: false,
             ptracer_any: true,
             raise_fd_limit: true,
-            early_bytes_max: crate::transport::mailbox::EARLY_BYTES_MAX,
+            early_bytes_max: crate::transport::links::mailbox::EARLY_BYTES_MAX,
             spin: Duration::from_micros(50),
             // Ranks called at once wake from their compute tens of microseconds
             // apart: polling that long costs less than a sleep and a wake-up

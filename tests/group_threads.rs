@@ -59,7 +59,7 @@ fn init_with_unreachable_peer_names_its_address() {
     let cfg = Config { transport: TransportMode::Tcp, ..Config::default() };
     let published = format!(
         "v{} 127.0.0.1:1 elsewhere - {} - {}",
-        rustc10d::transport::frame::PROTOCOL_VERSION,
+        rustc10d::transport::links::frame::PROTOCOL_VERSION,
         cfg.shared(),
         "00".repeat(16)
     );

@@ -13,7 +13,7 @@ use hostile::impostor::{group_with_impostor, Wire};
 use hostile::*;
 use rustc10d::error::ErrorKind;
 use rustc10d::ops::OpKind;
-use rustc10d::transport::frame::Key;
+use rustc10d::transport::links::frame::Key;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 const PROMPT: Duration = Duration::from_secs(5);

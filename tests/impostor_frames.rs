@@ -12,7 +12,9 @@ mod hostile;
 use hostile::honest::{all_gather, recv, shut_down};
 use hostile::impostor::{group_with_impostor, Wire};
 use hostile::*;
-use rustc10d::transport::frame::{FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ANSWER, KIND_ASK};
+use rustc10d::transport::links::frame::{
+    FrameHeader, Key, Remote, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ANSWER, KIND_ASK,
+};
 
 /// The ops' timeout: far longer than a clear error may take (`PROMPT`), so
 /// that an op that merely timed out cannot pass for one that failed clearly.

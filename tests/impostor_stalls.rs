@@ -11,7 +11,7 @@ mod hostile;
 use hostile::honest::{all_gather, recv, send, shut_down};
 use hostile::impostor::{group_with_impostor, infiltrated, infiltrated_with, tcp_config, Infiltrated, Wire};
 use hostile::*;
-use rustc10d::transport::frame::{FrameHeader, Key, HEADER_LEN};
+use rustc10d::transport::links::frame::{FrameHeader, Key, HEADER_LEN};
 
 /// The ops' timeout, short: these tests wait for it.
 const TIMEOUT: Duration = Duration::from_secs(2);

@@ -4,7 +4,7 @@
 
 mod threads;
 
-use rustc10d::transport::reactor::Reactor;
+use rustc10d::transport::links::reactor::Reactor;
 use threads::*;
 
 #[test]

@@ -6,7 +6,7 @@
 
 mod threads;
 
-use rustc10d::transport::peer_reads::GRANTS;
+use rustc10d::transport::links::peer_reads::GRANTS;
 use threads::*;
 
 const SCOPE_FILE: &str = "/proc/sys/kernel/yama/ptrace_scope";
@@ -131,7 +131,7 @@ fn reader_role() {
     let pid: i32 = std::env::var(READ_PID).unwrap().parse().unwrap();
     let addr: u64 = std::env::var(READ_ADDR).unwrap().parse().unwrap();
     let mut word = [0u8; 8];
-    match rustc10d::transport::conn::read_process(pid, addr, &mut word) {
+    match rustc10d::transport::links::conn::read_process(pid, addr, &mut word) {
         Ok(()) if u64::from_ne_bytes(word) == WORD => println!("read the word"),
         other => println!("refused: {other:?}"),
     }

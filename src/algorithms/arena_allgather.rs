@@ -12,7 +12,7 @@ use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 /// `outputs[r]` receives rank r's `input`.
 pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[RawBuf], fp: &Fingerprint) -> Result<()> {

@@ -21,7 +21,7 @@ use super::{OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, scale};
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 /// Buffers whose every rank's copy together is at most this large take one
 /// stage (if no larger than `small_allreduce_bytes`, where the direct

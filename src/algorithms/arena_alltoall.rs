@@ -16,7 +16,7 @@ use super::call_check::Fingerprint;
 use super::in_arena::{part, round};
 use super::{pairwise_alltoall, OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 /// Whether a slot holds a rank's sizes (16 bytes per peer), and 16 bytes
 /// of a block for each rank per round.

@@ -10,7 +10,7 @@ use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp: &Fingerprint) -> Result<()> {
     let rank = ctx.transport.rank();

@@ -12,7 +12,7 @@ use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 /// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
 pub fn arena_gather(

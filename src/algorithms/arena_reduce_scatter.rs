@@ -17,7 +17,7 @@ use super::{OpCtx, RawBuf};
 use crate::dtype::ReduceOp;
 use crate::error::Result;
 use crate::reduce::{divide_by, scale};
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
 pub fn arena_reduce_scatter(

@@ -13,7 +13,7 @@ use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 
 /// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
 pub fn arena_scatter(

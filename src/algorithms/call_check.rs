@@ -24,7 +24,7 @@ use super::hosts::Hosts;
 use super::{in_arena, OpCtx, RawBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ops::{Collective, OpKind, Reduction};
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::subgroup::Subgroup;
 use crate::transport::{Key, TransferId, Transfers};
 use std::time::{Duration, Instant};
 

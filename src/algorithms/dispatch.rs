@@ -32,8 +32,8 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::ops::{Collective, Reduction};
 use crate::reduce::scale;
-use crate::transport::arena::Arena;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::subgroup::Subgroup;
 use std::sync::Arc;
 
 /// The algorithm one collective runs (`Plan::of` decides it; `run` follows

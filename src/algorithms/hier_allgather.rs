@@ -22,7 +22,7 @@ use super::hosts::Hosts;
 use super::pipeline::{piece, piece_count, pipelined};
 use super::{ring_allgather, OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::subgroup::Subgroup;
 
 /// `outputs[r]` receives rank r's `input`; `fp`: the call, for the arena's rounds to compare.
 pub fn hierarchical_allgather(

@@ -33,8 +33,8 @@ use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
-use crate::transport::arena::Arena;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::subgroup::Subgroup;
 use std::sync::Arc;
 
 /// `fp`: the call, for the arena's rounds to compare.

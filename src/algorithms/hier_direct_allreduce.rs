@@ -34,7 +34,7 @@ use super::{direct_allreduce, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::subgroup::Subgroup;
 
 /// `hosts` must hold as many ranks each (`Hosts::per_host`); `check`: the
 /// call, if checked here; `fp`: the call, for the arena's round to compare.

@@ -25,7 +25,7 @@ use super::{ring_reduce_scatter, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::subgroup::Subgroup;
 
 /// `inputs[r]` is this rank's contribution to rank r's block; `output` gets
 /// this rank's; `fp`: the call, for the arena's rounds to compare.

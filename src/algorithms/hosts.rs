@@ -3,8 +3,8 @@
 //! memory, so what counts across hosts is how many bytes cross them.
 
 use super::{RawBuf, MAX_PHASES};
-use crate::transport::arena::Arena;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::subgroup::Subgroup;
 use crate::transport::Transport;
 use std::sync::Arc;
 

@@ -10,8 +10,8 @@
 use super::call_check::{mismatch, Fingerprint};
 use super::{OpCtx, RawBuf};
 use crate::error::{Error, Result};
-use crate::transport::arena::{Arena, Round, Stuck, TAG_BYTES};
-use crate::transport::waits::in_turn;
+use crate::transport::group::arena::{Arena, Round, Stuck, TAG_BYTES};
+use crate::transport::group::waits::in_turn;
 use crate::transport::{Wait, WaitOn};
 use std::time::{Duration, Instant};
 

@@ -17,8 +17,8 @@ use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::{OpCtx, RawBuf};
 use crate::error::Result;
-use crate::transport::arena::Arena;
-use crate::transport::subgroup::Subgroup;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::subgroup::Subgroup;
 use crate::transport::Transport;
 use std::sync::Arc;
 

@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::membership::{place, Handle};
 use crate::rendezvous::Store;
-use crate::transport::auth::fill_random;
+use crate::transport::links::auth::fill_random;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 /// A backend's identity across configurations and what a new one needs:

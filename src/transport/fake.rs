@@ -25,9 +25,9 @@
 //! before a connection closed does. A receive posted for any source
 //! fails once any peer is lost, as the mesh's does.
 
-use super::arena::Arena;
-use super::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf, Sources};
-use super::waits::{ask_next, in_turn, Wait, Waits};
+use super::group::arena::Arena;
+use super::group::waits::{ask_next, in_turn, Wait, Waits};
+use super::links::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf, Sources};
 use super::{Fold, Key, Ready, Transport};
 use crate::error::{Error, Result};
 use crate::status::Status;

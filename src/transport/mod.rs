@@ -1,23 +1,25 @@
 //! The transport layer: move bytes to and from ranks. It knows nothing of
 //! collectives; algorithms see only `send`/`recv` of byte ranges keyed by `Key`.
 //! `links/` is what a process shares with its peers: one set of connections
-//! (TCP to other hosts, shared memory on this one), served by one reactor.
-//! `group/` is what each group owns over them: the `Mesh` of the group that
-//! opened them, a `Channel` for each group that shares them, the matching of
-//! messages, the waits, the arena of a group's ranks on one host.
+//! (TCP to other hosts, shared memory on this one), served by one reactor,
+//! and each peer's mailbox, where the frames of every group on them meet
+//! their receives. `group/` is what each group owns over them: the `Mesh` of
+//! the group that opened them, a `Channel` for each group that shares them,
+//! the waits, the arena of a group's ranks on one host. `links/` reaches into
+//! `group/` in one file only, `mesh_core.rs`, whose `Core` holds the owner's
+//! arena (handed out with each shared-memory connection), the channels' table
+//! and the waits a peer may ask about.
 
 pub mod fake;
 pub mod group;
 pub mod links;
 
-// Every module keeps its path here too (`transport::frame`, ...).
-use group::channel;
-pub use group::{arena, arena_pool, mailbox, mesh, subgroup, waits};
-use links::{accept, dial, link, mesh_core, reader, readers, writer};
-pub use links::{auth, conn, fd_limit, fdpass, frame, peer, peer_reads, reactor, ring, seal, shared_mem, striping};
-
-pub use frame::Key;
-pub use mailbox::Fold;
+// Modules are named by their folder (`transport::links::frame`), so that a
+// reader sees which side each is on; only the items every layer uses are
+// here.
+use group::{arena, waits};
+pub use links::frame::Key;
+pub use links::mailbox::Fold;
 
 use crate::error::{Error, Result};
 use crate::status::{Cost, Polling, Status};

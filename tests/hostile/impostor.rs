@@ -6,10 +6,10 @@
 //! `Engine`), threads of this process over real sockets.
 
 use super::*;
-use rustc10d::transport::auth::Proof;
-use rustc10d::transport::fdpass::host_key;
-use rustc10d::transport::frame::{FrameHeader, Key, HEADER_LEN, KIND_COLLECTIVE};
-use rustc10d::transport::striping::LaneCount;
+use rustc10d::transport::links::auth::Proof;
+use rustc10d::transport::links::fdpass::host_key;
+use rustc10d::transport::links::frame::{FrameHeader, Key, HEADER_LEN, KIND_COLLECTIVE};
+use rustc10d::transport::links::striping::LaneCount;
 use std::net::TcpListener;
 
 /// How long the impostor waits for anything a member says or does.

@@ -15,10 +15,10 @@ pub use rustc10d::dtype::{DType, ReduceOp};
 pub use rustc10d::engine::{Engine, Waited};
 pub use rustc10d::ops::{Collective, Reduction};
 pub use rustc10d::rendezvous::{connect, MemStore, Member, Store};
-pub use rustc10d::transport::auth::{
+pub use rustc10d::transport::links::auth::{
     nonce, GroupKey, Identity, Share, Side, Transcript, NONCE_LEN, PROOF_LEN, SHARE_LEN,
 };
-pub use rustc10d::transport::frame::{Challenge, Hello, CHALLENGE_LEN, HELLO_LEN, PROTOCOL_VERSION};
+pub use rustc10d::transport::links::frame::{Challenge, Hello, CHALLENGE_LEN, HELLO_LEN, PROTOCOL_VERSION};
 pub use std::io::{Read, Write};
 pub use std::net::{SocketAddr, TcpStream};
 pub use std::os::linux::net::SocketAddrExt;

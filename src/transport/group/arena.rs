@@ -46,8 +46,8 @@
 
 use crate::error::{Error, Result};
 use crate::status::Cost;
-use crate::transport::arena_pool::{ArenaPool, Lease};
-use crate::transport::shared_mem::{sealed_len, sealed_memfd, Mapping};
+use crate::transport::group::arena_pool::{ArenaPool, Lease};
+use crate::transport::links::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -859,7 +859,7 @@ mod tests {
         let opened = Arena::open(made.fd().unwrap(), 1, 2).unwrap();
         assert_eq!(opened.slot_bytes(), 4096);
         assert!(Arena::open(made.fd().unwrap(), 1, 3).is_err(), "made for another world size");
-        let (_, ring_fd) = crate::transport::ring::Segment::create(64 << 10).unwrap();
+        let (_, ring_fd) = crate::transport::links::ring::Segment::create(64 << 10).unwrap();
         assert!(Arena::open(&ring_fd, 1, 2).is_err(), "not an arena");
         let r = made.round(&tag(7)).unwrap();
         let mut o = opened.round(&tag(7)).unwrap();

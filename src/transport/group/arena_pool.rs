@@ -51,8 +51,8 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::error::{Error, Result};
-use crate::transport::arena::Arena;
-use crate::transport::shared_mem::Mapping;
+use crate::transport::group::arena::Arena;
+use crate::transport::links::shared_mem::Mapping;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -25,12 +25,12 @@
 
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
-use crate::transport::arena::Arena;
-use crate::transport::frame::{Key, ABORT_MAX};
-use crate::transport::mailbox::Sources;
-use crate::transport::mesh_core::{describe_as, Core};
-use crate::transport::waits::Wait;
-use crate::transport::writer::SendReq;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::waits::Wait;
+use crate::transport::links::frame::{Key, ABORT_MAX};
+use crate::transport::links::mailbox::Sources;
+use crate::transport::links::mesh_core::{describe_as, Core};
+use crate::transport::links::writer::SendReq;
 use crate::transport::{Fold, Ready, Transport};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,9 +62,9 @@ pub struct Channels {
 }
 
 /// How many numbers opened a process remembers, to refuse one opened again.
-const NUMBERS_KEPT: usize = 4 * crate::transport::mailbox::CLOSED_KEPT;
+const NUMBERS_KEPT: usize = 4 * crate::transport::links::mailbox::CLOSED_KEPT;
 /// How many groups given up on a process remembers, to tell members that connect later.
-const GIVEN_UP_KEPT: usize = crate::transport::mailbox::CLOSED_KEPT;
+const GIVEN_UP_KEPT: usize = crate::transport::links::mailbox::CLOSED_KEPT;
 
 struct GivenUp {
     key: Key,

@@ -11,37 +11,27 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
-use crate::transport::accept::{Listener, Listening};
-use crate::transport::arena::Arena;
-use crate::transport::auth::{fill_random, Identity};
-use crate::transport::channel::Channel;
-use crate::transport::frame::Key;
-use crate::transport::mailbox::{Fold, Mailbox, Sources};
-use crate::transport::mesh_core::{describe, Core, PeerSlot};
-use crate::transport::peer::Peer;
-use crate::transport::peer_reads::PeerReadsGrant;
-use crate::transport::reactor::{Reactor, READABLE};
-use crate::transport::striping::Striping;
-use crate::transport::waits::Wait;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::channel::Channel;
+use crate::transport::group::waits::Wait;
+use crate::transport::links::accept::{Listener, Listening};
+use crate::transport::links::auth::Identity;
+use crate::transport::links::endpoint::{PeerAddr, ShmEndpoint};
+use crate::transport::links::frame::Key;
+use crate::transport::links::mailbox::{Fold, Mailbox, Sources};
+use crate::transport::links::mesh_core::{describe, Core, PeerSlot};
+use crate::transport::links::peer::Peer;
+use crate::transport::links::peer_reads::PeerReadsGrant;
+use crate::transport::links::reactor::{Reactor, READABLE};
+use crate::transport::links::striping::Striping;
 use crate::transport::{Ready, Transport};
 use std::net::{SocketAddr, TcpListener};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub struct Mesh {
     core: Arc<Core>,
-}
-
-/// Where a peer listens.
-#[derive(Debug, Clone)]
-pub struct PeerAddr {
-    pub tcp: SocketAddr,
-    /// The abstract Unix socket name to reach it through shared memory, for
-    /// a peer on this host; None: over TCP.
-    pub shm: Option<String>,
 }
 
 /// What the rendezvous learned of the group as a whole, the same on every rank.
@@ -71,28 +61,6 @@ pub enum ArenaRole {
     Join {
         members: Vec<usize>,
     },
-}
-
-/// This rank's end for shared-memory peers: a Unix socket in the abstract
-/// namespace (nothing on disk), where peers hand over their segments.
-pub struct ShmEndpoint {
-    pub listener: UnixListener,
-    pub ring_bytes: usize,
-}
-
-impl ShmEndpoint {
-    /// Listen under a fresh random name; the name goes to peers via the Store.
-    /// The segments this rank creates have rings of `ring_bytes`.
-    pub fn bind(ring_bytes: usize) -> Result<(ShmEndpoint, String)> {
-        let mut r = [0u8; 16];
-        fill_random(&mut r)?;
-        let name = format!("rustc10d-{}", r.iter().map(|b| format!("{b:02x}")).collect::<String>());
-        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
-            .map_err(|e| Error::io(e.to_string()))?;
-        let listener = UnixListener::bind_addr(&addr)
-            .map_err(|e| Error::io(format!("rustc10d: cannot listen on a Unix socket: {e}")))?;
-        Ok((ShmEndpoint { listener, ring_bytes }, name))
-    }
 }
 
 impl Mesh {
@@ -152,7 +120,7 @@ impl Mesh {
         });
         let mesh = Mesh { core: core.clone() };
         // A listener that runs out of descriptors refuses with this one.
-        crate::transport::fd_limit::keep_spare();
+        crate::transport::links::fd_limit::keep_spare();
         let mut listeners = vec![Listener::Tcp(listener)];
         listeners.extend(local.map(|l| Listener::Unix(l.listener)));
         for l in listeners {

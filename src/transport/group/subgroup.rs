@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
-use crate::transport::arena::Arena;
+use crate::transport::group::arena::Arena;
 use crate::transport::{Fold, Key, Ready, Transport, Wait};
 use std::sync::Arc;
 use std::time::Instant;

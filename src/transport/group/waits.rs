@@ -113,12 +113,12 @@ pub fn ask_next(waiting_for: Option<usize>, asker: usize, depth: u64) -> Option<
 /// The answer as it crosses: UTF-8, cut to `ANSWER_LEN` bytes (at a
 /// character boundary) and padded with NULs.
 pub fn encode_answer(text: &str) -> Vec<u8> {
-    let mut end = text.len().min(crate::transport::frame::ANSWER_LEN);
+    let mut end = text.len().min(crate::transport::links::frame::ANSWER_LEN);
     while !text.is_char_boundary(end) {
         end -= 1;
     }
     let mut b = text.as_bytes()[..end].to_vec();
-    b.resize(crate::transport::frame::ANSWER_LEN, 0);
+    b.resize(crate::transport::links::frame::ANSWER_LEN, 0);
     b
 }
 
@@ -156,8 +156,8 @@ mod tests {
         assert!(grace_at(0) > grace_at(1) && grace_at(MAX_DEPTH) == ASK_GRACE);
         let long = "é".repeat(1000);
         let enc = encode_answer(&long);
-        assert_eq!(enc.len(), crate::transport::frame::ANSWER_LEN);
-        assert_eq!(decode_answer(&enc), "é".repeat(crate::transport::frame::ANSWER_LEN / 2));
+        assert_eq!(enc.len(), crate::transport::links::frame::ANSWER_LEN);
+        assert_eq!(decode_answer(&enc), "é".repeat(crate::transport::links::frame::ANSWER_LEN / 2));
     }
 
     // A question's depth and an answer's bytes are a peer's word: at any
@@ -175,7 +175,7 @@ mod tests {
             proptest::prop_assert_eq!(next.is_some(), waiting.is_some_and(|q| q != asker) && u128::from(depth) + 1 < u128::from(MAX_DEPTH));
             let _ = grace_at(depth);
             let _ = decode_answer(&bytes);
-            if text.len() <= crate::transport::frame::ANSWER_LEN {
+            if text.len() <= crate::transport::links::frame::ANSWER_LEN {
                 proptest::prop_assert_eq!(decode_answer(&encode_answer(&text)), text);
             }
         }

@@ -17,14 +17,14 @@
 //! flood of one does not close the other.
 
 use crate::error::{Error, Result};
-use crate::transport::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
-use crate::transport::conn::{Conn, ShmConn};
-use crate::transport::dial::{Timeouts, HANDSHAKE_TIMEOUT};
-use crate::transport::fdpass::{check_eventfd, check_same_user, eventfd, recv_fds, send_fds};
-use crate::transport::frame::{Challenge, Hello, Refusal, HELLO_LEN};
-use crate::transport::mesh_core::Core;
-use crate::transport::reactor::{Source, Token, READABLE};
-use crate::transport::ring::Segment;
+use crate::transport::links::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
+use crate::transport::links::conn::{Conn, ShmConn};
+use crate::transport::links::dial::{Timeouts, HANDSHAKE_TIMEOUT};
+use crate::transport::links::fdpass::{check_eventfd, check_same_user, eventfd, recv_fds, send_fds};
+use crate::transport::links::frame::{Challenge, Hello, Refusal, HELLO_LEN};
+use crate::transport::links::mesh_core::Core;
+use crate::transport::links::reactor::{Source, Token, READABLE};
+use crate::transport::links::ring::Segment;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -97,7 +97,7 @@ impl Listening {
             tracing::warn!(
                 "rustc10d: rank {} could not accept a connection: {}",
                 core.rank(),
-                crate::transport::fd_limit::describe(e)
+                crate::transport::links::fd_limit::describe(e)
             );
         }
     }
@@ -108,9 +108,9 @@ impl Listening {
     /// (30 minutes by default for a new group). False where there was no
     /// spare, or nothing to take.
     fn refuse_one(&self) -> bool {
-        let Some((soft, hard)) = crate::transport::fd_limit::current() else { return false };
+        let Some((soft, hard)) = crate::transport::links::fd_limit::current() else { return false };
         let refusal = Refusal::OutOfDescriptors { soft, hard }.encode();
-        let refused = crate::transport::fd_limit::with_spare(|| match &self.listener {
+        let refused = crate::transport::links::fd_limit::with_spare(|| match &self.listener {
             Listener::Tcp(l) => l.accept().map(|(s, _)| refuse(s, &refusal)).is_ok(),
             Listener::Unix(l) => l.accept().map(|(s, _)| refuse(s, &refusal)).is_ok(),
         });
@@ -128,7 +128,7 @@ impl Listening {
                 Ok((stream, from)) => self.start(core, stream, from),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if crate::transport::fd_limit::hint(&e).is_some() => {
+                Err(e) if crate::transport::links::fd_limit::hint(&e).is_some() => {
                     self.out_of_descriptors(core, &e);
                     if !self.refuse_one() {
                         return;

@@ -15,8 +15,8 @@
 //! the shares a Store reader sees are not enough to derive it.
 
 use crate::error::{Error, Result};
-use crate::transport::frame::PROTOCOL_VERSION;
-use crate::transport::seal::SealKeys;
+use crate::transport::links::frame::PROTOCOL_VERSION;
+use crate::transport::links::seal::SealKeys;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 

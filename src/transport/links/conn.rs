@@ -15,9 +15,9 @@
 //! by reading the peer's mapping of the segment; otherwise the rings carry
 //! everything.
 
-use crate::transport::fdpass::{drain, notify, peer_cred};
-use crate::transport::ring::{Ring, Segment, FIRST_WORD};
-use crate::transport::seal::{Opener, SealKeys, Sealer};
+use crate::transport::links::fdpass::{drain, notify, peer_cred};
+use crate::transport::links::ring::{Ring, Segment, FIRST_WORD};
+use crate::transport::links::seal::{Opener, SealKeys, Sealer};
 use std::io::{self, IoSlice};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -408,7 +408,7 @@ fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use crate::transport::fdpass::eventfd;
+    use crate::transport::links::fdpass::eventfd;
 
     /// Two ends of a sealed TCP connection, non-blocking.
     fn sealed_pair() -> (Conn, Conn) {

@@ -5,11 +5,11 @@
 
 use crate::error::Result;
 use crate::status::{Polling, Status};
-use crate::transport::frame::{Key, KIND_P2P};
-use crate::transport::link::Link;
-use crate::transport::mailbox::{PostedRecv, RecvBuf, Sources};
-use crate::transport::mesh_core::Core;
-use crate::transport::writer::SendReq;
+use crate::transport::links::frame::{Key, KIND_P2P};
+use crate::transport::links::link::Link;
+use crate::transport::links::mailbox::{PostedRecv, RecvBuf, Sources};
+use crate::transport::links::mesh_core::Core;
+use crate::transport::links::writer::SendReq;
 use crate::transport::{Fold, Ready};
 use std::sync::Arc;
 use std::time::Instant;

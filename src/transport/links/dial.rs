@@ -12,12 +12,12 @@
 //! that is wrong ends the dialling at once: retrying would not make it right.
 
 use crate::error::{Error, Result};
-use crate::transport::auth::{nonce, Identity, Side, Transcript, PROOF_LEN};
-use crate::transport::conn::{Conn, ShmConn};
-use crate::transport::fd_limit;
-use crate::transport::fdpass::{check_eventfd, check_same_user, eventfd, recv_fds, send_fds};
-use crate::transport::frame::{Challenge, Hello, CHALLENGE_LEN, PROTOCOL_VERSION};
-use crate::transport::ring::Segment;
+use crate::transport::links::auth::{nonce, Identity, Side, Transcript, PROOF_LEN};
+use crate::transport::links::conn::{Conn, ShmConn};
+use crate::transport::links::fd_limit;
+use crate::transport::links::fdpass::{check_eventfd, check_same_user, eventfd, recv_fds, send_fds};
+use crate::transport::links::frame::{Challenge, Hello, CHALLENGE_LEN, PROTOCOL_VERSION};
+use crate::transport::links::ring::Segment;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -262,8 +262,8 @@ impl Timeouts for UnixStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::auth::{GroupKey, Proof, SHARE_LEN};
-    use crate::transport::frame::HELLO_LEN;
+    use crate::transport::links::auth::{GroupKey, Proof, SHARE_LEN};
+    use crate::transport::links::frame::HELLO_LEN;
     use std::net::TcpListener;
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::process::CommandExt;

@@ -156,7 +156,7 @@ pub fn eventfd() -> Result<OwnedFd> {
     // SAFETY: eventfd takes a count and flags and touches no memory of ours.
     let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if fd < 0 {
-        return Err(crate::transport::shared_mem::os_error("eventfd"));
+        return Err(crate::transport::links::shared_mem::os_error("eventfd"));
     }
     // SAFETY: a descriptor eventfd just returned (checked >= 0), owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })

@@ -3,7 +3,7 @@
 //! way: see auth.rs). Pure encode/decode, no I/O.
 
 use crate::error::{Error, Result};
-use crate::transport::auth::{Nonce, NONCE_LEN};
+use crate::transport::links::auth::{Nonce, NONCE_LEN};
 
 /// Bumped whenever ranks of two versions could not understand each other
 /// (v2: ranks publish their host and shared-memory socket; v3: and the
@@ -301,7 +301,7 @@ impl Refusal {
         match u32::from_le_bytes(b[4..8].try_into().unwrap()) {
             Self::OUT_OF_DESCRIPTORS => format!(
                 "it cannot take the connection: {}",
-                crate::transport::fd_limit::out_of_descriptors("its process", Some((word(8), word(16))))
+                crate::transport::links::fd_limit::out_of_descriptors("its process", Some((word(8), word(16))))
             ),
             code => format!("it refused the connection (reason {code}, unknown to this rank)"),
         }

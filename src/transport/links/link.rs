@@ -6,15 +6,15 @@
 //! through `Core::peer_event`.
 
 use crate::error::{Error, Result};
-use crate::transport::conn::{Conn, Watch};
-use crate::transport::frame::{FrameHeader, Key, HEADER_LEN};
-use crate::transport::mesh_core::Core;
-use crate::transport::peer::{ConnId, Event};
-use crate::transport::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
-use crate::transport::reader::{Reader, Stop};
-use crate::transport::readers::{Next, Readers};
-use crate::transport::striping::Striping;
-use crate::transport::writer::{finish_written, Flushed, Outbox, SendReq};
+use crate::transport::links::conn::{Conn, Watch};
+use crate::transport::links::frame::{FrameHeader, Key, HEADER_LEN};
+use crate::transport::links::mesh_core::Core;
+use crate::transport::links::peer::{ConnId, Event};
+use crate::transport::links::reactor::{Reactor, Source, Spinner, Token, READABLE, WRITABLE};
+use crate::transport::links::reader::{Reader, Stop};
+use crate::transport::links::readers::{Next, Readers};
+use crate::transport::links::striping::Striping;
+use crate::transport::links::writer::{finish_written, Flushed, Outbox, SendReq};
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};

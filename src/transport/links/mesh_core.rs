@@ -5,22 +5,22 @@
 
 use crate::error::{Error, Result};
 use crate::status::Status;
-use crate::transport::accept::Listening;
-use crate::transport::arena::Arena;
-use crate::transport::auth::Identity;
-use crate::transport::conn::Conn;
-use crate::transport::dial::Dialler;
-use crate::transport::frame::{Key, ANSWER_LEN};
-use crate::transport::link::Link;
-use crate::transport::mailbox::{AnyPosted, Mailbox};
-use crate::transport::mailbox::{PostedRecv, RecvBuf};
-use crate::transport::mesh::PeerAddr;
-use crate::transport::peer::{Action, ConnId, Event, Peer};
-use crate::transport::peer_reads::PeerReadsGrant;
-use crate::transport::reactor::{Membership, Reactor, Token};
-use crate::transport::striping::Striping;
-use crate::transport::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
-use crate::transport::writer::SendReq;
+use crate::transport::group::arena::Arena;
+use crate::transport::group::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
+use crate::transport::links::accept::Listening;
+use crate::transport::links::auth::Identity;
+use crate::transport::links::conn::Conn;
+use crate::transport::links::dial::Dialler;
+use crate::transport::links::endpoint::PeerAddr;
+use crate::transport::links::frame::{Key, ANSWER_LEN};
+use crate::transport::links::link::Link;
+use crate::transport::links::mailbox::{AnyPosted, Mailbox};
+use crate::transport::links::mailbox::{PostedRecv, RecvBuf};
+use crate::transport::links::peer::{Action, ConnId, Event, Peer};
+use crate::transport::links::peer_reads::PeerReadsGrant;
+use crate::transport::links::reactor::{Membership, Reactor, Token};
+use crate::transport::links::striping::Striping;
+use crate::transport::links::writer::SendReq;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -70,7 +70,7 @@ pub struct Core {
     /// Lets peers on this host read this process's memory until shutdown.
     pub(in crate::transport) peer_reads: Mutex<Option<PeerReadsGrant>>,
     /// How many channels of each name this rank has opened (channel.rs).
-    pub(in crate::transport) channels: Mutex<crate::transport::channel::Channels>,
+    pub(in crate::transport) channels: Mutex<crate::transport::group::channel::Channels>,
 }
 
 pub struct PeerSlot {

@@ -15,9 +15,9 @@
 //! to do there. Either way each rank then tries every peer (`may_read`),
 //! and the group's vote decides.
 
-use crate::transport::conn::read_process;
-use crate::transport::dial::unix_connect;
-use crate::transport::fdpass::peer_cred;
+use crate::transport::links::conn::read_process;
+use crate::transport::links::dial::unix_connect;
+use crate::transport::links::fdpass::peer_cred;
 use std::sync::Mutex;
 
 const SCOPE_FILE: &str = "/proc/sys/kernel/yama/ptrace_scope";
@@ -193,7 +193,7 @@ mod tests {
     /// is no peer to read; neither needs a word through the Store.
     #[test]
     fn may_read_asks_the_kernel_of_the_listening_process() {
-        let (_endpoint, name) = crate::transport::mesh::ShmEndpoint::bind(64 << 10).unwrap();
+        let (_endpoint, name) = crate::transport::links::endpoint::ShmEndpoint::bind(64 << 10).unwrap();
         assert!(may_read(&name), "this process reads itself");
         assert!(!may_read("rustc10d-no-such-endpoint"));
     }

@@ -149,7 +149,7 @@ impl Reactor {
     }
 
     fn start() -> Result<Reactor> {
-        let os = crate::transport::shared_mem::os_error;
+        let os = crate::transport::links::shared_mem::os_error;
         // SAFETY: epoll_create1 takes only flags and touches no memory of ours.
         let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if epoll < 0 {

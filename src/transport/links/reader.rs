@@ -6,11 +6,11 @@
 //! the sender's memory the same way, then acknowledged.
 
 use crate::error::Error;
-use crate::transport::conn::Conn;
-use crate::transport::frame::{
+use crate::transport::links::conn::Conn;
+use crate::transport::links::frame::{
     FrameHeader, Key, Remote, ABORT_CHANNEL, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, LEAVE_CHANNEL, REMOTE_LEN,
 };
-use crate::transport::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
+use crate::transport::links::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use std::io;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -415,8 +415,8 @@ fn read_some(conn: &Conn, buf: &mut [u8]) -> io::Result<usize> {
 mod tests {
     use super::*;
     use crate::status::Status;
-    use crate::transport::conn::tests::pair_direct_from;
-    use crate::transport::mailbox::RecvBuf;
+    use crate::transport::links::conn::tests::pair_direct_from;
+    use crate::transport::links::mailbox::RecvBuf;
     use std::io::IoSlice;
     use std::sync::Arc;
 
@@ -529,7 +529,7 @@ mod tests {
 
     fn sent() -> impl proptest::strategy::Strategy<Value = Sent> {
         use proptest::prelude::*;
-        let kind = prop_oneof![4 => Just(crate::transport::frame::KIND_P2P), 1 => 0u8..8];
+        let kind = prop_oneof![4 => Just(crate::transport::links::frame::KIND_P2P), 1 => 0u8..8];
         let len = prop_oneof![
             3 => Just(64u64),
             3 => 0u64..130,

@@ -23,7 +23,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::error::{Error, Result};
-use crate::transport::shared_mem::{sealed_len, sealed_memfd, Mapping};
+use crate::transport::links::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};

@@ -98,5 +98,8 @@ impl Drop for Mapping {
 /// The error of the OS call `what` that just failed, naming the open-file
 /// limit where that is why (`fd_limit::describe`).
 pub fn os_error(what: &str) -> Error {
-    Error::io(format!("rustc10d: {what} failed: {}", crate::transport::fd_limit::describe(&io::Error::last_os_error())))
+    Error::io(format!(
+        "rustc10d: {what} failed: {}",
+        crate::transport::links::fd_limit::describe(&io::Error::last_os_error())
+    ))
 }

@@ -8,8 +8,8 @@
 
 use crate::error::{Error, Result};
 use crate::status::Status;
-use crate::transport::conn::Conn;
-use crate::transport::frame::{FrameHeader, Key, Remote, HEADER_LEN, KIND_COLLECTIVE, KIND_P2P, REMOTE_LEN};
+use crate::transport::links::conn::Conn;
+use crate::transport::links::frame::{FrameHeader, Key, Remote, HEADER_LEN, KIND_COLLECTIVE, KIND_P2P, REMOTE_LEN};
 use crate::transport::Ready;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
@@ -208,7 +208,7 @@ pub fn finish_written(reqs: Vec<SendReq>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::conn::tests::pair_direct_from;
+    use crate::transport::links::conn::tests::pair_direct_from;
 
     #[test]
     fn a_send_that_goes_as_its_address_finishes_only_once_read() {

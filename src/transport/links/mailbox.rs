@@ -5,7 +5,7 @@
 
 use crate::error::Error;
 use crate::status::Status;
-use crate::transport::frame::{Key, KIND_COLLECTIVE, KIND_P2P};
+use crate::transport::links::frame::{Key, KIND_COLLECTIVE, KIND_P2P};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
