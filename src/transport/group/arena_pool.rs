@@ -556,6 +556,8 @@ impl ArenaPool {
 struct Keeper {
     stop: Option<mpsc::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    /// The process that started it: a forked child has no such thread.
+    pid: u32,
 }
 
 impl Keeper {
@@ -592,7 +594,7 @@ impl Keeper {
             .spawn(keep)
             .map_err(|e| Error::io(format!("rustc10d: could not start the arenas' keeper thread: {e}")))?;
         match held.recv() {
-            Ok(0) => Ok(Keeper { stop: Some(stop), thread: Some(thread) }),
+            Ok(0) => Ok(Keeper { stop: Some(stop), thread: Some(thread), pid: std::process::id() }),
             rc => {
                 let _ = thread.join();
                 Err(Error::io(format!(
@@ -607,8 +609,13 @@ impl Keeper {
 impl Drop for Keeper {
     fn drop(&mut self) {
         drop(self.stop.take());
-        if let Some(t) = self.thread.take() {
+        let Some(t) = self.thread.take() else { return };
+        if std::process::id() == self.pid {
             let _ = t.join();
+        } else {
+            // A forked child's copy: the thread is its parent's, which joining
+            // (or detaching) here would wait on or free as if it were ours.
+            std::mem::forget(t);
         }
     }
 }
