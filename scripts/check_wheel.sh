@@ -22,7 +22,7 @@ env -i HOME="$HOME" PATH="$venv/bin" "$venv/bin/python" -m pip install -q --no-d
 echo "pip install $(basename "$wheel") (torch $torch, Python $py, no compiler on PATH): $((($(date +%s%N) - t0) / 1000000)) ms"
 for staged in 0 1; do
     timeout 300 env -i HOME="$HOME" PATH="$venv/bin" OMP_NUM_THREADS=1 RUSTC10D_TEST_STAGING=$staged \
-        "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 tests/every_op_job.py 2>&1 |
+        "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 tests/py/packaging/every_op_job.py 2>&1 |
         grep -E "ops checked|^OK|Error" | tail -3
 done
 env -i HOME="$HOME" PATH="$venv/bin" "$venv/bin/python" -c \

@@ -7,7 +7,7 @@
 #   CUDA_WAITS=stream bash scripts/gpu_check.sh   # only RUSTC10D_CUDA_WAIT=stream (default: host, then stream)
 #
 # Builds and installs rustc10d into that Python if it is not importable, then
-# runs tests/gpu_job.py under torchrun: all_reduce of every dtype against
+# runs tests/py/cuda/gpu_job.py under torchrun: all_reduce of every dtype against
 # arithmetic, Gloo and NCCL (NCCL only with a GPU per rank), broadcast,
 # all_gather_into_tensor, reduce_scatter_tensor, isend/irecv, a stream-ordering
 # test, wait() while the inputs are still being produced (timed; under 1 ms with
@@ -30,7 +30,7 @@ status=0
 run() {  # run <label> <CUDA_VISIBLE_DEVICES> <RUSTC10D_CUDA_WAIT>
     echo "=== W=2, $1, RUSTC10D_CUDA_WAIT=$3"
     RUSTC10D_CUDA_WAIT=$3 CUDA_VISIBLE_DEVICES=$2 timeout 600 "$PYTHON" -m torch.distributed.run --standalone \
-        --nproc-per-node 2 tests/gpu_job.py || status=1
+        --nproc-per-node 2 tests/py/cuda/gpu_job.py || status=1
 }
 for wait in ${CUDA_WAITS:-host stream}; do
     run "both ranks on GPU 0" 0 "$wait"

@@ -2,10 +2,10 @@
 # of a version, an environment with a given torch, and a build of rustc10d into it.
 
 # What building and testing rustc10d needs besides torch (numpy: torch warns without it;
-# expecttest: torch's own test modules import it, tests/torch_suite/run.py runs them).
+# expecttest: torch's own test modules import it, tests/py/torch_suite/run.py runs them).
 REQUIREMENTS=("setuptools>=70.1" "setuptools-rust>=1.12" wheel pytest pytest-timeout numpy expecttest)
 
-# torchft, for tests/test_torchft.py on a torch with the native reconfigure API (2.14 on): the
+# torchft, for tests/py/torchft/test_torchft.py on a torch with the native reconfigure API (2.14 on): the
 # nightly the tests were written against (its own tests, which they run, change between nightlies).
 TORCHFT_REQUIREMENTS=("torchft-nightly==2026.10.26" parameterized)
 

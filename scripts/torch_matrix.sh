@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds rustc10d against each supported torch, one version at a time, imports it and runs one
-# real job of every op on it (tests/every_op_job.py, 2 ranks under torchrun, plain and once more
+# real job of every op on it (tests/py/packaging/every_op_job.py, 2 ranks under torchrun, plain and once more
 # staged the way CUDA tensors are), tries init_process_group("rustc10d") without importing
-# rustc10d (tests/reinit_job.py --no-import: whether this torch finds backends by their entry
+# rustc10d (tests/py/groups/reinit_job.py --no-import: whether this torch finds backends by their entry
 # point), then prints a table. CI runs it for the versions it does not
 # run the whole suite on; run it by hand after touching the shim or the build.
 #
@@ -39,12 +39,12 @@ print(", ".join(f for f, has in n.TORCH_FEATURES.items() if not has) or "nothing
                 result=FAILED
                 RUSTC10D_TEST_STAGING=$([ $mode = staged ] && echo 1 || echo 0) OMP_NUM_THREADS=1 timeout 300 \
                     "$dir/bin/python" -m torch.distributed.run --standalone --nproc-per-node 2 \
-                    tests/every_op_job.py >>"$log" 2>&1 && result=ok
+                    tests/py/packaging/every_op_job.py >>"$log" 2>&1 && result=ok
                 printf -v "$mode" %s "$result"
             done
             entry="needs import"
             OMP_NUM_THREADS=1 timeout 120 "$dir/bin/python" -m torch.distributed.run --standalone \
-                --nproc-per-node 2 tests/reinit_job.py rustc10d --no-import >>"$log" 2>&1 && entry=works
+                --nproc-per-node 2 tests/py/groups/reinit_job.py rustc10d --no-import >>"$log" 2>&1 && entry=works
         else
             imported=FAILED lacks=-
         fi

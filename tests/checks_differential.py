@@ -1,6 +1,6 @@
 """The differential suite: generated torch.distributed calls (diff_calls.py), legal and
 illegal, run by every rank of a job of their own (Check.job "differential", suite
-"differential", tests/test_differential.py) and checked against plain arithmetic.
+"differential", tests/py/collectives/test_differential.py) and checked against plain arithmetic.
 
 Settings (environment; pytest and the ranks read the same ones):
   RUSTC10D_DIFF_SEED   the seed (default 1). Call i is a function of (seed, world size, i).
@@ -8,7 +8,7 @@ Settings (environment; pytest and the ranks read the same ones):
   RUSTC10D_DIFF_ONLY   run only these calls: "137", "130-140" or "5,17,130-140" (replay).
   RUSTC10D_DIFF_FIRST_OP=1  make every mismatched call its fresh group's first op.
 
-  RUSTC10D_DIFF_CALLS=5000 RUSTC10D_DIFF_SEED=7 .venv/bin/python -m pytest tests/test_differential.py --timeout 0
+  RUSTC10D_DIFF_CALLS=5000 RUSTC10D_DIFF_SEED=7 .venv/bin/python -m pytest tests/py/collectives/test_differential.py --timeout 0
 
 The calls are split into checks of CHUNK calls ("differential-00000-00049", ...), so a failure
 is reported with the calls around it, and one bad chunk does not hide the others. A wrong
@@ -142,7 +142,7 @@ class Runner:
             test_id = f"{variant()}-{test_id}"
         calls = f"RUSTC10D_DIFF_CALLS={CALLS} " if CALLS != DEFAULT_CALLS else ""
         replay = (f"RUSTC10D_DIFF_SEED={call.seed} {calls}RUSTC10D_DIFF_ONLY={call.index} "
-                  f".venv/bin/python -m pytest tests/test_differential.py -k '{test_id}'")
+                  f".venv/bin/python -m pytest tests/py/collectives/test_differential.py -k '{test_id}'")
         lines = "\n".join(f"  {p}" for p in problems)
         self.ctx.errors.append(f"{call.describe()}\n  on rank {self.ctx.rank} ({variant()}):\n{lines}\n"
                                f"  replay: {replay}")

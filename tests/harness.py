@@ -51,6 +51,8 @@ class Proc:
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    # Jobs live beside their tests (tests/py/<subject>/) and import the shared harness here.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the re-sync group is Gloo; all ranks are local
     env.update(extra or {})
