@@ -69,7 +69,8 @@ pub struct Core {
     pub(in crate::transport) arena_on_every_host: bool,
     /// Lets peers on this host read this process's memory until shutdown.
     pub(in crate::transport) peer_reads: Mutex<Option<PeerReadsGrant>>,
-    /// How many channels of each name this rank has opened (channel.rs).
+    /// The channels on these connections: how many of each name this rank
+    /// opened, the groups it gave up on, the arenas they leased (channel.rs).
     pub(in crate::transport) channels: Mutex<crate::transport::group::channel::Channels>,
 }
 
