@@ -283,7 +283,7 @@ pub fn connect(store: &dyn Store, me: &Member, cfg: &Config) -> Result<Mesh> {
         store.set(&keys.readable(rank), b"1")?;
     }
     let single_copy = single_copy_group(store, &keys, rank, &records, me.timeout)?;
-    keys.read_by(store, rank, size);
+    keys.read_by(store, rank, &records);
     let hosts = number_hosts(&records);
     let with_arenas = hosts_with_arenas(cfg, &records, &hosts);
     let arena = arena_role(cfg, &hosts, with_arenas[hosts[rank]], rank, arena)?;
@@ -369,9 +369,7 @@ fn single_copy_group(
     records: &[Published],
     timeout: Duration,
 ) -> Result<bool> {
-    let host = &records[rank].host;
-    let candidates = records.len() > 1 && records.iter().all(|r| r.single_copy && r.shm.is_some() && &r.host == host);
-    if !candidates || host == "unknown" {
+    if !votes_on_single_copy(records) {
         return Ok(false);
     }
     let mut reads_all = true;
@@ -394,6 +392,15 @@ fn single_copy_group(
         );
     }
     Ok(all)
+}
+
+/// Whether the ranks vote on single copy (`single_copy_group`): all of them
+/// offer it, on one known host. The same on every rank (it reads the records only).
+fn votes_on_single_copy(records: &[Published]) -> bool {
+    let host = &records[0].host;
+    records.len() > 1
+        && host != "unknown"
+        && records.iter().all(|r| r.single_copy && r.shm.is_some() && &r.host == host)
 }
 
 /// Tell the other ranks that this one cannot take part (a bad setting, say),
@@ -474,12 +481,18 @@ impl Keys {
     /// only while the ranks meet. The count of incarnations ("joined") and a
     /// reconfigure's count of members stay: they tell an incarnation or a
     /// uuid used before. Best effort: a Store that cannot delete keeps them.
-    fn read_by(&self, store: &dyn Store, rank: usize, size: usize) {
-        if store.add(&self.read(), 1).ok() != Some(size as i64) {
+    /// Only keys the records say were written are deleted (a round trip
+    /// each); the settle keys are written only by ranks that fail before this.
+    fn read_by(&self, store: &dyn Store, rank: usize, records: &[Published]) {
+        if store.add(&self.read(), 1).ok() != Some(records.len() as i64) {
             return;
         }
-        let per_rank = (0..size).flat_map(|r| [self.addr(r), self.readable(r), self.vote(r)]);
-        for key in per_rank.chain([self.settled(), self.all_settled(), self.read()]) {
+        let voted = votes_on_single_copy(records);
+        let per_rank = records.iter().enumerate().flat_map(|(r, record)| {
+            let readable = record.single_copy.then(|| self.readable(r));
+            [Some(self.addr(r)), readable, voted.then(|| self.vote(r))].into_iter().flatten()
+        });
+        for key in per_rank.chain([self.read()]) {
             if let Err(e) = store.delete(&key) {
                 tracing::debug!("rustc10d: rank {rank} left {key} in the Store: {}", e.message);
                 return;

@@ -90,6 +90,10 @@ fn ranks_of(slots: &[usize]) -> Ranks {
     set
 }
 
+fn count(set: &Ranks) -> usize {
+    set.iter().map(|w| w.count_ones() as usize).sum()
+}
+
 fn has(set: &Ranks, s: usize) -> bool {
     set[s / 64] & 1 << (s % 64) != 0
 }
@@ -330,7 +334,7 @@ impl ArenaPool {
         deadline: Instant,
     ) -> Result<Option<Arena>> {
         let members = ranks_of(slots);
-        let distinct = members.iter().map(|w| w.count_ones() as usize).sum::<usize>() == slots.len();
+        let distinct = count(&members) == slots.len();
         if slots.iter().any(|&s| s >= self.max_world) || !distinct || slots.get(me) != Some(&self.slot) {
             return Err(Error::invalid(format!(
                 "rustc10d: member {me} of the group of this host's ranks {slots:?} cannot lease an arena of \
@@ -380,12 +384,7 @@ impl ArenaPool {
         };
         let region = self.free_region().or_else(|| self.reclaim().then(|| self.free_region()).flatten());
         if let Some(r) = region {
-            Arena::init(
-                &self.map,
-                self.region_at(r),
-                members.iter().map(|w| w.count_ones() as usize).sum(),
-                self.slot_bytes,
-            );
+            Arena::init(&self.map, self.region_at(r), count(members), self.slot_bytes);
         }
         let e = self.entry(free);
         e.key.store(key, Ordering::Relaxed);

@@ -37,7 +37,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-/// The channels a process's connections carry (`Core::channels`).
+/// The channels a process's connections carry (`Core::channels`). Its lock
+/// is taken alone: nothing else is locked while it is held (the I/O thread
+/// takes it too, when a peer is lost), nor is it taken under another lock.
 #[derive(Default)]
 pub struct Channels {
     /// How many channels of each name this rank has opened.
