@@ -261,30 +261,54 @@ void restore(const Completion& done, size_t restore_stream, size_t buffer, size_
 
 // ---------------------------------------------------------------- finishing
 
-void complete(const Completion& done, ErrorKind kind, rust::Str error) noexcept {
+// Finishing is two calls: `settle`, one at a time with the device
+// primitives (the engine's lock on the Completion), then `publish`, without
+// that lock, since it runs torch's callbacks, the user's code, which may
+// issue the next op. `publish` touches only what no other call does: the
+// future, the hooks, the timing `settle` wrote.
+
+// The op succeeded: its outputs' copies back, and a CUDA op's events. Returns
+// what went wrong (empty: nothing), which the op then fails with.
+rust::String settle(const Completion& done) noexcept {
+  auto& d = *done.impl;
+  try {
+    for (auto& [user, copy] : d.copy_back) copy_into(user, copy);
+    // Held copies were queued at issue: the side stream waits for them, so
+    // that the future's events (`publish`) do not also wait for later ops'
+    // held copies.
+    if (d.cuda && d.cuda->stream_ordered()) {
+      d.cuda->order_after(d.cuda->side ? *d.cuda->side : d.cuda->stream);
+    } else if (d.cuda) {
+      d.cuda->done.record(d.cuda->stream);
+    }
+    std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - d.timing->start;
+    d.timing->duration_ms = took.count();
+    return rust::String();
+  } catch (const std::exception& e) {
+    return rust::String(std::string("rustc10d: finishing the op failed: ") + e.what());
+  } catch (...) {
+    return rust::String("rustc10d: finishing the op failed");
+  }
+}
+
+// The op's future completes (error empty) or fails, then its hooks fire.
+void publish(const Completion& done, ErrorKind kind, rust::Str error) noexcept {
   auto& d = *done.impl;
   try {
     if (!error.empty()) {
       d.future->setError(error_of(kind, std::string(error)));
       return;
     }
-    for (auto& [user, copy] : d.copy_back) copy_into(user, copy);
     // A CUDA future's value is usable on a stream once our stream's copies
-    // back are done: its events are recorded on the current stream. Held
-    // copies were queued at issue: the side stream waits for them, so that
-    // the future's events do not also wait for later ops' held copies.
+    // back are done: its events are recorded on the current stream.
     std::optional<c10::StreamGuard> on_our_stream;
     if (d.cuda && d.cuda->stream_ordered()) {
       on_our_stream.emplace(d.cuda->side ? *d.cuda->side : d.cuda->stream);
-      d.cuda->order_after(d.cuda->side ? *d.cuda->side : d.cuda->stream);
     } else if (d.cuda) {
       on_our_stream.emplace(d.cuda->stream);
-      d.cuda->done.record(d.cuda->stream);
     }
-    std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - d.timing->start;
-    d.timing->duration_ms = took.count();
     d.future->markCompleted(c10::IValue(d.outputs));
-    d.hooks->fire(d.key, took.count());
+    d.hooks->fire(d.key, d.timing->duration_ms);
   } catch (...) {
     if (!d.future->completed()) d.future->setError(std::current_exception());
   }
@@ -295,8 +319,8 @@ void complete(const Completion& done, ErrorKind kind, rust::Str error) noexcept 
 // range), so the tensor built here is valid. The result is coalesced, as
 // Gloo's is. The tensor may be uncoalesced (DDP's sparse gradients are), so
 // only what an uncoalesced tensor answers is asked of it.
-rust::String complete_sparse(const Completion& done, rust::Slice<const uint64_t> rows,
-                             rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept {
+rust::String settle_sparse(const Completion& done, rust::Slice<const uint64_t> rows,
+                           rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept {
   auto& t = done.impl->sparse;
   std::string failed;
   try {
@@ -315,7 +339,7 @@ rust::String complete_sparse(const Completion& done, rust::Slice<const uint64_t>
   } catch (const std::exception& e) {
     failed = std::string("rustc10d: allreduce_sparse could not build its result: ") + e.what();
   }
-  complete(done, ErrorKind::Io, failed);
+  if (failed.empty()) return settle(done);
   return rust::String(failed);
 }
 

@@ -35,9 +35,10 @@ rust::String store_host(const StoreRef& store);
 std::unique_ptr<StoreRef> store_clone(const StoreRef& store);
 std::unique_ptr<StoreRef> store_from_python(size_t pyobject);
 
-void complete(const Completion& done, ErrorKind kind, rust::Str error) noexcept;
-rust::String complete_sparse(const Completion& done, rust::Slice<const uint64_t> rows,
-                             rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept;
+rust::String settle(const Completion& done) noexcept;
+rust::String settle_sparse(const Completion& done, rust::Slice<const uint64_t> rows,
+                           rust::Slice<const uint8_t> indices, rust::Slice<const uint8_t> values) noexcept;
+void publish(const Completion& done, ErrorKind kind, rust::Str error) noexcept;
 
 // Device primitives (see src/engine/staging.rs).
 uint64_t to_host(const Completion& done, size_t buffer, size_t start, size_t len);

@@ -15,10 +15,11 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex};
 use cudarc::driver::sys as cu;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The driver entry points used here: all must resolve before any is called
@@ -144,7 +145,7 @@ pub struct Stream(pub usize);
 /// Streams of ours outlive the groups that used them: torch's caching
 /// allocator may record events on them when a tensor they touched is freed,
 /// later. A destroyed group's streams, once idle, go here for the next.
-static SPARE_STREAMS: Mutex<Vec<(i32, Stream)>> = Mutex::new(Vec::new());
+static SPARE_STREAMS: Mutex<level::SpareStreams, Vec<(i32, Stream)>> = Mutex::new(Vec::new());
 
 /// One device's driver state for a group: its context, three streams of
 /// ours, and a word of pinned host memory mapped into the device.

@@ -14,8 +14,8 @@
 //! every connection of the group is cut as the op starts), `count` (how many
 //! matching ops it hits, default 1).
 
+use crate::locks::{level, Mutex};
 use crate::ops::OpKind;
-use std::sync::Mutex;
 use std::time::Duration;
 
 /// Where the rules come from, for the error an injected failure reports.
@@ -39,7 +39,7 @@ struct Rule {
 
 #[derive(Debug, Default)]
 pub struct Faults {
-    rules: Mutex<Vec<Rule>>,
+    rules: Mutex<level::FaultRules, Vec<Rule>>,
     /// Whether there are rules: every op asks, and almost always there are
     /// none, which it then learns without the lock's cache line.
     any: bool,

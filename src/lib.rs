@@ -21,6 +21,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod locks;
 pub mod membership;
 pub mod ops;
 pub mod panics;

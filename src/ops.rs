@@ -5,7 +5,8 @@
 use crate::algorithms::RawBuf;
 use crate::dtype::{DType, ReduceOp, TypeCode};
 use crate::error::{Error, Result};
-use std::sync::{Arc, Mutex};
+use crate::locks::{level, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Every kind of op, by the name errors, statistics and RUSTC10D_FAULT use.
@@ -247,7 +248,7 @@ pub enum Collective {
         values: RawBuf,
         shape: SparseShape,
         dtype: DType,
-        out: Arc<Mutex<SparseGathered>>,
+        out: Arc<Mutex<level::SparseGathered, SparseGathered>>,
     },
 }
 

@@ -6,6 +6,7 @@ use crate::error::{Error, ErrorKind};
 use crate::ffi::{
     backend_to_python, store_from_python, store_host, unformed_backend_to_python, Group, GroupStore, Membership,
 };
+use crate::locks::{level, Mutex};
 use crate::rendezvous::{self, Member};
 use crate::stats::Stats;
 use crate::transport::Transport;
@@ -13,7 +14,7 @@ use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 /// What Python may ask of a live group, by group name (`rustc10d.stats()`,
@@ -24,7 +25,7 @@ struct Watched {
     cfg: Config,
 }
 
-static GROUPS: Mutex<BTreeMap<String, Watched>> = Mutex::new(BTreeMap::new());
+static GROUPS: Mutex<level::WatchedGroups, BTreeMap<String, Watched>> = Mutex::new(BTreeMap::new());
 
 fn watched<T>(group_name: &str, f: impl FnOnce(&Watched) -> Option<T>) -> PyResult<T> {
     let groups = GROUPS.lock().unwrap();

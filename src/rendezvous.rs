@@ -8,6 +8,7 @@
 
 use crate::config::{Config, TransportMode};
 use crate::error::{Error, ErrorKind, Result};
+use crate::locks::{level, Condvar, Mutex};
 use crate::secret::{Sealed, Secret};
 use crate::transport::group::arena::Arena;
 use crate::transport::group::arena_pool::ArenaPool;
@@ -21,7 +22,6 @@ use crate::transport::links::reactor::Reactor;
 use crate::transport::links::{fdpass, ring};
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
-use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// The key/value store the group rendezvous through (torch's c10d Store, already
@@ -39,10 +39,10 @@ pub trait Store {
 /// A Store for tests: threads in one process share it.
 #[derive(Default)]
 pub struct MemStore {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    map: Mutex<level::StoreMap, HashMap<String, Vec<u8>>>,
     cv: Condvar,
     /// The last value of every key deleted since (`seen`).
-    deleted: Mutex<HashMap<String, Vec<u8>>>,
+    deleted: Mutex<level::StoreDeleted, HashMap<String, Vec<u8>>>,
 }
 
 impl MemStore {

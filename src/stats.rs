@@ -2,10 +2,10 @@
 //! how many ops of each kind finished, how many bytes they moved, how long
 //! they took, and what they cost in copies and sleeps (see `Cost`).
 
+use crate::locks::{level, Mutex};
 use crate::ops::OpKind;
 use crate::status::Cost;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -26,7 +26,7 @@ pub struct OpStats {
 /// A slot per kind (in `OpKind::ALL`'s order, which is the codes'), so that
 /// recording touches one slot, not a map's nodes.
 #[derive(Debug, Default)]
-pub struct Stats(Mutex<[OpStats; OpKind::ALL.len()]>);
+pub struct Stats(Mutex<level::Stats, [OpStats; OpKind::ALL.len()]>);
 
 // A kind's slot is its code.
 const _: () = {

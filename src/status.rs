@@ -5,8 +5,9 @@
 //! hand the result over) fails the op: Work and future tell the same story.
 
 use crate::error::Result;
+use crate::locks::{level, Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Runs once, on the thread that finishes the operation.
@@ -77,7 +78,7 @@ pub struct Status {
     /// The op, named in every error ("recv #3 from rank 1 (...) ..."):
     /// prefixed to one that does not name it already.
     context: Option<String>,
-    state: Mutex<State>,
+    state: Mutex<level::StatusState, State>,
     cv: Condvar,
     /// Set once `state.result` is, so waiters can poll without the lock.
     done: AtomicBool,
@@ -120,19 +121,33 @@ impl Status {
     }
 
     /// Complete with `result`. The first call wins; later calls return false.
-    pub fn finish(&self, result: Result<i64>) -> bool {
+    /// One with a callback or observers to run, made while this thread holds
+    /// a lock of the transport's, is published once the thread lets go of it
+    /// (`locks::when_unlocked`): they run torch's callbacks, the user's code.
+    pub fn finish(self: &Arc<Self>, result: Result<i64>) -> bool {
         let result = match (result, &self.context) {
             (Err(e), Some(op)) if !e.message.contains(op.as_str()) => Err(e.context(format_args!("rustc10d: {op}"))),
             (r, _) => r,
         };
-        let callback = {
+        let (callback, observed) = {
             let mut st = self.state.lock().unwrap();
             if st.claimed {
                 return false;
             }
             st.claimed = true;
-            st.callback.take()
+            (st.callback.take(), !st.observers.is_empty())
         };
+        if (callback.is_some() || observed) && crate::locks::holding_io() {
+            let me = self.clone();
+            crate::locks::when_unlocked(Box::new(move || me.publish(callback, result)));
+        } else {
+            self.publish(callback, result);
+        }
+        true
+    }
+
+    /// The claimed cell's callback, then its result for waiters and observers.
+    fn publish(&self, callback: Option<Finisher>, result: Result<i64>) {
         // A callback that panics must not leave the cell claimed but never
         // published (every waiter would wait forever): it fails the op.
         let handed_over = callback.map(|cb| crate::panics::contain("finishing the op", || cb(&result)).and_then(|r| r));
@@ -156,7 +171,6 @@ impl Status {
                 tracing::error!("{}", e.message);
             }
         }
-        true
     }
 
     /// Run `f` with the result once finished (at once if it is).
@@ -180,7 +194,7 @@ impl Status {
             return combined;
         }
         let left = Arc::new(AtomicUsize::new(all.len()));
-        let failure = Arc::new(Mutex::new(None));
+        let failure = Arc::new(Mutex::<level::FirstFailure, _>::new(None));
         for s in all {
             let (combined, left, failure) = (combined.clone(), left.clone(), failure.clone());
             s.then(Box::new(move |r| {
@@ -188,7 +202,9 @@ impl Status {
                     failure.lock().unwrap().get_or_insert_with(|| e.clone());
                 }
                 if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    combined.finish(failure.lock().unwrap().take().map_or(Ok(0), Err));
+                    // Not under the lock: finishing runs the combined op's callbacks.
+                    let failure = failure.lock().unwrap().take();
+                    combined.finish(failure.map_or(Ok(0), Err));
                 }
             }));
         }
@@ -275,6 +291,28 @@ mod tests {
     use crate::error::Error;
     use std::sync::atomic::AtomicBool;
 
+    /// Finishing a receive under its mailbox's lock ran its callback there,
+    /// and a callback that posted the next receive (the same lock) hung the
+    /// thread for good; now it runs once the lock is let go.
+    #[test]
+    fn a_callback_finished_under_an_io_lock_runs_once_it_is_let_go() {
+        let mailbox = Arc::new(Mutex::<level::Mailbox, u32>::new(0));
+        let m = mailbox.clone();
+        let status = Status::with_callback(Box::new(move |_| {
+            *m.lock().unwrap() += 1;
+            Ok(())
+        }));
+        let plain = Status::new();
+        let held = mailbox.lock().unwrap();
+        assert!(status.finish(Ok(3)), "claimed at once");
+        assert!(!status.finish(Ok(4)), "the first finish wins, deferred or not");
+        assert!(!status.is_done(), "its callback waits for the lock");
+        assert!(plain.finish(Ok(5)) && plain.is_done(), "a cell with nothing to run is published at once");
+        drop(held);
+        assert_eq!(status.result().unwrap().unwrap(), 3);
+        assert_eq!(*mailbox.lock().unwrap(), 1);
+    }
+
     #[test]
     fn callback_runs_before_result_is_visible() {
         let seen = Arc::new(AtomicBool::new(false));
@@ -298,7 +336,7 @@ mod tests {
     #[test]
     fn all_finishes_after_every_part_with_the_first_failure() {
         let parts = [Status::new(), Status::new(), Status::new()];
-        let seen = Arc::new(Mutex::new(None));
+        let seen = Arc::new(Mutex::<level::TestRecord, _>::new(None));
         let s2 = seen.clone();
         let all = Status::all(
             &parts,

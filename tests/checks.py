@@ -916,6 +916,53 @@ def irecv_pending_until_sent(ctx: Ctx):
     ctx.expect_equal(buf, payload, "received data")
 
 
+def _issued_by_callback(fut, issue, what: str):
+    """Register `issue` as a callback of `fut` and return the Work it issued, waited for: a
+    callback that the backend runs while it holds one of its own locks and that issues an op
+    needing that lock would never come back (the I/O thread, with every op, stuck for good)."""
+    issued = []
+    fut.then(lambda _: issued.append(issue()))
+    deadline = time.monotonic() + 10
+    while not issued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert issued, f"the {what} issued from a completion callback never came back (a deadlock?)"
+    assert issued[0].wait(timeout=timedelta(seconds=10)), f"the {what} issued from a callback did not finish"
+
+
+@check("p2p", worlds=(2,))
+def a_completion_callback_can_issue_the_next_op(ctx: Ctx):
+    """A Future callback of an irecv (or an isend) issues the next one. Torch runs such
+    callbacks in the thread that completes the future: here the backend's own, which must not
+    hold a lock of its mailbox or connection then (it did: a receive completed from a reader
+    thread under its mailbox's lock, and the irecv posted from the callback wanted it again)."""
+    first, second = ctx.input(0, (1001,), torch.float32), ctx.input(1, LARGE, torch.float32)
+    if ctx.rank == 1:
+        time.sleep(0.3)  # rank 0's irecvs are posted first, so that what arrives completes them
+        # 7 elements where rank 0 expects 5: the reader fails that receive as the header arrives
+        dist.send(torch.ones(7), dst=0, tag=35)
+        dist.send(first, dst=0, tag=36)
+        big = dist.isend(second, dst=0, tag=33)  # still in flight when its callback is added
+        _issued_by_callback(big.get_future(), lambda: dist.isend(first, dst=0, tag=34), "isend")
+        dist.send(first, dst=0, tag=31)
+        dist.send(second, dst=0, tag=32)
+        return
+    wrong, after_wrong = torch.zeros(5), torch.zeros_like(first)
+    failed = dist.irecv(wrong, src=1, tag=35)
+    _issued_by_callback(failed.get_future(), lambda: dist.irecv(after_wrong, src=1, tag=36),
+                        "irecv after a failed one")
+    ctx.expect_equal(after_wrong, first, "the message after the mismatched one")
+    assert work_exception(failed) is not None, "a receive of 5 elements took a message of 7"
+    a, b = torch.zeros_like(first), torch.zeros_like(second)
+    big = torch.zeros_like(second)
+    work = dist.irecv(a, src=1, tag=31)
+    big_work = dist.irecv(big, src=1, tag=33)
+    c = torch.zeros_like(first)
+    _issued_by_callback(big_work.get_future(), lambda: dist.irecv(c, src=1, tag=34), "irecv")
+    _issued_by_callback(work.get_future(), lambda: dist.irecv(b, src=1, tag=32), "irecv")
+    for got, want, what in ((a, first, "first"), (b, second, "second"), (big, second, "large"), (c, first, "third")):
+        ctx.expect_equal(got, want, f"the {what} message")
+
+
 @check("p2p", worlds=(2,), skip_on={"gloo": "Gloo cancels an isend whose Work is dropped"})
 def dropped_isend_still_delivers(ctx: Ctx):
     """(b) Neither the Work nor the tensor of an isend is kept by the caller: the engine must."""

@@ -10,9 +10,10 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::dtype::{DType, ReduceOp};
+use crate::locks::{level, Mutex};
 use crate::status::Cost;
 use crate::transport::{Fold, Key, Transfers, Transport};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod alltoall;
@@ -263,7 +264,7 @@ impl RawBuf {
 /// fault per 4 KiB on first touch, more than the op's own work.
 #[derive(Default)]
 pub struct ScratchPool {
-    free: Mutex<Vec<Vec<u64>>>,
+    free: Mutex<level::ScratchPool, Vec<Vec<u64>>>,
 }
 
 /// Buffers the pool keeps at most; collectives need at most three at once.

@@ -7,7 +7,8 @@
 
 use super::{OpCtx, RawBuf, MAX_PHASES};
 use crate::error::{Error, Result};
-use std::sync::{mpsc, Mutex};
+use crate::locks::{level, Mutex};
+use std::sync::mpsc;
 
 /// Pieces are at least this large (or 16 segments, where segments are
 /// smaller, as in tests): smaller ones would cost more in steps and thread
@@ -40,7 +41,7 @@ pub fn piece(buf: RawBuf, unit: usize, count: usize, k: usize) -> RawBuf {
 struct FirstFailure<'a> {
     transport: &'a dyn crate::transport::Transport,
     seq: u64,
-    first: Mutex<Option<Error>>,
+    first: Mutex<level::PipelineError, Option<Error>>,
 }
 
 impl<'a> FirstFailure<'a> {
@@ -178,7 +179,7 @@ mod tests {
             phase: 0,
             cost: &cost,
         };
-        let on_host = Mutex::new(Vec::new());
+        let on_host = Mutex::<level::TestRecord, _>::new(Vec::new());
         let r = pipelined_through(&ctx, count, |s, k| {
             if s != 1 {
                 on_host.lock().unwrap().push((s, k));

@@ -27,8 +27,9 @@
 //! op dropped unrun, the group's shutdown (`close`); no stream waits forever.
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Condvar, Mutex};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -179,14 +180,14 @@ const IDLE: Duration = Duration::from_secs(3600);
 /// and expires overdue ones.
 pub struct StreamGates {
     shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: Mutex<level::GatesThread, Option<JoinHandle<()>>>,
 }
 
 struct Shared {
     word: Box<dyn GateWord>,
-    /// Lock order: taken before the word's own (`GateWord` calls under it);
-    /// nothing that can block on the device or on an op runs under it.
-    state: Mutex<State>,
+    /// `GateWord` calls run under it (the host stream's lock comes after it
+    /// in locks.rs); nothing that can block on the device or on an op does.
+    state: Mutex<level::GatesState, State>,
     changed: Condvar,
 }
 
@@ -485,7 +486,7 @@ mod tests {
         let t0 = Instant::now();
         let mut o = Tickets::default();
         let (a, b, c) = (o.issue(), o.issue(), o.issue());
-        let fired = Arc::new(Mutex::new(Vec::new()));
+        let fired = Arc::new(Mutex::<level::TestRecord, _>::new(Vec::new()));
         for (t, after) in [(a, 10), (b, 20), (c, 30)] {
             let fired = fired.clone();
             o.expire_at(t, t0 + Duration::from_millis(after), Box::new(move |_| fired.lock().unwrap().push(t)));

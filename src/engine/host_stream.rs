@@ -11,9 +11,10 @@
 use super::gates::{GateWord, HeldCopies};
 use super::staging::{Device, Event};
 use crate::error::{Error, Result};
+use crate::locks::{level, Condvar, Mutex};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -30,9 +31,9 @@ pub struct HostStream {
 
 struct Shared {
     /// A leaf lock: nothing is called under it.
-    state: Mutex<State>,
+    state: Mutex<level::HostStreamState, State>,
     changed: Condvar,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: Mutex<level::HostStreamThread, Option<JoinHandle<()>>>,
 }
 
 #[derive(Default)]

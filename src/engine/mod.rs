@@ -25,6 +25,7 @@ use crate::algorithms::ScratchPool;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fault::Faults;
+use crate::locks::{level, Mutex, MutexGuard};
 use crate::ops::{Collective, OpKind};
 use crate::panics;
 use crate::stats::Stats;
@@ -33,16 +34,16 @@ use crate::transport::Transport;
 use job::Job;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub struct Engine {
     shared: Arc<Shared>,
-    queue: Mutex<Option<Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    queue: Mutex<level::EngineQueue, Option<Sender<Job>>>,
+    worker: Mutex<level::EngineWorker, Option<JoinHandle<()>>>,
     /// Between start_coalescing and end_coalescing: the ops issued meanwhile.
-    coalescing: Mutex<Option<Vec<Arc<Status>>>>,
+    coalescing: Mutex<level::Coalescing, Option<Vec<Arc<Status>>>>,
     /// Whether `coalescing` holds a batch, set under its lock: what every op
     /// run on its caller's thread asks, without that lock's cache line.
     coalescing_open: AtomicBool,
@@ -63,12 +64,12 @@ struct Shared {
     /// Jobs handed to the worker and not yet finished.
     queued: AtomicU64,
     /// Held by whoever runs a job, the worker or a caller (`run_now`), so
-    /// that jobs run one at a time. Lock order: `Engine::queue` before it,
-    /// and then only `try_lock` (a job's completion may issue the next op).
-    running: Mutex<()>,
+    /// that jobs run one at a time. A job's completion may issue the next
+    /// op under it, so that op only tries it (`turn_here`).
+    running: Mutex<level::EngineTurn, ()>,
     /// Set by the first collective that fails: later ones fail at once with it,
     /// since the ranks can no longer be assumed to agree on the sequence.
-    broken: Mutex<Option<Error>>,
+    broken: Mutex<level::EngineBroken, Option<Error>>,
     /// Whether `broken` holds a cause (set after it, under its lock): every
     /// op asks, almost always of a group that is not, and learns it here
     /// without that lock's cache line.
@@ -277,7 +278,7 @@ impl Engine {
     /// group is queued, running or being coalesced. Taken under the queue's
     /// lock, so that no later op can run before this one; never waited for
     /// there (see `running`).
-    fn turn_here(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+    fn turn_here(&self) -> Option<MutexGuard<'_, level::EngineTurn, ()>> {
         if self.is_coalescing() || self.shared.queued.load(Ordering::SeqCst) != 0 {
             return None;
         }

@@ -10,10 +10,11 @@ use crate::config::CudaWait;
 use crate::cuda::{DeviceGate, Stream};
 use crate::engine::{Device, GatedOp, HostHeld, HostStream, OpHandle, StagedBuffer, Staging, StreamGates, Waited};
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex};
 use crate::ops::{self, SparseGathered};
 use crate::panics;
 use crate::rendezvous::Member;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A group's stream-ordered completion on one CUDA device.
@@ -30,8 +31,16 @@ impl Group {
     /// on a CUDA device with `cuda_wait=stream`, on the group's held stream
     /// for that device. A send copies its tensor in at issue and has nothing
     /// to copy back.
-    pub(crate) fn staging(&self, call: &Call, done: &super::translate::SharedCompletion) -> Result<Option<Staging>> {
-        if call.staged.is_empty() || done.lock().unwrap().is_null() {
+    ///
+    /// `cuda`: the CUDA device of the op's tensors (-1: none), asked of the
+    /// Completion before it was shared.
+    pub(crate) fn staging(
+        &self,
+        call: &Call,
+        done: &super::translate::SharedCompletion,
+        cuda: i32,
+    ) -> Result<Option<Staging>> {
+        if call.staged.is_empty() {
             return Ok(None);
         }
         let buffers = call
@@ -45,7 +54,6 @@ impl Group {
             })
             .collect();
         let send = call.kind == OpKind::Send;
-        let cuda = bridge::staged_device(done.lock().unwrap().as_ref().expect("checked above"));
         let shim = ShimDevice { done: done.clone(), streams: None };
         let device: Box<dyn Device> = match (send, self.cfg.test_staging, self.cfg.cuda_wait) {
             (false, true, _) => {
@@ -95,8 +103,13 @@ impl Group {
         call: &Call,
         done: cxx::UniquePtr<bridge::Completion>,
     ) -> Result<(OpHandle, Vec<Arc<Fence>>)> {
+        // Without a Completion (the shim handed none) nothing is staged.
+        let cuda = (!call.staged.is_empty()).then(|| done.as_ref().map(bridge::staged_device)).flatten();
         let done = shared(done);
-        let mut staging = self.staging(call, &done)?;
+        let mut staging = match cuda {
+            Some(cuda) => self.staging(call, &done, cuda)?,
+            None => None,
+        };
         // Where the host consumes the op (test staging), its completion and
         // its Work wait for its copies back.
         let after = staging.as_mut().and_then(Staging::after_copies).map(|a| (a, Arc::new(Fence::default())));
@@ -110,7 +123,7 @@ impl Group {
                 // meanwhile is finished at once. So they take turns: the
                 // finisher waits for a ready that runs, and a ready that
                 // starts after it does nothing.
-                let live = Arc::new(Mutex::new(true));
+                let live = Arc::new(Mutex::<level::SendLive, _>::new(true));
                 let ready = ready.map(|wait| -> crate::transport::Ready {
                     let live = live.clone();
                     Box::new(move || {

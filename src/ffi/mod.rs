@@ -25,6 +25,7 @@ use crate::config::Config;
 use crate::dtype;
 use crate::engine::{Engine, OpHandle};
 use crate::error::{self, Error, Result};
+use crate::locks::{level, Mutex};
 use crate::ops;
 use crate::rendezvous::{connect, Member, Store};
 use crate::transport::Transport;
@@ -283,13 +284,16 @@ pub mod bridge {
         /// caller must hold the GIL.
         unsafe fn store_from_python(pyobject: usize) -> Result<UniquePtr<StoreRef>>;
 
-        /// Finish the op: its future, its Work (error empty: success). Its
+        /// The op succeeded: its outputs' copies back and events. Returns
+        /// the error it fails with instead (empty: none).
+        fn settle(done: &Completion) -> String;
+        /// The same for a sparse all-reduce, given every rank's rows
+        /// (checked against the tensor's shape), to be added up.
+        fn settle_sparse(done: &Completion, rows: &[u64], indices: &[u8], values: &[u8]) -> String;
+        /// Finish the op: its future, its Work (error empty: success), then
+        /// its hooks; torch's callbacks, the user's code, run in here. Its
         /// tensors go with the Completion.
-        fn complete(done: &Completion, kind: ErrorKind, error: &str);
-        /// Finish a sparse all-reduce: every rank's rows (checked against
-        /// the tensor's shape), to be added up. Returns the error the op
-        /// failed with where the result could not be made; empty: success.
-        fn complete_sparse(done: &Completion, rows: &[u64], indices: &[u8], values: &[u8]) -> String;
+        fn publish(done: &Completion, kind: ErrorKind, error: &str);
 
         /// Device primitives on staged buffer `buffer` (by index into Call::staged).
         /// Queue bytes [start, start + len) to the host after the caller's
@@ -439,14 +443,14 @@ pub struct Group {
     shrinks: std::sync::atomic::AtomicU64,
     /// torch's name of the group, the same on every member, once torch
     /// has given it: a shrink on shared connections names its channel after it.
-    pub name: std::sync::Mutex<String>,
+    pub name: Mutex<level::GroupName, String>,
     /// Under test staging: the held stream the group's copies back run on,
     /// and its gates, made with the first staged op.
-    host_gates: std::sync::Mutex<Option<(crate::engine::HostStream, Arc<crate::engine::StreamGates>)>>,
+    host_gates: Mutex<level::HostGates, Option<(crate::engine::HostStream, Arc<crate::engine::StreamGates>)>>,
     /// With `cuda_wait=stream`: each CUDA device's gates, made with its first op.
-    gates: std::sync::Mutex<std::collections::HashMap<i32, group::DeviceGates>>,
+    gates: Mutex<level::DeviceGates, std::collections::HashMap<i32, group::DeviceGates>>,
     /// The fences of the ops issued in the open coalescing batch.
-    batch: std::sync::Mutex<Vec<Arc<translate::Fence>>>,
+    batch: Mutex<level::CoalescedFences, Vec<Arc<translate::Fence>>>,
 }
 
 /// A group that split, shrink or reconfigure formed, or the error it failed

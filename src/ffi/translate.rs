@@ -8,9 +8,10 @@ use crate::algorithms::RawBuf;
 use crate::dtype;
 use crate::engine::{AfterCopies, Device, Event, HeldCopies, Staging};
 use crate::error::{Error, Result};
+use crate::locks::{level, Condvar, Mutex};
 use crate::ops::{self, Collective, Reduction, SparseGathered};
 use crate::status::Finisher;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(super) fn dtype_of(d: bridge::DType) -> Result<dtype::DType> {
@@ -96,7 +97,10 @@ pub(super) fn same_dtype(kind: ops::OpKind, ts: impl IntoIterator<Item = bridge:
 
 /// The collectives of `call` (see `Call`'s layouts); a sparse all-reduce
 /// hands what it gathered to `sparse` (none: the call may not be one).
-pub(super) fn collectives(call: &Call, sparse: Option<&Arc<Mutex<SparseGathered>>>) -> Result<Vec<Collective>> {
+pub(super) fn collectives(
+    call: &Call,
+    sparse: Option<&Arc<Mutex<level::SparseGathered, SparseGathered>>>,
+) -> Result<Vec<Collective>> {
     let (ins, outs) = (&call.inputs[..], &call.outputs[..]);
     let root = || rank(call.root, "root");
     let kind = op_kind(call.kind)?;
@@ -168,7 +172,7 @@ fn sparse_shape(call: &Call) -> Result<ops::SparseShape> {
 /// it: it lives until the last of them is done, so that a failed op's
 /// restore, which runs after the op has completed, still has its tensors.
 /// The lock keeps the shim's calls on it one at a time.
-pub(super) type SharedCompletion = Arc<Mutex<cxx::UniquePtr<bridge::Completion>>>;
+pub(super) type SharedCompletion = Arc<Mutex<level::Completion, cxx::UniquePtr<bridge::Completion>>>;
 
 pub(super) fn shared(done: cxx::UniquePtr<bridge::Completion>) -> SharedCompletion {
     Arc::new(Mutex::new(done))
@@ -187,7 +191,7 @@ fn with<T>(done: &SharedCompletion, f: impl FnOnce(&bridge::Completion) -> T) ->
 /// have, and then passes `fence`.
 pub(super) fn finish_with(
     done: SharedCompletion,
-    sparse: Option<Arc<Mutex<SparseGathered>>>,
+    sparse: Option<Arc<Mutex<level::SparseGathered, SparseGathered>>>,
     staged_out: Option<Staging>,
     after: Option<(AfterCopies, Arc<Fence>)>,
 ) -> Finisher {
@@ -195,7 +199,7 @@ pub(super) fn finish_with(
     // op never ran) settles before the finisher lets go of the Completion.
     struct Finish {
         staged: Option<Staging>,
-        sparse: Option<Arc<Mutex<SparseGathered>>>,
+        sparse: Option<Arc<Mutex<level::SparseGathered, SparseGathered>>>,
         done: SharedCompletion,
     }
     let finish = Finish { staged: staged_out, sparse, done };
@@ -223,33 +227,50 @@ pub(super) fn finish_with(
     })
 }
 
-/// Complete the shim's half of the op with `r`.
-fn complete(done: &SharedCompletion, r: Result<i64>, sparse: Option<Arc<Mutex<SparseGathered>>>) -> Result<()> {
-    match (r, sparse) {
+/// Complete the shim's half of the op with `r`: settled under the
+/// Completion's lock, published without it (`publish` runs torch's
+/// callbacks, the user's code, which may issue the next op: locks.rs).
+fn complete(
+    done: &SharedCompletion,
+    r: Result<i64>,
+    sparse: Option<Arc<Mutex<level::SparseGathered, SparseGathered>>>,
+) -> Result<()> {
+    let settled = match (&r, sparse) {
         (Ok(_), Some(out)) => {
             let out = std::mem::take(&mut *out.lock().unwrap());
-            let failed = with(done, |c| bridge::complete_sparse(c, &out.rows, &out.indices, &out.values));
-            match failed.unwrap_or_default() {
-                failed if failed.is_empty() => Ok(()),
-                failed => Err(Error::io(failed)),
-            }
+            with(done, |c| bridge::settle_sparse(c, &out.rows, &out.indices, &out.values))
         }
-        (Ok(_), None) => {
-            with(done, |c| bridge::complete(c, bridge::ErrorKind::Io, ""));
-            Ok(())
-        }
-        (Err(e), _) => {
-            with(done, |c| bridge::complete(c, e.kind.into(), &e.message));
-            Err(e)
-        }
-    }
+        (Ok(_), None) => with(done, bridge::settle),
+        (Err(_), _) => None,
+    };
+    let r = match settled.filter(|failed| !failed.is_empty()) {
+        Some(failed) => Err(Error::io(failed)),
+        None => r.map(|_| ()),
+    };
+    unlocked(done, |c| match &r {
+        Ok(()) => bridge::publish(c, bridge::ErrorKind::Io, ""),
+        Err(e) => bridge::publish(c, e.kind.into(), &e.message),
+    });
+    r
+}
+
+/// `f` on the Completion without taking its lock, unless the shim handed
+/// none: for `publish` alone.
+fn unlocked<T>(done: &SharedCompletion, f: impl FnOnce(&bridge::Completion) -> T) -> Option<T> {
+    let completion = done.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|c| c as *const bridge::Completion)?;
+    // SAFETY: the UniquePtr in `done` is set when the op is issued and never
+    // replaced or reset, and `done`, which the caller holds, keeps it and so
+    // the Completion alive through `f`. `publish` touches only what no call
+    // made under the lock touches (the future, the hooks, the timing that
+    // `settle` wrote before: completion.cc), so it need not take turns.
+    Some(f(unsafe { &*completion }))
 }
 
 /// Where an op's completion waits for its copies back (test staging), the
 /// op's Work waits for it too: passed once the completion has run.
 #[derive(Default)]
 pub(crate) struct Fence {
-    state: Mutex<FenceState>,
+    state: Mutex<level::Fence, FenceState>,
     changed: Condvar,
 }
 
@@ -284,8 +305,8 @@ impl Fence {
     /// Run `f` once every one of `all` has passed (here and now if they have).
     pub(crate) fn after_all(all: &[Arc<Fence>], f: Job) {
         // How many have yet to pass, and `f` until it runs.
-        let left = Arc::new(Mutex::new((all.len(), Some(f))));
-        let one_passed = move |left: &Mutex<(usize, Option<Job>)>| {
+        let left = Arc::new(Mutex::<level::FencesLeft, _>::new((all.len(), Some(f))));
+        let one_passed = move |left: &Mutex<level::FencesLeft, (usize, Option<Job>)>| {
             let mut left = left.lock().unwrap();
             left.0 = left.0.saturating_sub(1);
             let f = if left.0 == 0 { left.1.take() } else { None };

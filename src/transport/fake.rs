@@ -30,25 +30,26 @@ use super::group::waits::{ask_next, in_turn, Wait, Waits};
 use super::links::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf, Sources};
 use super::{Fold, Key, Ready, Transport};
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex};
 use crate::status::Status;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The network that a group's endpoints share.
 pub struct FakeNet {
     /// `inbox[dst][src]`: what `src` sent to `dst`, matched with `dst`'s receives.
-    inbox: Vec<Vec<Mutex<Mailbox>>>,
+    inbox: Vec<Vec<Mutex<level::Mailbox, Mailbox>>>,
     /// `any[dst]`: `dst`'s receives posted for any source.
-    any: Vec<Mutex<AnyPosted>>,
+    any: Vec<Mutex<level::AnyPosted, AnyPosted>>,
     /// `cut[me][peer]`: why `me` lost `peer`, once it has. Held while a send
     /// from `me` to `peer` delivers, so that a cut waits for a delivery in progress.
-    cut: Vec<Vec<Mutex<Option<Error>>>>,
+    cut: Vec<Vec<Mutex<level::FakeCut, Option<Error>>>>,
     /// `held[src][dst]`: the sends from `src` to `dst` waiting for the link's
     /// release, in order, while the link is held (Some).
-    held: Vec<Vec<Mutex<Option<Vec<HeldSend>>>>>,
+    held: Vec<Vec<Mutex<level::FakeHeld, Option<Vec<HeldSend>>>>>,
     /// `waits[r]`: what rank r's ops wait for; a rank that asks reads it.
-    waits: Vec<Mutex<Waits>>,
+    waits: Vec<Mutex<level::Waits, Waits>>,
     /// `arenas[r]`: rank r's view of its shared arena, and the ranks that
     /// map it, if it has one.
     arenas: Vec<Option<(Arc<Arena>, Vec<usize>)>>,

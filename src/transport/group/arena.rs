@@ -45,12 +45,13 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex, MutexGuard};
 use crate::status::Cost;
 use crate::transport::group::arena_pool::{ArenaPool, Lease};
 use crate::transport::links::shared_mem::{sealed_len, sealed_memfd, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Every slot starts at a multiple of this many bytes (the header and the
@@ -171,7 +172,7 @@ pub struct Arena {
     /// once: a waiter that polls without yielding may hold the core of the
     /// rank it waits for.
     crowded: bool,
-    local: Mutex<Local>,
+    local: Mutex<level::ArenaLocal, Local>,
     /// The descriptor, kept by the rank that hands it out.
     fd: Option<OwnedFd>,
     /// The pool of arenas that follows a host's arena in its memory, for
@@ -455,7 +456,7 @@ fn line_at(map: &Mapping, offset: usize, world: usize, rank: usize) -> &Line {
 /// One round of this rank in the arena; no other round starts until it ends.
 pub struct Round<'a> {
     arena: &'a Arena,
-    local: MutexGuard<'a, Local>,
+    local: MutexGuard<'a, level::ArenaLocal, Local>,
     parity: usize,
     stages: u32,
     /// The ranks below this one had arrived at the stage waited for.
@@ -796,9 +797,13 @@ mod tests {
         let arenas = Arena::in_memory(2, 64).unwrap();
         let mut r1 = arenas[1].round(&tag(0)).unwrap();
         assert!(!r1.arrive(), "rank 1 first: it waits");
-        let mut r0 = arenas[0].round(&tag(0)).unwrap();
-        assert!(r0.arrive(), "rank 0 last: the stage passed");
-        drop(r0);
+        // Rank 0 on a thread of its own, as in its own process (one round per thread).
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut r0 = arenas[0].round(&tag(0)).unwrap();
+                assert!(r0.arrive(), "rank 0 last: the stage passed");
+            });
+        });
         arenas[0].abort("rank 0: the process group was shut down");
         // What rank 1's wait asks when it sees the abort between two looks at the stage.
         assert_eq!(r1.aborted_before_passing(), None);
@@ -861,11 +866,15 @@ mod tests {
         assert!(Arena::open(made.fd().unwrap(), 1, 3).is_err(), "made for another world size");
         let (_, ring_fd) = crate::transport::links::ring::Segment::create(64 << 10).unwrap();
         assert!(Arena::open(&ring_fd, 1, 2).is_err(), "not an arena");
-        let r = made.round(&tag(7)).unwrap();
         let mut o = opened.round(&tag(7)).unwrap();
-        // SAFETY: the first byte of rank 0's slot (4096 bytes); no other thread touches the arena.
-        unsafe { *r.slot(0) = 42 };
-        drop(r);
+        // Rank 0 on a thread of its own, as in its own process (one round per thread).
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let r = made.round(&tag(7)).unwrap();
+                // SAFETY: the first byte of rank 0's slot (4096 bytes); no other thread touches it.
+                unsafe { *r.slot(0) = 42 };
+            });
+        });
         assert!(opened.aborted().is_some(), "an unused round aborts the arena");
         // SAFETY: the same byte, through the other mapping of the same memfd, still alive.
         assert_eq!(unsafe { *o.slot(0) }, 42, "the same memory");

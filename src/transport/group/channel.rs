@@ -24,6 +24,7 @@
 //! per name stays, as every member's numbering rests on it.
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex};
 use crate::status::{Polling, Status};
 use crate::transport::group::arena::Arena;
 use crate::transport::group::waits::Wait;
@@ -34,7 +35,7 @@ use crate::transport::links::writer::SendReq;
 use crate::transport::{Fold, Ready, Transport};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 /// The channels a process's connections carry (`Core::channels`). Its lock
@@ -185,7 +186,7 @@ pub struct Channel {
     /// The arena every member maps, where they all run on one host
     /// (arena_pool.rs), until the channel shuts down: ops still in it hold
     /// their own, and the last one out gives the lease back.
-    arena: Mutex<Option<Arc<Arena>>>,
+    arena: Mutex<level::ChannelArena, Option<Arc<Arena>>>,
     /// 0..size: the arena's members, in its order.
     everyone: Vec<usize>,
     shut: AtomicBool,

@@ -10,6 +10,7 @@
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::locks::{Condvar, Mutex};
 use crate::status::{Polling, Status};
 use crate::transport::group::arena::Arena;
 use crate::transport::group::channel::Channel;
@@ -27,7 +28,7 @@ use crate::transport::links::striping::Striping;
 use crate::transport::{Ready, Transport};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub struct Mesh {

@@ -17,6 +17,7 @@
 //! flood of one does not close the other.
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex};
 use crate::transport::links::auth::{nonce, Nonce, Side, Transcript, PROOF_LEN};
 use crate::transport::links::conn::{Conn, ShmConn};
 use crate::transport::links::dial::{Timeouts, HANDSHAKE_TIMEOUT};
@@ -31,7 +32,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 /// Handshakes one listener runs at once (see the module comment).
 pub const MAX_HANDSHAKES: usize = 64;
@@ -61,7 +62,7 @@ pub struct Listening {
 
 /// One listener's handshakes in progress, oldest first.
 #[derive(Default)]
-struct Handshakes(Mutex<VecDeque<Arc<Handshake>>>);
+struct Handshakes(Mutex<level::Handshakes, VecDeque<Arc<Handshake>>>);
 
 impl Handshakes {
     fn remove(&self, h: &Handshake) {
@@ -307,7 +308,7 @@ struct Handshake {
     core: Weak<Core>,
     handshakes: Weak<Handshakes>,
     from: String,
-    state: Mutex<Option<Shake>>,
+    state: Mutex<level::Shake, Option<Shake>>,
 }
 
 struct Shake {

@@ -15,6 +15,7 @@
 //! by reading the peer's mapping of the segment; otherwise the rings carry
 //! everything.
 
+use crate::locks::{level, Mutex};
 use crate::transport::links::fdpass::{drain, notify, peer_cred};
 use crate::transport::links::ring::{Ring, Segment, FIRST_WORD};
 use crate::transport::links::seal::{Opener, SealKeys, Sealer};
@@ -23,7 +24,6 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, Ordering};
-use std::sync::Mutex;
 
 pub enum Conn {
     Tcp(TcpConn),
@@ -41,8 +41,8 @@ pub struct TcpConn {
 /// (the link's writer under its outbox lock, its reader under the reader's), so
 /// these locks are leaves that are never contended.
 struct Sealed {
-    sealer: Mutex<Sealer>,
-    opener: Mutex<Opener>,
+    sealer: Mutex<level::Sealer, Sealer>,
+    opener: Mutex<level::Opener, Opener>,
 }
 
 /// One end of a shared-memory connection: writes into ring `out`, reads the other.

@@ -5,10 +5,11 @@
 //! one (as Go's runtime does at start), and an error for running out names
 //! the limit and how to raise it.
 
+use crate::locks::{level, Mutex};
 use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 /// The soft and hard limits, and the soft one before this process raised it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +34,7 @@ pub fn current() -> Option<(u64, u64)> {
 }
 
 /// A descriptor held in reserve for a listener that runs out (`with_spare`).
-static SPARE: Mutex<Option<OwnedFd>> = Mutex::new(None);
+static SPARE: Mutex<level::SpareFd, Option<OwnedFd>> = Mutex::new(None);
 
 /// Hold a spare descriptor, unless one is held already (each listener's
 /// start calls it, so that the process has one while it listens).

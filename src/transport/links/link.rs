@@ -6,6 +6,7 @@
 //! through `Core::peer_event`.
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex, MutexGuard};
 use crate::transport::links::conn::{Conn, Watch};
 use crate::transport::links::frame::{FrameHeader, Key, HEADER_LEN};
 use crate::transport::links::mesh_core::Core;
@@ -18,21 +19,21 @@ use crate::transport::links::writer::{finish_written, Flushed, Outbox, SendReq};
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::sync::{Arc, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 pub struct Link {
     pub id: ConnId,
     pub peer: usize,
     pub conn: Conn,
-    reader: Mutex<Reader>,
-    outbox: Mutex<Outbox>,
+    reader: Mutex<level::LinkReader, Reader>,
+    outbox: Mutex<level::LinkOutbox, Outbox>,
     /// The descriptors registered with the reactor, and their tokens.
-    watched: Mutex<Vec<(Token, RawFd, Watch)>>,
+    watched: Mutex<level::LinkWatched, Vec<(Token, RawFd, Watch)>>,
     /// What the data descriptor is watched for; changed only under this
     /// lock (room: under the outbox lock too, so that it follows the flush
     /// that decided it).
-    interest: Mutex<Interest>,
+    interest: Mutex<level::LinkInterest, Interest>,
     /// `Interest::paused`, readable without the lock; written only under it.
     paused: AtomicBool,
     /// Threads polling it while they wait, and (shared memory) the reactor
@@ -44,7 +45,7 @@ pub struct Link {
     /// The sends that went as their address have been finished up to this number.
     acked: AtomicU64,
     /// Why it was closed: sends queued after that fail with it at once.
-    closed: Mutex<Option<Error>>,
+    closed: Mutex<level::LinkClosed, Option<Error>>,
     core: Weak<Core>,
     reactor: Arc<Reactor>,
 }
@@ -255,7 +256,7 @@ impl Link {
     }
 
     /// Whether anything was read.
-    fn read_with(self: &Arc<Self>, mut reader: std::sync::MutexGuard<'_, Reader>, arm: bool) -> bool {
+    fn read_with(self: &Arc<Self>, mut reader: MutexGuard<'_, level::LinkReader, Reader>, arm: bool) -> bool {
         let Some(core) = self.core.upgrade() else { return false };
         let slot = &core.peers[self.peer];
         let before = reader.reads;

@@ -4,10 +4,11 @@
 //! that arrives before its receive is posted is kept until it is.
 
 use crate::error::Error;
+use crate::locks::{level, Mutex};
 use crate::status::Status;
 use crate::transport::links::frame::{Key, KIND_COLLECTIVE, KIND_P2P};
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Folds arriving bytes into a receive buffer (`dst = f(dst, src)`) instead of
 /// overwriting it: a reduction then reads the peer's bytes as they arrive,
@@ -349,8 +350,8 @@ impl Mailbox {
         self.early.bytes
     }
 
-    /// A frame header arrived from this peer. Lock order: mailbox, then `any`.
-    pub fn on_header(&mut self, key: Key, len: u64, any: &Mutex<AnyPosted>) -> Delivery {
+    /// A frame header arrived from this peer (`any` is taken under the mailbox).
+    pub fn on_header(&mut self, key: Key, len: u64, any: &Mutex<level::AnyPosted, AnyPosted>) -> Delivery {
         if self.closed_groups.get(&key.group).is_some_and(|c| !c.takes(&key)) {
             return Delivery::Drop;
         }
@@ -365,7 +366,7 @@ impl Mailbox {
 
     /// An early payload (admitted: `admit_early`) was read into memory. A
     /// receive may have been posted while it was being read: then it completes now.
-    pub fn stash(&mut self, key: Key, data: Vec<u8>, any: &Mutex<AnyPosted>) {
+    pub fn stash(&mut self, key: Key, data: Vec<u8>, any: &Mutex<level::AnyPosted, AnyPosted>) {
         let len = data.len() as u64;
         match self.on_header(key, len, any) {
             Delivery::Stash => return self.early.keep(key, data),
@@ -378,7 +379,7 @@ impl Mailbox {
 
     /// A whole message that no reader admitted (the fake transport hands
     /// messages over whole): delivered as `stash` does, kept whatever the cap.
-    pub fn arrived(&mut self, key: Key, data: Vec<u8>, any: &Mutex<AnyPosted>) {
+    pub fn arrived(&mut self, key: Key, data: Vec<u8>, any: &Mutex<level::AnyPosted, AnyPosted>) {
         self.early.bytes += data.len() as u64;
         self.stash(key, data, any);
     }
@@ -416,7 +417,7 @@ impl Mailbox {
     /// Hand an early message to a receive posted for any peer, unless a reader
     /// has claimed that receive meanwhile. True if `status` is now finished
     /// (by this call or by the reader).
-    pub fn offer_early(&mut self, key: Key, status: &Arc<Status>, any: &Mutex<AnyPosted>) -> bool {
+    pub fn offer_early(&mut self, key: Key, status: &Arc<Status>, any: &Mutex<level::AnyPosted, AnyPosted>) -> bool {
         let Some(data) = self.early.pop_front(key) else { return false };
         match any.lock().unwrap().remove(key, status) {
             Some(p) if p.buf.len == data.len() => p.fill(&data, self.peer),
@@ -519,7 +520,7 @@ pub fn fail_mismatch(p: PostedRecv, got: u64, peer: usize) {
 
 /// Deliver `data` the way a reader would.
 #[cfg(test)]
-pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8], any: &Mutex<AnyPosted>) {
+pub fn deliver(mb: &mut Mailbox, key: Key, data: &[u8], any: &Mutex<level::AnyPosted, AnyPosted>) {
     match mb.on_header(key, data.len() as u64, any) {
         Delivery::Direct(p) => p.fill(data, mb.peer),
         Delivery::Mismatch(p) => fail_mismatch(p, data.len() as u64, mb.peer),

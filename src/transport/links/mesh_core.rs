@@ -4,6 +4,7 @@
 //! side and the Mesh reach each other through it.
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Condvar, Mutex};
 use crate::status::Status;
 use crate::transport::group::arena::Arena;
 use crate::transport::group::waits::{ask_next, decode_answer, encode_answer, grace_at, in_turn, Waits, ASK_GRACE};
@@ -24,7 +25,7 @@ use crate::transport::links::writer::SendReq;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a failed write waits for the peer's reason to give up to arrive.
@@ -39,11 +40,11 @@ pub struct Core {
     pub(in crate::transport) addrs: Vec<PeerAddr>,
     pub peers: Vec<PeerSlot>,
     /// Receives posted for any peer (recv with src=None).
-    pub any: Mutex<AnyPosted>,
+    pub any: Mutex<level::AnyPosted, AnyPosted>,
     pub reactor: Arc<Reactor>,
     /// Keeps the reactor running until this group shuts down.
-    pub(in crate::transport) membership: Mutex<Option<Membership>>,
-    pub(in crate::transport) listeners: Mutex<Vec<(Token, Arc<Listening>)>>,
+    pub(in crate::transport) membership: Mutex<level::Membership, Option<Membership>>,
+    pub(in crate::transport) listeners: Mutex<level::Listeners, Vec<(Token, Arc<Listening>)>>,
     pub(in crate::transport) next_conn: AtomicU64,
     pub(in crate::transport) stopping: AtomicBool,
     pub(in crate::transport) tcp_addr: SocketAddr,
@@ -58,30 +59,30 @@ pub struct Core {
     /// How long a busy shared-memory connection is polled before waiting.
     pub spin: Duration,
     /// What this rank's ops wait for, to answer a peer that asks.
-    pub(in crate::transport) waits: Mutex<Waits>,
+    pub(in crate::transport) waits: Mutex<level::Waits, Waits>,
     /// This rank's shared arena, once it has it (arena.rs), until the group
     /// shuts down (ops still in it keep it mapped until they end).
-    pub(in crate::transport) arena: Mutex<Option<Arc<Arena>>>,
+    pub(in crate::transport) arena: Mutex<level::MeshArena, Option<Arc<Arena>>>,
     /// The ranks that map it, in its order (empty: no arena); the first
     /// makes it and hands it out.
     pub(in crate::transport) arena_members: Vec<usize>,
     /// Every host's ranks share an arena (`Transport::arena_on_every_host`).
     pub(in crate::transport) arena_on_every_host: bool,
     /// Lets peers on this host read this process's memory until shutdown.
-    pub(in crate::transport) peer_reads: Mutex<Option<PeerReadsGrant>>,
+    pub(in crate::transport) peer_reads: Mutex<level::PeerReadsGrant, Option<PeerReadsGrant>>,
     /// The channels on these connections: how many of each name this rank
     /// opened, the groups it gave up on, the arenas they leased (channel.rs).
-    pub(in crate::transport) channels: Mutex<crate::transport::group::channel::Channels>,
+    pub(in crate::transport) channels: Mutex<level::Channels, crate::transport::group::channel::Channels>,
 }
 
 pub struct PeerSlot {
-    pub mailbox: Mutex<Mailbox>,
-    pub(in crate::transport) state: Mutex<Peer>,
+    pub mailbox: Mutex<level::Mailbox, Mailbox>,
+    pub(in crate::transport) state: Mutex<level::PeerState, Peer>,
     /// Notified when a connection is adopted or the peer is lost.
     pub(in crate::transport) linked: Condvar,
-    pub(in crate::transport) links: Mutex<Vec<Arc<Link>>>,
+    pub(in crate::transport) links: Mutex<level::PeerLinks, Vec<Arc<Link>>>,
     /// How many TCP connections to send on, and its measurement.
-    pub(in crate::transport) striping: Mutex<Striping>,
+    pub(in crate::transport) striping: Mutex<level::Striping, Striping>,
     /// Answers to the peer's questions being made now, each on a thread.
     pub(in crate::transport) answering: AtomicUsize,
 }
@@ -488,7 +489,8 @@ impl Core {
         }
         self.abort_arena(&format!("rank {} shut the process group down", self.rank()));
         drop(self.arena.lock().unwrap().take());
-        for (token, listening) in self.listeners.lock().unwrap().drain(..) {
+        let listeners: Vec<_> = self.listeners.lock().unwrap().drain(..).collect();
+        for (token, listening) in listeners {
             self.reactor.deregister(token, listening.listener.fd());
             // Strangers' connections close now, not at their timeout.
             listening.drop_handshakes(self);

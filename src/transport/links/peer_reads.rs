@@ -15,10 +15,10 @@
 //! to do there. Either way each rank then tries every peer (`may_read`),
 //! and the group's vote decides.
 
+use crate::locks::{level, Mutex};
 use crate::transport::links::conn::read_process;
 use crate::transport::links::dial::unix_connect;
 use crate::transport::links::fdpass::peer_cred;
-use std::sync::Mutex;
 
 const SCOPE_FILE: &str = "/proc/sys/kernel/yama/ptrace_scope";
 
@@ -98,7 +98,7 @@ impl Yama for Kernel {
 
 /// The groups of a process that let their peers read it, and what was done for them.
 pub struct Grants {
-    state: Mutex<Held>,
+    state: Mutex<level::PeerReadsHeld, Held>,
 }
 
 struct Held {

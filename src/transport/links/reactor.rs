@@ -10,10 +10,11 @@
 //! that cannot make progress must change its interest (or it is called again).
 
 use crate::error::{Error, Result};
+use crate::locks::{level, Mutex};
 use crate::panics;
 use std::collections::{BinaryHeap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -59,17 +60,20 @@ pub struct Token(u64);
 pub struct Reactor {
     core: Arc<Core>,
     /// Groups that use it (`Membership`s): the threads stop with the last.
-    members: Mutex<usize>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    members: Mutex<level::ReactorMembers, usize>,
+    thread: Mutex<level::ReactorThread, Option<JoinHandle<()>>>,
     /// The thread for blocking tasks, once one was needed.
-    blocking: Mutex<Option<(std::sync::mpsc::Sender<Task>, JoinHandle<()>)>>,
+    blocking: Mutex<level::ReactorBlocking, Option<BlockingThread>>,
 }
+
+/// The thread for blocking tasks, and where to send it one.
+type BlockingThread = (std::sync::mpsc::Sender<Task>, JoinHandle<()>);
 
 struct Core {
     epoll: OwnedFd,
     /// An eventfd the loop watches: written to run tasks or to stop.
     wake: OwnedFd,
-    state: Mutex<State>,
+    state: Mutex<level::ReactorState, State>,
 }
 
 #[derive(Default)]
@@ -111,7 +115,7 @@ impl Ord for Timer {
 /// The token of the wake-up eventfd.
 const WAKE: u64 = u64::MAX;
 
-static CURRENT: Mutex<Weak<Reactor>> = Mutex::new(Weak::new());
+static CURRENT: Mutex<level::CurrentReactor, Weak<Reactor>> = Mutex::new(Weak::new());
 
 /// A group's use of the reactor: the reactor's threads run while any exists.
 pub struct Membership(Arc<Reactor>);

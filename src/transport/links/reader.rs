@@ -6,13 +6,13 @@
 //! the sender's memory the same way, then acknowledged.
 
 use crate::error::Error;
+use crate::locks::{level, Mutex};
 use crate::transport::links::conn::Conn;
 use crate::transport::links::frame::{
     FrameHeader, Key, Remote, ABORT_CHANNEL, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, LEAVE_CHANNEL, REMOTE_LEN,
 };
 use crate::transport::links::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
 use std::io;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Most memory reserved ahead for one message that arrives before its receive.
@@ -113,8 +113,8 @@ impl Reader {
         &mut self,
         conn: &Conn,
         peer: usize,
-        mailbox: &Mutex<Mailbox>,
-        any: &Mutex<AnyPosted>,
+        mailbox: &Mutex<level::Mailbox, Mailbox>,
+        any: &Mutex<level::AnyPosted, AnyPosted>,
     ) -> io::Result<Stop> {
         loop {
             match self.step(conn, peer, mailbox, any) {
@@ -149,8 +149,8 @@ impl Reader {
         &mut self,
         conn: &Conn,
         peer: usize,
-        mailbox: &Mutex<Mailbox>,
-        any: &Mutex<AnyPosted>,
+        mailbox: &Mutex<level::Mailbox, Mailbox>,
+        any: &Mutex<level::AnyPosted, AnyPosted>,
     ) -> io::Result<Option<Stop>> {
         let Reader { state, bounce, asked, holding, .. } = self;
         match state {
@@ -310,7 +310,7 @@ impl Reader {
                     return Ok(Some(Stop::Reason(why)));
                 }
                 // One group's channel closes, the connection goes on, for
-                // the other groups. Lock order: mailbox, then `any`.
+                // the other groups. Mailbox, then `any` (locks.rs).
                 let mut mailbox = mailbox.lock().unwrap();
                 mailbox.peer_left_group(group, sent_below, why.clone());
                 any.lock().unwrap().fail_group_from(group, peer, &why);
@@ -422,7 +422,12 @@ mod tests {
 
     /// `from` writes the header and address of `data` (as a sender of a
     /// message sent as its address does); a receive of its length is posted.
-    fn sent_as_address(from: &Conn, data: &[u8], id: u64, got: &mut [u8]) -> (Mutex<Mailbox>, Arc<Status>) {
+    fn sent_as_address(
+        from: &Conn,
+        data: &[u8],
+        id: u64,
+        got: &mut [u8],
+    ) -> (Mutex<level::Mailbox, Mailbox>, Arc<Status>) {
         let key = Key::p2p(3);
         let header = FrameHeader { key, len: data.len() as u64, remote: true }.encode();
         let remote = Remote { addr: data.as_ptr() as u64, id }.encode();

@@ -427,7 +427,8 @@ fn sparse_on(rk: &mut Rank, size: u64, rows: &[i64], honest: bool) -> Result<Spa
     let mut indices = Buf::of(DType::I64, &rows.iter().map(|&i| i as f64).collect::<Vec<_>>());
     let mut values = Buf::of(DType::F64, &rows.iter().map(|&i| (i * 10 + rk.rank() as i64) as f64).collect::<Vec<_>>());
     let shape = SparseShape { sparse_sizes: vec![size], dense_sizes: vec![], value_row: 8 };
-    let out = Arc::new(Mutex::new(SparseGathered::default()));
+    let out =
+        Arc::new(rustc10d::locks::Mutex::<rustc10d::locks::level::SparseGathered, _>::new(SparseGathered::default()));
     let part = Collective::AllReduceSparse {
         indices: indices.raw(),
         values: values.raw(),

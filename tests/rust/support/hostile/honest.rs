@@ -5,14 +5,14 @@
 use super::*;
 use rustc10d::engine::OpHandle;
 use rustc10d::error::Error;
+use rustc10d::locks::{level, Mutex};
 use rustc10d::ops::{SparseGathered, SparseShape};
-use std::sync::Mutex;
 
 /// An op in flight on an honest rank, with the memory it reads and writes.
 pub struct Pending {
     handle: OpHandle,
     bufs: Vec<Vec<u8>>,
-    sparse: Option<Arc<Mutex<SparseGathered>>>,
+    sparse: Option<Arc<Mutex<level::SparseGathered, SparseGathered>>>,
     started: Instant,
 }
 
@@ -66,7 +66,12 @@ impl Outcome {
 }
 
 /// Submit one collective on `e`, whose buffers are `bufs`.
-fn submit(e: &Engine, part: Collective, bufs: Vec<Vec<u8>>, sparse: Option<Arc<Mutex<SparseGathered>>>) -> Pending {
+fn submit(
+    e: &Engine,
+    part: Collective,
+    bufs: Vec<Vec<u8>>,
+    sparse: Option<Arc<Mutex<level::SparseGathered, SparseGathered>>>,
+) -> Pending {
     let started = Instant::now();
     // SAFETY: the buffers `part` points into are `bufs`' heap memory, which
     // `Pending` keeps (moving a Vec does not move it) until the op is over
