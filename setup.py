@@ -7,6 +7,8 @@ torch must already be installed, and the build must see it, so build isolation s
 Other torches: RUSTC10D_SHIM_TORCH_PYTHONS names the Pythons of environments that have them,
 separated by ":"; "none" builds no shim (scripts/build_wheels.sh adds them to the wheel after,
 one torch at a time, with build_shim.py, so that only one extra torch need be on disk at once).
+RUSTC10D_FEATURES adds cargo features to the core, separated by spaces: scripts/test.sh builds
+with "lock-levels", the lock-order checker (src/locks.rs), for the whole suite.
 """
 
 import json
@@ -73,7 +75,11 @@ setup(
     rust_extensions=[
         # Always optimised, editable installs too: a debug build reduces 10-50x slower.
         RustExtension(
-            "rustc10d._native", binding=Binding.PyO3, features=["extension"], py_limited_api=False, debug=False
+            "rustc10d._native",
+            binding=Binding.PyO3,
+            features=["extension", *os.environ.get("RUSTC10D_FEATURES", "").split()],
+            py_limited_api=False,
+            debug=False,
         )
     ],
     cmdclass={"build_shims": BuildShims},

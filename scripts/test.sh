@@ -11,6 +11,7 @@
 # TORCH_VERSION: the torch to test against (scripts/torch-versions.txt lists the supported ones).
 # PYTHON_VERSION: the Python to create VENV with (default: python3); VENV: the environment
 # (default .venv). SKIP_CARGO=1 skips the torch-independent Rust checks (CI runs them once).
+# RUSTC10D_FEATURES: cargo features of the build (default: lock-levels, the lock-order checker).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -27,6 +28,9 @@ if "$VENV/bin/python" -c "import sys, torch.distributed as d; sys.exit(not hasat
     PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip install -q "${TORCHFT_REQUIREMENTS[@]}"
     export RUSTC10D_REQUIRE_TORCHFT=1
 fi
+# With the lock-order checker (src/locks.rs): the suite's every process records a lock taken out
+# of order in one file, and the run fails if it is not empty (RUSTC10D_FEATURES= builds without).
+export RUSTC10D_FEATURES=${RUSTC10D_FEATURES-lock-levels}
 build_rustc10d "$VENV"
 
 if [ "${SKIP_CARGO:-0}" != 1 ]; then
@@ -35,4 +39,13 @@ if [ "${SKIP_CARGO:-0}" != 1 ]; then
     PYO3_PYTHON="$(cd "$VENV" && pwd)/bin/python" cargo clippy --locked --all-targets --features extension -- -D warnings
     cargo test --locked
 fi
-"$VENV/bin/python" -m pytest "$@"
+lock_log=$(mktemp)
+trap 'rm -f "$lock_log"' EXIT
+status=0
+RUSTC10D_LOCK_ORDER_LOG=$lock_log "$VENV/bin/python" -m pytest "$@" || status=$?
+if [ -s "$lock_log" ]; then
+    echo "=== locks taken out of their order (src/locks.rs), with where:" >&2
+    cat "$lock_log" >&2
+    status=1
+fi
+exit "$status"

@@ -197,13 +197,19 @@ JOB_VARIANTS = TRANSPORTS + (tuple(VARIANTS) if checks.BACKEND == "rustc10d" els
 # collectives without its shared arena (the rings, the direct exchange and single copy), as
 # over shared memory where the arena is turned off.
 EXTRA_VARIANTS = {"noarena": {"RUSTC10D_ARENA_SLOT_BYTES": "0"}}
+# Variants that differ from the others only inside the Rust core (loopback TCP rather than
+# shared memory, the rings rather than the arena): the same on every torch, so marked
+# torch_independent (pytest.ini), and run on the first torch of scripts/torch-versions.txt only.
+CORE_ONLY_VARIANTS = ("tcp", "noarena")
 
 
 def transport_check_params(suite: str, extra_variants: tuple[str, ...] = ()) -> list:
     """check_params, once per transport and variant (and per extra variant, on rustc10d):
     (world, check name, transport or variant)."""
     variants = JOB_VARIANTS + (extra_variants if checks.BACKEND == "rustc10d" else ())
-    return [pytest.param(*p.values, t, id=f"{t}-{p.id}" if t != "auto" else p.id, marks=p.marks)
+    core_only = [pytest.mark.torch_independent]
+    return [pytest.param(*p.values, t, id=f"{t}-{p.id}" if t != "auto" else p.id,
+                         marks=[*p.marks, *(core_only if t in CORE_ONLY_VARIANTS else [])])
             for t in variants for p in check_params(suite)]
 
 
