@@ -16,7 +16,10 @@
 //! read; before, such entries were never freed, and the table filled); and
 //! once every member has given it back, if it holds one (its memory goes
 //! back to the system). So a group costs no message, no descriptor and no
-//! memory until it uses its arena.
+//! memory until it uses its arena. A table full of groups that members have
+//! yet to find (one rank far ahead of the others) makes the next group wait
+//! for them, until its deadline: a full table has no room to say "no arena",
+//! which the others would need to follow it onto the rings.
 //!
 //! **Dead members.** Each rank of the host holds its slot's lock for as
 //! long as its process maps the pool: a robust, process-shared mutex locked
@@ -78,6 +81,8 @@ const WORDS: usize = MAX_SLOTS / 64;
 const MAGIC: u64 = 0x5243_3130_504f_4c32; // "RC10POL2"
 const HEADER_BYTES: usize = 4096;
 const NO_REGION: u32 = u32::MAX;
+/// The longest a group waits between two looks at a full table.
+const FULL_TABLE_PAUSE: Duration = Duration::from_millis(20);
 /// How long giving a lease back waits for the table's lock.
 const GIVE_BACK_WAIT: Duration = Duration::from_secs(2);
 
@@ -342,9 +347,30 @@ impl ArenaPool {
                 self.max_world, self.slot
             )));
         }
-        let locked = self.lock(deadline)?;
-        let (i, region) = self.take(key, &members, self.slot)?;
-        drop(locked);
+        let mut pause = Duration::from_millis(1);
+        let (i, region) = loop {
+            let locked = self.lock(deadline)?;
+            let taken = self.take(key, &members, self.slot)?;
+            drop(locked);
+            match taken {
+                Some(taken) => break taken,
+                // Every entry is a group of this host's ranks that some
+                // member has yet to find, or that holds a region: they free
+                // theirs as they come (or die), so this group waits for them
+                // rather than fail, while its deadline lets it.
+                None if Instant::now() + pause < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(FULL_TABLE_PAUSE);
+                }
+                None => {
+                    return Err(Error::timeout(format!(
+                        "rustc10d: more than {ENTRIES} groups of this host's ranks were being made at once, or held \
+                         an arena, until the group's timeout: their other members did not come to them \
+                         (RUSTC10D_ARENA_SLOT_BYTES=0 gives groups no arena)"
+                    )))
+                }
+            }
+        };
         if region as usize >= self.regions {
             return Ok(None);
         }
@@ -354,9 +380,9 @@ impl ArenaPool {
 
     /// Find (or, the group's first, make) the entry of `key` for the group
     /// of `members` as member `mine` of the host: its index and region
-    /// (NO_REGION: none). With the table's lock held; allocates nothing (a
-    /// test runs it in a forked child).
-    fn take(&self, key: u64, members: &Ranks, mine: usize) -> Result<(usize, u32)> {
+    /// (NO_REGION: none); None where the table is full. With the table's
+    /// lock held; allocates nothing (a test runs it in a forked child).
+    fn take(&self, key: u64, members: &Ranks, mine: usize) -> Result<Option<(usize, u32)>> {
         let found = (0..ENTRIES).find(|&i| {
             let e = self.entry(i);
             e.used.load(Ordering::Relaxed) == 1 && e.key.load(Ordering::Relaxed) == key
@@ -373,14 +399,11 @@ impl ArenaPool {
             Entry::store(&e.arrived, &union(&arrived, &ranks_of(&[mine])));
             let region = e.region.load(Ordering::Relaxed);
             self.settle(i);
-            return Ok((i, region));
+            return Ok(Some((i, region)));
         }
         let free_entry = || (0..ENTRIES).find(|&i| self.entry(i).used.load(Ordering::Relaxed) == 0);
         let Some(free) = free_entry().or_else(|| self.reclaim().then(free_entry).flatten()) else {
-            return Err(Error::invalid(format!(
-                "rustc10d: more than {ENTRIES} groups of this host's ranks are being made at once, or hold an \
-                 arena (RUSTC10D_ARENA_SLOT_BYTES=0 gives groups no arena)"
-            )));
+            return Ok(None);
         };
         let region = self.free_region().or_else(|| self.reclaim().then(|| self.free_region()).flatten());
         if let Some(r) = region {
@@ -395,7 +418,7 @@ impl ArenaPool {
         e.region.store(region, Ordering::Relaxed);
         e.used.store(1, Ordering::Relaxed);
         self.settle(free);
-        Ok((free, region))
+        Ok(Some((free, region)))
     }
 
     /// A region no entry holds, if any. With the table's lock held.
@@ -879,6 +902,33 @@ mod tests {
         assert_eq!(used, 0, "given back by both");
     }
 
+    /// Rank 0 far ahead of rank 1: every entry is a group rank 1 has yet to
+    /// find. Rank 0's next group waits for rank 1 to come to one (before, it
+    /// failed at once), and fails at its deadline if nobody comes.
+    #[test]
+    fn a_full_table_makes_the_next_group_wait_for_members_still_to_come() {
+        let (a, b) = host(2, 1);
+        let (pa, pb) = (a.pool().unwrap(), b.pool().unwrap());
+        let x0 = pa.lease(0, &[0, 1], 0, far()).unwrap().expect("the one region");
+        for key in 1..ENTRIES as u64 {
+            assert!(pa.lease(key, &[0, 1], 0, far()).unwrap().is_none());
+        }
+        let next = ENTRIES as u64;
+        let t0 = Instant::now();
+        let alone = pa.lease(next, &[0, 1], 0, t0 + Duration::from_millis(100));
+        let e = alone.err().expect("nobody came: an error at the deadline");
+        assert_eq!(e.kind, crate::error::ErrorKind::Timeout, "{}", e.message);
+        assert!(t0.elapsed() >= Duration::from_millis(90) && e.message.contains("did not come"), "{}", e.message);
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| pa.lease(next, &[0, 1], 0, far()));
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!waiting.is_finished(), "waits while the table is full");
+            assert!(pb.lease(1, &[0, 1], 1, far()).unwrap().is_none(), "rank 1 finds key 1, whose entry is freed");
+            assert!(waiting.join().unwrap().unwrap().is_none(), "then rank 0's next group has an entry");
+        });
+        drop(x0);
+    }
+
     /// As rank `slot` of the host in a forked child: hold the slot's lock
     /// (on the child's one thread, as its keeper would) and, with `key`,
     /// lease as member of `members`. Allocates nothing.
@@ -889,7 +939,7 @@ mod tests {
         s.claimed.store(1, Ordering::Release);
         if let Some((key, members)) = lease {
             let locked = pool.lock(far()).unwrap();
-            pool.take(key, members, slot).unwrap();
+            pool.take(key, members, slot).unwrap().expect("room in the table");
             drop(locked);
         }
     }
