@@ -381,6 +381,12 @@ impl Core {
                 // was in: before, their ranks waited there for their timeout.
                 let leased = self.channels.lock().unwrap().arenas_with(peer);
                 leased.iter().for_each(|arena| arena.abort(&why));
+                // A group destroyed meanwhile leaves these the last holders:
+                // dropping its arena gives the lease back, which may wait for
+                // the host's table lock, not a wait for the I/O thread.
+                if !leased.is_empty() {
+                    let _ = self.reactor.run_blocking(Box::new(move || drop(leased)));
+                }
             }
         }
         let mut lost = None;
