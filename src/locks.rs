@@ -79,13 +79,6 @@ pub mod level {
         /// a waiter only tries it). What arrives completes receives under
         /// it, whose callbacks (the user's code) may take anything below.
         LinkReader,
-        /// Whether a staged send is still on: its ready (which stages the
-        /// tensor) runs under it, so that the send's end waits for it.
-        SendLive,
-        /// An op's torch half (`translate::SharedCompletion`): the shim's
-        /// calls on it one at a time. Its future is completed (torch's
-        /// callbacks run, the user's code) once it is let go (`publish`).
-        Completion,
         /// `python.rs`: the process's watched groups.
         WatchedGroups,
         /// `ffi::Group::name`.
@@ -104,6 +97,14 @@ pub mod level {
         EngineWorker,
         /// `Engine::broken`: the error that broke the engine.
         EngineBroken,
+        /// Whether a staged send is still on: its ready (which stages the
+        /// tensor) runs under it, so that the send's end waits for it.
+        SendLive,
+        /// An op's torch half (`translate::SharedCompletion`): the shim's
+        /// calls on it one at a time (issuing queues its copies in under
+        /// `EngineQueue`). Its future is completed (torch's callbacks run,
+        /// the user's code) once it is let go (`publish`).
+        Completion,
         /// `translate::Fence`: whether a stream-ordered op's fence passed.
         Fence,
         /// How many of a set of fences have yet to pass (`Fence::after_all`).
