@@ -4,6 +4,7 @@ addresses exactly as on separate machines (pitfall 11: works on one machine, fai
 Jobs start as users start them: `torchrun --nnodes H` in each host, or plain processes with
 RANK/WORLD_SIZE/MASTER_ADDR (env://). Needs root and iproute2, as CI has; skips without."""
 
+import os
 import re
 import subprocess
 import sys
@@ -178,7 +179,29 @@ def test_hosts_with_different_shared_settings_fail_at_init(make_hosts, tmp_path)
         assert proc.returncode not in (0, None), proc.describe()
 
 
-@pytest.mark.timeout(180)
+def striping_outcome(procs: list[harness.Proc], lanes: tuple[int, ...]) -> str | None:
+    """What is wrong with one run of hosts_job.py striping (None: nothing)."""
+    out = "".join(p.stdout for p in procs)
+    for proc in procs:
+        if proc.returncode != 0:
+            return proc.describe() + "\nstdout:\n" + proc.stdout
+    found = re.findall(r"rank (\d) on host \d: connections \{(\d): (\d+)\} first ([\d.]+) s last ([\d.]+) s "
+                       r"settled (\w+)", out)
+    if sorted(rank for rank, *_ in found) != ["0", "1"]:
+        return "not every rank said what it chose:\n" + out
+    for rank, peer, count, first, last, settled in found:
+        if settled != "True":
+            return f"rank {rank} never settled:\n" + out
+        if int(count) not in lanes:
+            return f"rank {rank} chose {count} connections, not one of {lanes}:\n" + out
+        # 4x one connection fills the link; where lanes share a bucket of the test bed
+        # (CI saw it), those go at half speed and hold the others back: 2x.
+        if lanes != (1,) and not float(last) < 0.6 * float(first):
+            return f"rank {rank}'s all_reduce went from {first} s to {last} s only:\n" + out
+    return None
+
+
+@pytest.mark.timeout(330)
 @pytest.mark.parametrize("caps, lanes", [({"link_gbit": 2, "flow_gbit": 0.5}, (2, 4, 8)), ({"link_gbit": 1}, (1,))],
                          ids=["per-connection-cap", "link-cap"])
 def test_connections_are_chosen_by_measured_throughput(make_hosts, tmp_path, caps, lanes):
@@ -188,22 +211,24 @@ def test_connections_are_chosen_by_measured_throughput(make_hosts, tmp_path, cap
     other, as long as more pay, and the all_reduce gets that much faster: 4 fill the link, 8
     where two of the 4 landed in one of the test bed's hash buckets; a rank stays at 2 where
     4 gained too little to keep (1.15-1.2x 2's rate, as shared buckets make it: 3 runs in 10
-    here). Where one connection fills the link, more do not pay and each rank stays at one."""
+    here). Where one connection fills the link, more do not pay and each rank stays at one.
+
+    What is measured is the machine's, and the machine is shared: once (CI at stop 52, both
+    cases in one run; not in any run here) connections ran well under their caps for the whole
+    measurement (one at 45 MB/s on the 1 Gbit link), and 2 connections did pay there. So a run that misses is
+    run once more on the same test bed, and the test fails where both miss, with both runs'
+    words and the load average before each."""
     hosts = make_hosts(2, **caps)
-    procs = harness.run_processes(torchrun(hosts, 1, HOSTS_JOB, "striping"), timeout=150, log_dir=tmp_path)
-    out = "".join(p.stdout for p in procs)
-    for proc in procs:
-        assert proc.returncode == 0, proc.describe() + "\nstdout:\n" + proc.stdout
-    found = re.findall(r"rank (\d) on host \d: connections \{(\d): (\d+)\} first ([\d.]+) s last ([\d.]+) s "
-                       r"settled (\w+)", out)
-    assert sorted(rank for rank, *_ in found) == ["0", "1"], out
-    for rank, peer, count, first, last, settled in found:
-        assert settled == "True", out
-        assert int(count) in lanes, out
-        if lanes != (1,):
-            # 4x one connection fills the link; where lanes share a bucket of the test bed
-            # (CI saw it), those go at half speed and hold the others back: 2x.
-            assert float(last) < 0.6 * float(first), out
+    missed = []
+    for attempt in range(2):
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        procs = harness.run_processes(torchrun(hosts, 1, HOSTS_JOB, "striping"), timeout=150,
+                                      log_dir=tmp_path / f"run{attempt}")
+        wrong = striping_outcome(procs, lanes)
+        if wrong is None:
+            return
+        missed.append(f"run {attempt + 1} (load average before it: {load}): {wrong}")
+    pytest.fail("\n".join(missed))
 
 
 # rustc10d.check, the preflight check of a cluster: on one host, on three hosts with one link
