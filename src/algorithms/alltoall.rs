@@ -27,12 +27,12 @@ pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> 
         // SAFETY: outputs[p] is the op's buffer (see `RawBuf`), handed to the
         // transport alone until `tr` waits for it or is dropped; p != rank, so
         // no other transfer or copy here touches it.
-        unsafe { tr.recv(p, key, outputs[p].ptr, outputs[p].len)? };
+        unsafe { tr.recv_raw(p, key, outputs[p].ptr, outputs[p].len)? };
     }
     for p in peers() {
         // SAFETY: inputs[p] is the op's buffer, only read here and by the
         // transport until `tr` is done; nothing of this op writes an input.
-        unsafe { tr.send(p, key, inputs[p].slice(0, inputs[p].len))? };
+        unsafe { tr.send_raw(p, key, inputs[p].slice(0, inputs[p].len))? };
     }
     // SAFETY: both are the op's buffers, the same length (`Collective::check`
     // for all-to-all does not say so: `copy` asserts it); outputs[rank] is

@@ -10,38 +10,32 @@ use crate::error::Result;
 
 pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let segment_bytes = ctx.segment_bytes;
     if world == 1 || buf.len == 0 {
         return Ok(());
     }
+    // SAFETY: the op's buffer, which this rank's transfers below alone touch.
+    let buf = unsafe { buf.slice_mut(0, buf.len) };
     let pos = (rank + world - root) % world;
     let right = (rank + 1) % world;
     let left = (rank + world - 1) % world;
-    let nseg = buf.len.div_ceil(segment_bytes);
-    let segment = |j: usize| (j * segment_bytes, segment_bytes.min(buf.len - j * segment_bytes));
-
-    let tr = &mut ctx.transfers();
-    let mut ids = Vec::with_capacity(nseg);
-    if pos != 0 {
-        for j in 0..nseg {
-            let (off, len) = segment(j);
-            // SAFETY: segment j of the op's buffer (off + len <= buf.len), received
-            // into by this transfer alone: the segments are disjoint, and this
-            // rank sends a segment only after its receive is waited for.
-            ids.push(unsafe { tr.recv(left, ctx.key(j as u64), buf.ptr.add(off), len)? });
+    let key = |j: usize| ctx.key(j as u64);
+    ctx.with_transfers(|tr| {
+        // Every rank but the root receives each segment, then forwards it
+        // (but the last); the root only sends.
+        let segments = buf.chunks_mut(ctx.segment_bytes);
+        let lent = match pos {
+            0 => segments.map(Ok).collect::<Vec<_>>(),
+            _ => segments.enumerate().map(|(j, s)| tr.recv(left, key(j), s).map(Err)).collect::<Result<_>>()?,
+        };
+        for (j, segment) in lent.into_iter().enumerate() {
+            let segment = match segment {
+                Ok(s) => s,
+                Err(lent) => tr.give_back(lent)?,
+            };
+            if pos != world - 1 {
+                tr.send(right, key(j), segment)?;
+            }
         }
-    }
-    for j in 0..nseg {
-        if pos != 0 {
-            tr.wait(ids[j])?;
-        }
-        if pos != world - 1 {
-            let (off, len) = segment(j);
-            // SAFETY: segment j of the op's buffer, only read by the send: at the
-            // root nothing writes the buffer; elsewhere segment j's receive was
-            // waited for above, and later receives fill other segments.
-            unsafe { tr.send(right, ctx.key(j as u64), buf.slice(off, len))? };
-        }
-    }
-    tr.wait_all()
+        tr.wait_all()
+    })
 }

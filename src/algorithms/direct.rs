@@ -15,13 +15,13 @@ pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize
     let tr = &mut ctx.transfers();
     if rank != root {
         // SAFETY: the op's input, only read (by this send) until `tr` is done.
-        unsafe { tr.send(root, key, input.slice(0, input.len))? };
+        unsafe { tr.send_raw(root, key, input.slice(0, input.len))? };
         return tr.wait_all();
     }
     for (peer, out) in outputs.iter().enumerate().filter(|&(p, _)| p != rank) {
         // SAFETY: outputs[peer] (peer != root) is the op's buffer, filled by this
         // receive alone; nothing else here touches it.
-        unsafe { tr.recv(peer, key, out.ptr, out.len)? };
+        unsafe { tr.recv_raw(peer, key, out.ptr, out.len)? };
     }
     // SAFETY: outputs[rank] is in no transfer; the input is only read (in
     // place they are the same memory, and `copy` skips it).
@@ -36,14 +36,14 @@ pub fn direct_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, root: usiz
     let tr = &mut ctx.transfers();
     if rank != root {
         // SAFETY: the op's output, filled by this receive alone until `tr` is done.
-        unsafe { tr.recv(root, key, output.ptr, output.len)? };
+        unsafe { tr.recv_raw(root, key, output.ptr, output.len)? };
         return tr.wait_all();
     }
     // Start with the next rank so that concurrent scatters spread their load.
     let world = inputs.len();
     for peer in (1..world).map(|k| (rank + k) % world) {
         // SAFETY: inputs[peer] is the op's buffer, only read (by this send).
-        unsafe { tr.send(peer, key, inputs[peer].slice(0, inputs[peer].len))? };
+        unsafe { tr.send_raw(peer, key, inputs[peer].slice(0, inputs[peer].len))? };
     }
     // SAFETY: `output` is in no transfer; inputs[rank] is not sent, only
     // read here (in place, the same memory: `copy` skips it).

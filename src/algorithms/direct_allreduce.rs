@@ -57,12 +57,12 @@ pub fn direct_allreduce(
     for p in ctx.peers() {
         // SAFETY: slot p (p != rank) of the scratch, which outlives `tr`, filled
         // by this receive alone: each peer has a slot of its own.
-        unsafe { tr.recv(p, key, slot(p).ptr, len) }.map_err(|e| explained(tr, e))?;
+        unsafe { tr.recv_raw(p, key, slot(p).ptr, len) }.map_err(|e| explained(tr, e))?;
     }
     for p in ctx.peers() {
         // SAFETY: the op's buffer, only read by the sends; nothing writes it until
         // `tr.wait_all` below says every send is done.
-        unsafe { tr.send(p, key, buf.slice(0, len)) }.map_err(|e| explained(tr, e))?;
+        unsafe { tr.send_raw(p, key, buf.slice(0, len)) }.map_err(|e| explained(tr, e))?;
     }
     // The calls agree, everything is received, and our buffer sent, before it is overwritten.
     agreed(tr)?;

@@ -152,8 +152,15 @@ impl<'a> OpCtx<'a> {
 
     /// Transfers for this op. Algorithms create them after any scratch memory,
     /// so that cleanup finishes before the scratch is freed.
-    pub fn transfers(&self) -> Transfers<'_> {
+    pub fn transfers(&self) -> Transfers<'a, 'static> {
         Transfers::new(self.transport, self.timeout, self.what.to_string(), self.spin, self.cost.clone())
+    }
+
+    /// Runs `f` with this op's transfers, which borrow the slices lent to
+    /// them for `'b`: every one is done with before this returns
+    /// (`Transfers::scope`).
+    pub fn with_transfers<'b, R>(&self, f: impl FnOnce(&mut Transfers<'a, 'b>) -> R) -> R {
+        Transfers::scope(self.transport, self.timeout, self.what.to_string(), self.spin, self.cost.clone(), f)
     }
 
     /// Every other rank, from the next one on (so that ranks that all send
@@ -306,6 +313,13 @@ impl Scratch<'_> {
     pub fn raw(&mut self) -> RawBuf {
         RawBuf::new(self.buf.as_mut_ptr().cast(), self.bytes)
     }
+
+    /// The memory, as bytes.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `bytes` fit in the Vec's u64s (`take`, `new`), which any
+        // byte pattern is; the slice borrows `self`, so nothing else touches it.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast(), self.bytes) }
+    }
 }
 
 impl Drop for Scratch<'_> {
@@ -337,6 +351,15 @@ pub unsafe fn copy_buf(dst: RawBuf, src: RawBuf) {
 pub fn segment(len: usize, seg: usize, j: usize) -> (usize, usize) {
     let off = (j * seg).min(len);
     (off, seg.min(len - off))
+}
+
+/// `buf` cut into the segments `segment` numbers (one empty one where it is
+/// empty, as `segment_count` counts them), to lend to transfers one by one.
+pub fn segments_mut(buf: &mut [u8], seg: usize) -> Vec<&mut [u8]> {
+    match buf.is_empty() {
+        true => vec![buf],
+        false => buf.chunks_mut(seg).collect(),
+    }
 }
 
 /// Number of segments for `len` bytes (at least one, so empty buffers still

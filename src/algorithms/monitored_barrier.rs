@@ -28,14 +28,12 @@ pub fn monitored_barrier(ctx: &OpCtx, wait_all: bool, timeout: Duration) -> Resu
 fn arrive(ctx: &OpCtx) -> Result<()> {
     let rank = ctx.transport.rank();
     let mut release = [0u8; RELEASE_LEN];
-    let tr = &mut ctx.transfers();
-    // SAFETY: an empty, static slice: nothing to keep alive or unchanged.
-    // The receive that follows fills `release`, a local declared before
-    // `tr` (so dropped after it), read only once the receive is waited for.
-    let outcome = unsafe { tr.send(0, ctx.key(0), &[]) }
-        .and_then(|_| unsafe { tr.recv(0, ctx.key(1), release.as_mut_ptr(), release.len()) })
-        .and_then(|id| tr.wait(id))
-        .and_then(|()| tr.wait_all());
+    let outcome = ctx.with_transfers(|tr| {
+        tr.send(0, ctx.key(0), &[])?;
+        let lent = tr.recv(0, ctx.key(1), &mut release)?;
+        tr.give_back(lent)?;
+        tr.wait_all()
+    });
     let cause = match outcome {
         Ok(()) if release[0] == RELEASED => return Ok(()),
         Ok(()) => {
@@ -54,57 +52,55 @@ fn monitor(ctx: &OpCtx, wait_all: bool, timeout: Duration) -> Result<()> {
     let world = ctx.transport.size();
     let ms = timeout.as_millis();
     let deadline = Instant::now() + timeout;
-    let arrivals = &mut Transfers::new(ctx.transport, timeout, ctx.what.to_string(), ctx.spin, ctx.cost.clone());
-    let ids = (1..world)
-        // SAFETY: a receive of no bytes: a dangling, aligned pointer is valid
-        // for zero-length writes.
-        .map(|p| unsafe { arrivals.recv(p, ctx.key(0), std::ptr::NonNull::<u8>::dangling().as_ptr(), 0) })
-        .collect::<Result<Vec<_>>>()?;
-    let mut arrived = Vec::new();
-    let mut missing = Vec::new();
-    let mut failure = None;
-    for (peer, id) in (1..world).zip(ids) {
-        // Without wait_all, the time left is checked before each wait, as
-        // torch does: a zero timeout fails at once, naming who did arrive.
-        if !wait_all && Instant::now() >= deadline {
-            let processed = if arrived.is_empty() {
-                "No ranks successfully processed in monitoredBarrier.".to_string()
-            } else {
-                format!("Successfully processed ranks: {}", join(&arrived))
-            };
-            failure = Some(format!("rustc10d: Rank 0 timed out in monitoredBarrier after {ms} ms.\n{processed}"));
-            break;
-        }
-        match arrivals.wait(id) {
-            Ok(()) => arrived.push(peer),
-            Err(_) if wait_all => missing.push(peer),
-            Err(e) => {
-                failure = Some(format!(
-                    "rustc10d: [Rank 0]: Rank {peer} failed to pass monitoredBarrier in {ms} ms\n Original exception: \n{}",
-                    e.message
-                ));
-                break;
+    let what = ctx.what.to_string();
+    let failure = Transfers::scope(ctx.transport, timeout, what, ctx.spin, ctx.cost.clone(), |arrivals| {
+        let ids =
+            (1..world).map(|p| arrivals.recv(p, ctx.key(0), &mut []).map(|l| l.id())).collect::<Result<Vec<_>>>()?;
+        let mut arrived = Vec::new();
+        let mut missing = Vec::new();
+        for (peer, id) in (1..world).zip(ids) {
+            // Without wait_all, the time left is checked before each wait, as
+            // torch does: a zero timeout fails at once, naming who did arrive.
+            if !wait_all && Instant::now() >= deadline {
+                let processed = if arrived.is_empty() {
+                    "No ranks successfully processed in monitoredBarrier.".to_string()
+                } else {
+                    format!("Successfully processed ranks: {}", join(&arrived))
+                };
+                return Ok(Some(format!("rustc10d: Rank 0 timed out in monitoredBarrier after {ms} ms.\n{processed}")));
+            }
+            match arrivals.wait(id) {
+                Ok(()) => arrived.push(peer),
+                Err(_) if wait_all => missing.push(peer),
+                Err(e) => {
+                    return Ok(Some(format!(
+                        "rustc10d: [Rank 0]: Rank {peer} failed to pass monitoredBarrier in {ms} ms\n Original exception: \n{}",
+                        e.message
+                    )));
+                }
             }
         }
-    }
-    if failure.is_none() && !missing.is_empty() {
-        failure =
-            Some(format!("rustc10d: [Rank 0]: Ranks {} failed to pass monitoredBarrier in {ms} ms", join(&missing)));
-    }
+        Ok::<_, Error>((!missing.is_empty()).then(|| {
+            format!("rustc10d: [Rank 0]: Ranks {} failed to pass monitoredBarrier in {ms} ms", join(&missing))
+        }))
+    })?;
     let mut release = [RELEASED; RELEASE_LEN];
     if let Some(why) = &failure {
         release[0] = FAILED;
         let n = why.len().min(RELEASE_LEN - 1);
         release[1..=n].copy_from_slice(&why.as_bytes()[..n]);
     }
-    let releases = &mut ctx.transfers();
-    // SAFETY: `release` is a local declared before `releases` (so dropped
-    // after it) and not changed once the sends start.
-    let sent = (1..world).try_for_each(|peer| unsafe { releases.send(peer, ctx.key(1), &release).map(drop) });
+    let sent = ctx.with_transfers(|releases| {
+        (1..world).try_for_each(|peer| releases.send(peer, ctx.key(1), &release).map(drop))?;
+        match failure {
+            // Telling the others is best effort: a missing rank may be gone.
+            Some(_) => Ok(()),
+            None => releases.wait_all(),
+        }
+    });
     match failure {
-        // Telling the others is best effort: a missing rank may be gone.
         Some(why) => Err(Error::timeout(why)),
-        None => sent.and_then(|()| releases.wait_all()),
+        None => sent,
     }
 }
 

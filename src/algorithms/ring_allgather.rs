@@ -6,7 +6,7 @@
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: b (its own) +
 //! (W-1)b received + (W-1)b forwarded through the rings (0 with single copy).
 
-use super::{segment, segment_count, OpCtx, RawBuf};
+use super::{segment_count, segments_mut, OpCtx, RawBuf};
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
@@ -26,33 +26,29 @@ pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<
     // Step t sends block (rank - t) and receives block (rank - t - 1).
     let block = |t: usize| (rank + 2 * world - t) % world;
 
-    let tr = &mut ctx.transfers();
-    let mut ids = Vec::with_capacity(world - 1);
-    for t in 0..world - 1 {
-        let b = block(t + 1);
-        let step = (0..nseg(b))
-            .map(|j| {
-                let (off, n) = segment(outputs[b].len, seg, j);
-                // SAFETY: segment j of outputs[b], b != rank (blocks rank - 1 down to
-                // rank - W + 1, each received at one step only): filled by this receive
-                // alone, and sent on only once it is waited for.
-                unsafe { tr.recv(left, key(t, j), outputs[b].ptr.add(off), n) }
-            })
-            .collect::<Result<Vec<_>>>()?;
-        ids.push(step);
-    }
-    for t in 0..world - 1 {
-        let b = block(t);
-        for j in 0..nseg(b) {
-            if t > 0 {
-                tr.wait(ids[t - 1][j])?;
-            }
-            let (off, n) = segment(outputs[b].len, seg, j);
-            // SAFETY: segment j of outputs[b], only read by the send: b == rank at
-            // step 0 (copied above, received into never), else its receive was
-            // waited for just above; nothing writes an output block after that.
-            unsafe { tr.send(right, key(t, j), outputs[b].slice(off, n))? };
+    // SAFETY: the op's output blocks (disjoint), which from here on the
+    // transfers below alone touch; the input, where it is the same memory as
+    // outputs[rank], is not read again.
+    let mut blocks: Vec<Option<&mut [u8]>> = outputs.iter().map(|b| Some(unsafe { b.slice_mut(0, b.len) })).collect();
+    let mut take = |b: usize| segments_mut(blocks[b].take().expect("each block is received at one step only"), seg);
+    ctx.with_transfers(|tr| {
+        let own = take(rank);
+        let received = (0..world - 1)
+            .map(|t| take(block(t + 1)).into_iter().enumerate().map(|(j, s)| tr.recv(left, key(t, j), s)).collect())
+            .collect::<Result<Vec<Vec<_>>>>()?;
+        for (j, s) in own.into_iter().enumerate() {
+            tr.send(right, key(0, j), s)?;
         }
-    }
-    tr.wait_all()
+        // What step t received is sent on at step t + 1, segment by segment
+        // as it lands (but at the last step).
+        for (t, step) in received.into_iter().enumerate() {
+            for (j, lent) in step.into_iter().enumerate() {
+                let s = tr.give_back(lent)?;
+                if t + 1 < world - 1 {
+                    tr.send(right, key(t + 1, j), s)?;
+                }
+            }
+        }
+        tr.wait_all()
+    })
 }

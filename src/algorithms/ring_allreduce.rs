@@ -62,7 +62,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
             // arrives there is that chunk's total, which the ring computes only
             // after the right neighbour has read what this rank sent, so the
             // transport is done reading it by then.
-            ids.push(unsafe { tr.recv_folded(left, key(t, j), buf.ptr.add(off), len, folding)? });
+            ids.push(unsafe { tr.recv_folded_raw(left, key(t, j), buf.ptr.add(off), len, folding)? });
         }
         Ok(())
     };
@@ -76,7 +76,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
         // SAFETY: this rank's own chunk, only read by the send; it is received
         // into only at step W - 1, with bytes that arrive after the right
         // neighbour has read these (see the receive above).
-        unsafe { tr.send(right, key(0, j), buf.slice(off, len))? };
+        unsafe { tr.send_raw(right, key(0, j), buf.slice(off, len))? };
     }
     for t in 0..steps {
         // Step t + 1's receives reuse the list of step t - 1's, all waited for.
@@ -96,7 +96,7 @@ pub fn ring_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp) -> R
                 // SAFETY: segment j of the chunk whose receive was waited for above; only
                 // read by the send (later receives into it arrive after the right
                 // neighbour has read it, see `post`).
-                unsafe { tr.send(right, key(t + 1, j), buf.slice(off, len))? };
+                unsafe { tr.send_raw(right, key(t + 1, j), buf.slice(off, len))? };
             }
         }
     }

@@ -6,7 +6,7 @@
 //! 0 with single copy); every other rank n received and n folded, and all
 //! but the root n more sent (0 with single copy).
 
-use super::{segment, segment_count, OpCtx, RawBuf};
+use super::{segments_mut, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
@@ -20,52 +20,39 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
     // Position in the chain: 0 starts it, world - 1 is the root.
     let pos = (rank + 2 * world - root - 1) % world;
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
-    let nseg = segment_count(buf.len, seg);
     let key = |j: usize| ctx.key(j as u64);
 
     let mut scratch = ctx.scratch(if pos == 0 { 0 } else { buf.len });
-    let partial = scratch.raw();
-    let tr = &mut ctx.transfers();
-    let ids = if pos == 0 {
-        Vec::new()
-    } else {
-        (0..nseg)
-            .map(|j| {
-                let (off, n) = segment(buf.len, seg, j);
-                // SAFETY: segment j of the scratch (buf.len bytes, taken before `tr`),
-                // filled by this receive alone; each segment is received once.
-                unsafe { tr.recv(left, key(j), partial.ptr.add(off), n) }
-            })
-            .collect::<Result<Vec<_>>>()?
-    };
-    for j in 0..nseg {
-        let (off, n) = segment(buf.len, seg, j);
+    // SAFETY: the op's buffer, which from here on only this function's
+    // transfers and folds touch: the first rank of the chain sends it, the
+    // root folds into it, the ranks between only read it.
+    let buf = unsafe { buf.slice_mut(0, buf.len) };
+    ctx.with_transfers(|tr| {
         if pos == 0 {
-            // SAFETY: the first rank of the chain only reads its buffer (it receives
-            // nothing): segment j of the op's buffer, unchanged until `tr` is done.
-            unsafe { tr.send(right, key(j), buf.slice(off, n))? };
-            continue;
-        }
-        tr.wait(ids[j])?;
-        // SAFETY: segment j of the scratch, whose receive was just waited for; it
-        // is sent on (below) only after this fold.
-        let theirs = unsafe { partial.slice_mut(off, n) };
-        if pos == world - 1 {
-            // SAFETY: the root's buffer: it sends nothing from it and receives into
-            // scratch, so segment j is touched by this fold alone.
-            let mine = unsafe { buf.slice_mut(off, n) };
-            ctx.reduce_into(dtype, op, mine, theirs);
-            if op == ReduceOp::Avg {
-                divide_by(dtype, mine, world);
+            for (j, mine) in segments_mut(buf, seg).into_iter().enumerate() {
+                tr.send(right, key(j), mine)?;
             }
-        } else {
-            // SAFETY: segment j of the op's buffer, only read (ranks between the first
-            // and the root never write it); other memory than `theirs` (scratch).
-            ctx.reduce_into(dtype, op, theirs, unsafe { buf.slice(off, n) });
-            // SAFETY: `theirs` is scratch segment j, received and folded above and
-            // never written again during the op.
-            unsafe { tr.send(right, key(j), theirs)? };
+            return tr.wait_all();
         }
-    }
-    tr.wait_all()
+        // Every segment of the partial result comes into scratch, is folded
+        // with this rank's, and goes on (into the root's buffer at the root).
+        let received = segments_mut(scratch.bytes_mut(), seg)
+            .into_iter()
+            .enumerate()
+            .map(|(j, s)| tr.recv(left, key(j), s))
+            .collect::<Result<Vec<_>>>()?;
+        for ((j, lent), mine) in received.into_iter().enumerate().zip(segments_mut(buf, seg)) {
+            let theirs = tr.give_back(lent)?;
+            if pos == world - 1 {
+                ctx.reduce_into(dtype, op, mine, theirs);
+                if op == ReduceOp::Avg {
+                    divide_by(dtype, mine, world);
+                }
+            } else {
+                ctx.reduce_into(dtype, op, theirs, mine);
+                tr.send(right, key(j), theirs)?;
+            }
+        }
+        tr.wait_all()
+    })
 }

@@ -61,13 +61,13 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
                 if t + 1 == steps {
                     // SAFETY: segment j of `output` at the last step, the only transfer into
                     // it; nothing else touches it until the receive is waited for.
-                    unsafe { tr.recv_folded(left, key(t, j), output.ptr.add(off), n, Some(fold.clone())) }
+                    unsafe { tr.recv_folded_raw(left, key(t, j), output.ptr.add(off), n, Some(fold.clone())) }
                 } else {
                     // SAFETY: segment j of partial buffer t % 3 (scratch as large as the
                     // largest block): its previous partials, sent at step t - 3, were
                     // waited for before this post (see the loop), so only this receive
                     // touches it.
-                    unsafe { tr.recv(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
+                    unsafe { tr.recv_raw(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
                 }
             })
             .collect()
@@ -78,7 +78,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
         let (off, n) = segment(len(block(0)), seg, j);
         // SAFETY: segment j of the op's input block(0) != rank: only read, by this
         // send; inputs are never written (but inputs[rank], never sent).
-        sends[0].push(unsafe { tr.send(right, key(0, j), inputs[block(0)].slice(off, n))? });
+        sends[0].push(unsafe { tr.send_raw(right, key(0, j), inputs[block(0)].slice(off, n))? });
     }
     for t in 0..steps {
         if t + 1 < steps {
@@ -111,7 +111,7 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
                 ctx.reduce_into(dtype, op, partial, mine);
                 // SAFETY: `partial` is not written again until its buffer is refilled,
                 // three steps on, after this send is waited for.
-                sends[t + 1].push(unsafe { tr.send(right, key(t + 1, j), partial)? });
+                sends[t + 1].push(unsafe { tr.send_raw(right, key(t + 1, j), partial)? });
             }
         }
     }

@@ -19,12 +19,12 @@ pub fn single_copy_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], che
     for p in ctx.peers() {
         // SAFETY: outputs[p], p != rank, the op's buffer: filled by this receive
         // alone (each peer's block is received once).
-        unsafe { tr.recv(p, ctx.key(0), outputs[p].ptr, outputs[p].len)? };
+        unsafe { tr.recv_raw(p, ctx.key(0), outputs[p].ptr, outputs[p].len)? };
     }
     for p in ctx.peers() {
         // SAFETY: the op's input, only read by the sends; it is in no receive (at
         // most it is outputs[rank], in place, which nothing receives into).
-        unsafe { tr.send(p, ctx.key(0), input.slice(0, input.len))? };
+        unsafe { tr.send_raw(p, ctx.key(0), input.slice(0, input.len))? };
     }
     // SAFETY: outputs[rank] is in no transfer; the input is only read (in
     // place the same memory, which `copy` skips).

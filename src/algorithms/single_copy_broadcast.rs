@@ -16,11 +16,11 @@ pub fn single_copy_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, check: &Fing
     if ctx.transport.rank() == root {
         for p in ctx.peers() {
             // SAFETY: the root's buffer, only read by the sends until `tr` is done.
-            unsafe { tr.send(p, ctx.key(0), buf.slice(0, buf.len))? };
+            unsafe { tr.send_raw(p, ctx.key(0), buf.slice(0, buf.len))? };
         }
     } else {
         // SAFETY: the op's buffer on a receiver, filled by this receive alone.
-        unsafe { tr.recv(root, ctx.key(0), buf.ptr, buf.len)? };
+        unsafe { tr.recv_raw(root, ctx.key(0), buf.ptr, buf.len)? };
     }
     tr.wait_all()
 }

@@ -57,12 +57,12 @@ pub fn single_copy_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceO
         // it folds and sends its reduced block, which is what fills this
         // receive: the transport is done reading it by then. No other receive
         // fills it.
-        unsafe { tr.recv(p, ctx.key(1), blocks[p].ptr, blocks[p].len)? };
+        unsafe { tr.recv_raw(p, ctx.key(1), blocks[p].ptr, blocks[p].len)? };
     }
     for p in ctx.peers() {
         // SAFETY: this rank's reduced block, whose folds were all waited for; no
         // receive fills it, the sends only read it.
-        unsafe { tr.send(p, ctx.key(1), blocks[rank].slice(0, blocks[rank].len))? };
+        unsafe { tr.send_raw(p, ctx.key(1), blocks[rank].slice(0, blocks[rank].len))? };
     }
     tr.wait_all()
 }
@@ -82,7 +82,7 @@ fn send_blocks(ctx: &OpCtx, tr: &mut Transfers, blocks: &[RawBuf], step: u64) ->
         // SAFETY: blocks[p], p != rank, of the op's buffers: only read, by the
         // sends; nothing writes them before the peers have read them (see
         // `single_copy_allreduce`).
-        unsafe { tr.send(p, ctx.key(step), blocks[p].slice(0, blocks[p].len))? };
+        unsafe { tr.send_raw(p, ctx.key(step), blocks[p].slice(0, blocks[p].len))? };
     }
     Ok(())
 }
@@ -94,7 +94,7 @@ fn fold_peers_blocks(ctx: &OpCtx, tr: &mut Transfers, mine: RawBuf, dtype: DType
     for p in ctx.peers() {
         // SAFETY: `mine` is this rank's block (never sent from here), filled by one
         // fold at a time: each is waited for before the next is posted.
-        let id = unsafe { tr.recv_folded(p, ctx.key(0), mine.ptr, mine.len, Some(fold.clone()))? };
+        let id = unsafe { tr.recv_folded_raw(p, ctx.key(0), mine.ptr, mine.len, Some(fold.clone()))? };
         tr.wait(id)?;
     }
     if op == ReduceOp::Avg {

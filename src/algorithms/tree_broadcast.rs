@@ -33,14 +33,14 @@ pub fn tree_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, hosts: Option<&Host
     if let Some(parent) = parent {
         // SAFETY: the op's buffer, filled by this receive alone; it is waited
         // for at once, before anything reads the buffer.
-        let id = unsafe { tr.recv(parent, ctx.key(0), buf.ptr, buf.len)? };
+        let id = unsafe { tr.recv_raw(parent, ctx.key(0), buf.ptr, buf.len)? };
         tr.wait(id)?;
     }
     for child in children {
         // SAFETY: the buffer is only read from here on (sends, and the arena's
         // broadcast from this rank where it is the host's head); the receive
         // into it, if any, was waited for above.
-        unsafe { tr.send(child, ctx.key(0), buf.slice(0, buf.len))? };
+        unsafe { tr.send_raw(child, ctx.key(0), buf.slice(0, buf.len))? };
     }
     if let Some(hop) = &on_host {
         arena_broadcast(&ctx.phase(&hop.view, 1), &hop.arena, buf, hop.head, fp)?;

@@ -57,7 +57,7 @@ pub fn tree_reduce(
     for (c, &child) in children.iter().enumerate() {
         // SAFETY: slot c of the scratch (taken before `tr`), filled by this
         // receive alone: each child has a slot of its own.
-        unsafe { tr.recv(child, ctx.key(0), slot(c).ptr, len)? };
+        unsafe { tr.recv_raw(child, ctx.key(0), slot(c).ptr, len)? };
     }
     match &on_host {
         Some(hop) => {
@@ -100,7 +100,7 @@ pub fn tree_reduce(
         // SAFETY: `sum` is only read by the send and not written again before
         // `tr` is done.
         Some(parent) => unsafe {
-            tr.send(parent, ctx.key(0), sum.slice(0, len))?;
+            tr.send_raw(parent, ctx.key(0), sum.slice(0, len))?;
         },
     }
     tr.wait_all()

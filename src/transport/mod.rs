@@ -13,6 +13,7 @@
 pub mod fake;
 pub mod group;
 pub mod links;
+mod transfers;
 
 // Modules are named by their folder (`transport::links::frame`), so that a
 // reader sees which side each is on; only the items every layer uses are
@@ -20,9 +21,10 @@ pub mod links;
 use group::{arena, waits};
 pub use links::frame::Key;
 pub use links::mailbox::Fold;
+pub use transfers::{withdraw, Lent, TransferId, Transfers};
 
 use crate::error::{Error, Result};
-use crate::status::{Cost, Polling, Status};
+use crate::status::{Polling, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 pub use waits::{Wait, WaitOn};
@@ -218,219 +220,5 @@ pub trait Transport: Send + Sync {
     /// it does not say in time.
     fn ask(&self, _peer: usize) -> Option<String> {
         None
-    }
-}
-
-/// How long a transfer that cannot be withdrawn (it is being filled or
-/// written right now) gets to finish before its connection is cut.
-const CUT_GRACE: Duration = Duration::from_millis(500);
-
-/// Give up on a transfer with `peer` (None: an any-source receive): withdraw
-/// it if it has not begun, finishing it with `reason`; otherwise give it
-/// CUT_GRACE to finish, then break the connection so that it does. Once this
-/// returns, the transfer no longer touches its buffer, or soon will not (an
-/// any-source receive being filled finishes on its own).
-pub fn withdraw(
-    transport: &dyn Transport,
-    peer: Option<usize>,
-    recv_key: Option<Key>,
-    status: &Arc<Status>,
-    reason: &Error,
-) {
-    if status.is_done() {
-        return;
-    }
-    let withdrawn = match (recv_key, peer) {
-        (Some(key), Some(peer)) => transport.cancel_recv(peer, key, status),
-        (Some(key), None) => transport.cancel_recv_any(key, status),
-        (None, _) => false,
-    };
-    if withdrawn {
-        status.finish(Err(reason.clone()));
-        return;
-    }
-    if status.wait(Some(Instant::now() + CUT_GRACE), Duration::ZERO).is_none() {
-        if let Some(peer) = peer {
-            transport.break_peer(peer, reason);
-        }
-    }
-}
-
-/// The transfers of one operation. It waits with the op's deadline and, when
-/// dropped (success or error), makes sure no transfer still touches the op's
-/// buffers: that is what makes the raw pointers handed to the transport safe.
-pub struct Transfers<'t> {
-    transport: &'t dyn Transport,
-    deadline: Instant,
-    timeout: Duration,
-    what: String,
-    spin: Duration,
-    cost: Arc<Cost>,
-    pending: Vec<Pending>,
-}
-
-struct Pending {
-    peer: usize,
-    /// Some for receives (they can be cancelled), None for sends.
-    recv_key: Option<Key>,
-    status: Arc<Status>,
-    /// The message's memory, where this `Transfers` owns it (`send_copy`,
-    /// `recv_owned`): freed only after the transfer is done, when the
-    /// `Transfers` is, however early its user returned.
-    owned: Option<Vec<u8>>,
-}
-
-/// Index of a transfer within its `Transfers`.
-#[derive(Clone, Copy, Debug)]
-pub struct TransferId(usize);
-
-impl<'t> Transfers<'t> {
-    /// `what` names the op for errors, e.g. "allreduce #4 on rank 1"; waits
-    /// poll for `spin` before they sleep; the transfers are charged to `cost`.
-    pub fn new(transport: &'t dyn Transport, timeout: Duration, what: String, spin: Duration, cost: Arc<Cost>) -> Self {
-        Transfers { transport, deadline: Instant::now() + timeout, timeout, what, spin, cost, pending: Vec::new() }
-    }
-
-    /// # Safety
-    /// `data` must stay valid and unchanged until this `Transfers` is dropped.
-    pub unsafe fn send(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
-        let status = Status::costed(self.cost.clone());
-        // SAFETY: the caller keeps `data` valid and unchanged until this
-        // Transfers is dropped, and dropping it waits until `status` finishes.
-        unsafe { self.transport.send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None) }
-            .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
-        self.pending.push(Pending { peer, recv_key: None, status, owned: None });
-        Ok(TransferId(self.pending.len() - 1))
-    }
-
-    /// Send a copy of `data` that this `Transfers` keeps until the send is
-    /// done: for a small message that a helper builds and may return before
-    /// the op's transfers end (a send may still read its memory then).
-    pub fn send_copy(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
-        let owned = data.to_vec();
-        // SAFETY: `owned` is kept in this Transfers (`pending`, below) until it is
-        // dropped, after every transfer is done; moving the Vec does not move
-        // its heap memory, and nothing writes it.
-        let id = unsafe { self.send(peer, key, &owned)? };
-        self.pending[id.0].owned = Some(owned);
-        Ok(id)
-    }
-
-    /// Receive `len` bytes into memory this `Transfers` owns; `received`
-    /// reads them once the receive is waited for.
-    pub fn recv_owned(&mut self, peer: usize, key: Key, len: usize) -> Result<TransferId> {
-        let mut owned = vec![0u8; len];
-        // SAFETY: `owned` is `len` bytes kept in this Transfers until it is dropped
-        // (after every transfer is done), and read (`received`) only once this
-        // receive has finished.
-        let id = unsafe { self.recv(peer, key, owned.as_mut_ptr(), len)? };
-        self.pending[id.0].owned = Some(owned);
-        Ok(id)
-    }
-
-    /// What a `recv_owned` received. Panics unless it finished well.
-    pub fn received(&self, id: TransferId) -> &[u8] {
-        let p = &self.pending[id.0];
-        assert!(matches!(p.status.result(), Some(Ok(_))), "read before the receive finished");
-        p.owned.as_deref().expect("a recv_owned")
-    }
-
-    /// # Safety
-    /// `data` must stay valid, and not be read, until a wait for the transfer
-    /// has returned Ok (one that timed out leaves it pending) or this
-    /// `Transfers` is dropped.
-    pub unsafe fn recv(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
-        // SAFETY: the same contract, passed on (without a fold nothing else
-        // needs to stay away from the buffer: it is only written).
-        unsafe { self.recv_folded(peer, key, data, len, None) }
-    }
-
-    /// Like `recv`, folding the message into what `data` holds (see `Fold`).
-    ///
-    /// # Safety
-    /// As for `recv`; nobody else may touch `data` until then either.
-    pub unsafe fn recv_folded(
-        &mut self,
-        peer: usize,
-        key: Key,
-        data: *mut u8,
-        len: usize,
-        fold: Option<Fold>,
-    ) -> Result<TransferId> {
-        let status = Status::costed(self.cost.clone());
-        // SAFETY: the caller keeps `data` valid and untouched until a wait for
-        // it returns Ok, which is once `status` has finished, or until this
-        // Transfers is dropped, which waits until `status` finishes.
-        unsafe { self.transport.recv(peer, key, data, len, fold, status.clone()) }
-            .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
-        self.pending.push(Pending { peer, recv_key: Some(key), status, owned: None });
-        Ok(TransferId(self.pending.len() - 1))
-    }
-
-    /// Wait for one transfer, bounded by the op's deadline.
-    pub fn wait(&self, id: TransferId) -> Result<()> {
-        let p = &self.pending[id.0];
-        let noted = (!p.status.is_done()).then(|| {
-            let on = if p.recv_key.is_some() { WaitOn::Data } else { WaitOn::Send };
-            let wait = Wait { what: self.what.clone(), peer: p.peer, on, since: Instant::now() };
-            self.transport.begin_wait(wait)
-        });
-        let waited = p.status.wait_polling(Some(self.deadline), self.spin, self.transport.polling(Some(p.peer)));
-        let end = |said: Option<String>| noted.map(|id| self.transport.end_wait(id, said));
-        match waited {
-            Some(Ok(_)) => {
-                end(None);
-                Ok(())
-            }
-            Some(Err(e)) => {
-                let e = self.failed_with(p.peer, e);
-                // A peer that times out waiting for this rank learns why it stopped.
-                end(Some(e.message.clone()));
-                Err(e)
-            }
-            None => {
-                // The peer may be waiting, in turn, for the rank really at fault.
-                let said = format!(
-                    "{} was waiting for {} {}",
-                    self.what,
-                    if p.recv_key.is_some() { "data from" } else { "a send to" },
-                    self.transport.describe_peer(p.peer)
-                );
-                let said = waits::in_turn(said, self.transport.ask(p.peer));
-                end(Some(format!("{said} (and timed out)")));
-                Err(Error::timed_out(self.timeout, format_args!("{said}")))
-            }
-        }
-    }
-
-    /// Wait for one transfer until `until` at the latest (and the op's
-    /// deadline): None if it has not finished by then. Unlike `wait`, a wait
-    /// that ends so is not an error and tells no peer anything: it is for a
-    /// rank that has already failed and only looks for a better reason.
-    pub fn finished_by(&self, id: TransferId, until: Instant) -> Option<Result<()>> {
-        let p = &self.pending[id.0];
-        let waited =
-            p.status.wait_polling(Some(until.min(self.deadline)), self.spin, self.transport.polling(Some(p.peer)));
-        waited.map(|r| r.map(|_| ()).map_err(|e| self.failed_with(p.peer, e)))
-    }
-
-    fn failed_with(&self, peer: usize, e: Error) -> Error {
-        let peer = self.transport.describe_peer(peer);
-        Error::new(e.kind, format!("rustc10d: {} failed with {peer}: {}", self.what, e.message))
-    }
-
-    /// Wait for every transfer (the sends that nobody waited for, too).
-    pub fn wait_all(&self) -> Result<()> {
-        (0..self.pending.len()).try_for_each(|i| self.wait(TransferId(i)))
-    }
-}
-
-impl Drop for Transfers<'_> {
-    fn drop(&mut self) {
-        let reason = Error::aborted(format!("rustc10d: {} was abandoned", self.what));
-        for p in &self.pending {
-            withdraw(self.transport, Some(p.peer), p.recv_key, &p.status, &reason);
-            p.status.wait(None, Duration::ZERO);
-        }
     }
 }

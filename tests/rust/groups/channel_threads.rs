@@ -239,11 +239,8 @@ fn a_peer_asked_what_it_waits_for_in_a_group_names_the_rank_it_waits_for() {
         let waiter = s.spawn(|| {
             let what = "allreduce #0 on rank 1".to_string();
             let mut tr = Transfers::new(&*on_0, TIMEOUT, what, Duration::ZERO, Default::default());
-            let mut buf = [0u8; 8];
-            // SAFETY: `buf` outlives `tr`, which waits for the receive on the next line
-            // (and, dropped, withdraws it) before `buf` is returned.
-            let id = unsafe { tr.recv(2, key, buf.as_mut_ptr(), 8).unwrap() };
-            tr.wait(id).map(|()| buf)
+            let id = tr.recv_owned(2, key, 8).unwrap();
+            tr.wait(id).map(|()| tr.received(id).to_vec())
         });
         std::thread::sleep(Duration::from_millis(200));
         let told = on_2.ask(1).expect("world rank 0 answers");

@@ -271,11 +271,8 @@ fn a_peer_says_what_it_waits_for() {
                 let what = "allreduce #0 on rank 1".to_string();
                 let mut tr =
                     Transfers::new(&meshes[1], Duration::from_secs(10), what, Duration::ZERO, Default::default());
-                let mut buf = [0u8; 8];
-                // SAFETY: `buf` outlives `tr`, which waits for the receive on the next line
-                // (and, dropped, withdraws it) before `buf` is returned.
-                let id = unsafe { tr.recv(0, key, buf.as_mut_ptr(), 8).unwrap() };
-                tr.wait(id).map(|()| buf)
+                let id = tr.recv_owned(0, key, 8).unwrap();
+                tr.wait(id).map(|()| tr.received(id).to_vec())
             });
             std::thread::sleep(Duration::from_millis(200));
             let told = meshes[2].ask(1).expect("rank 1 answers");
