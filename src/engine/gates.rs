@@ -131,6 +131,11 @@ impl Tickets {
         }
     }
 
+    /// Whether the first unreleased ticket's restore waits to be taken.
+    pub fn restore_due(&self) -> bool {
+        self.pending.front().is_some_and(|s| matches!(s.state, SlotState::Restoring(Some(_))))
+    }
+
     /// The restore `take_restore` gave has run.
     pub fn restored(&mut self) {
         let front = self.pending.front_mut().expect("a restore was running");
@@ -232,12 +237,8 @@ impl StreamGates {
 
     fn end(&self, t: u32, restore: Option<Restore>) {
         let mut state = self.shared.state.lock().unwrap();
-        let wake = restore.is_some();
         state.tickets.end(t, restore);
         self.shared.advance(&mut state);
-        if wake {
-            self.shared.changed.notify_all();
-        }
     }
 
     /// Expire ticket `t`'s op at `deadline` if it has not ended by then.
@@ -289,12 +290,16 @@ fn contained(what: &str, f: impl FnOnce()) {
 }
 
 impl Shared {
-    /// Release what has ended at the front (under the lock, so the word only rises).
+    /// Release what has ended at the front (under the lock, so the word only
+    /// rises), and wake the thread where a restore is now due: a failed op's
+    /// restore becomes due when the last op before it ends, which may be a
+    /// success (its thread would otherwise sleep on, and the held stream
+    /// with it, until the group's shutdown).
     fn advance(&self, state: &mut State) {
         if let Some(v) = state.tickets.advance() {
             self.word.release_to(v);
         }
-        if state.tickets.is_empty() {
+        if state.tickets.is_empty() || state.tickets.restore_due() {
             self.changed.notify_all();
         }
     }
@@ -468,11 +473,14 @@ mod tests {
         o.end(b, Some(Box::new(|| Ok(()))));
         o.end(c, None);
         assert!(o.take_restore().is_none(), "1 is still open");
+        assert!(!o.restore_due());
         assert_eq!(o.advance(), None);
         o.end(a, None);
         assert_eq!(o.advance(), Some(1));
+        assert!(o.restore_due(), "a success before it makes 2's restore due (the thread is woken for it)");
         let restore = o.take_restore().expect("2's restore, now first");
         assert!(o.take_restore().is_none(), "taken once");
+        assert!(!o.restore_due(), "running");
         assert_eq!(o.advance(), None, "2 restores before it is released");
         restore().unwrap();
         o.restored();

@@ -512,6 +512,10 @@ fn a_failed_op_restores_off_its_thread_once_earlier_ops_have_ended() {
     let t0 = Instant::now();
     second.settle();
     assert!(t0.elapsed() < Duration::from_millis(500), "the failed op's thread waited for the earlier op");
+    // The gates' thread sees the failure while the earlier op is still open,
+    // and sleeps: the earlier op's end must wake it (once it did not, and the
+    // restore waited for the group's shutdown; only a slow thread hid it).
+    std::thread::sleep(Duration::from_millis(50));
     h1.fill(7);
     first.all_out().unwrap();
     first.settle();
