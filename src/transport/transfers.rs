@@ -123,6 +123,9 @@ pub struct Transfers<'t, 'b> {
 #[must_use = "a lent slice comes back through `give_back`"]
 pub struct Lent<'b> {
     id: TransferId,
+    /// Its transfer's, to tell it apart from another `Transfers`' of the
+    /// same number (one lent in another scope of the same lifetime).
+    status: Arc<Status>,
     ptr: *mut u8,
     len: usize,
     slice: PhantomData<&'b mut [u8]>,
@@ -207,7 +210,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
         // until `give_back` returns it, after the send is done; or it stays
         // lent for 'b, see `send`.
         let id = unsafe { self.send_raw(peer, key, std::slice::from_raw_parts(ptr, len))? };
-        Ok(Lent { id, ptr, len, slice: PhantomData })
+        Ok(Lent { id, status: self.pending[id.0].status.clone(), ptr, len, slice: PhantomData })
     }
 
     /// Receive into `data`, which `give_back` returns once the message is in.
@@ -221,12 +224,14 @@ impl<'t, 'b> Transfers<'t, 'b> {
         // SAFETY: as in `send_mut`: nobody touches the slice until the
         // receive is done (`give_back`) or the Transfers is dropped.
         let id = unsafe { self.recv_folded_raw(peer, key, ptr, len, fold)? };
-        Ok(Lent { id, ptr, len, slice: PhantomData })
+        Ok(Lent { id, status: self.pending[id.0].status.clone(), ptr, len, slice: PhantomData })
     }
 
     /// Wait for a lent slice's transfer, bounded by the op's deadline, and
     /// return the slice. On an error it stays lent until the scope ends.
     pub fn give_back(&self, lent: Lent<'b>) -> Result<&'b mut [u8]> {
+        let mine = self.pending.get(lent.id.0).is_some_and(|p| Arc::ptr_eq(&p.status, &lent.status));
+        assert!(mine, "a slice is given back by the Transfers it was lent to");
         self.wait(lent.id)?;
         // SAFETY: the transfer is done (the wait returned Ok), so the
         // transport no longer touches the slice; the Lent held the only
@@ -418,6 +423,25 @@ mod tests {
         });
         scope(&*net[1], |tr| tr.recv(0, key, &mut inbox).and_then(|l| tr.give_back(l).map(drop))).unwrap();
         assert_eq!((outbox, inbox), ([9; 4], [3; 4]));
+    }
+
+    /// Another scope of the same lifetime, whose own transfer of the same
+    /// number is done, cannot hand back a slice still being filled.
+    #[test]
+    #[should_panic(expected = "given back by the Transfers it was lent to")]
+    fn a_slice_comes_back_only_through_its_own_transfers() {
+        let net = FakeNet::new(2);
+        let (key, other) = (Key::collective(0, 0), Key::collective(1, 0));
+        let (mut inbox, mut done) = ([0u8; 8], [0u8; 8]);
+        scope(&*net[1], |outer| {
+            let lent = outer.recv(0, key, &mut inbox).unwrap();
+            scope(&*net[1], |inner| {
+                let finished = inner.recv(0, other, &mut done).unwrap();
+                scope(&*net[0], |tr| tr.send(1, other, &[1u8; 8]).and_then(|_| tr.wait_all())).unwrap();
+                inner.give_back(finished).unwrap();
+                let _ = inner.give_back(lent);
+            });
+        });
     }
 
     #[test]
