@@ -62,7 +62,8 @@ fn through_aligned(dtype: DType, dst: &mut [u8], src: &[u8], kernel: impl Fn(&mu
     }
 }
 
-fn bytes_of_words(words: &mut [u64]) -> &mut [u8] {
+/// 8-byte aligned words viewed as bytes (scratch memory, bounce buffers).
+pub fn bytes_of_words(words: &mut [u64]) -> &mut [u8] {
     // SAFETY: u8 has no alignment, the byte length is that of the words,
     // and the words are borrowed mutably for as long as the bytes.
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), std::mem::size_of_val(words)) }

@@ -20,20 +20,19 @@ pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
     let left = (rank + world - 1) % world;
     let key = |j: usize| ctx.key(j as u64);
     ctx.with_transfers(|tr| {
-        // Every rank but the root receives each segment, then forwards it
-        // (but the last); the root only sends.
         let segments = buf.chunks_mut(ctx.segment_bytes);
-        let lent = match pos {
-            0 => segments.map(Ok).collect::<Vec<_>>(),
-            _ => segments.enumerate().map(|(j, s)| tr.recv(left, key(j), s).map(Err)).collect::<Result<_>>()?,
-        };
-        for (j, segment) in lent.into_iter().enumerate() {
-            let segment = match segment {
-                Ok(s) => s,
-                Err(lent) => tr.give_back(lent)?,
-            };
+        if pos == 0 {
+            for (j, s) in segments.enumerate() {
+                tr.send(right, key(j), s)?;
+            }
+            return tr.wait_all();
+        }
+        // Every other rank receives each segment and, but the last, passes it on as it lands.
+        let received = segments.enumerate().map(|(j, s)| tr.recv(left, key(j), s)).collect::<Result<Vec<_>>>()?;
+        for (j, lent) in received.into_iter().enumerate() {
+            let s = tr.give_back(lent)?;
             if pos != world - 1 {
-                tr.send(right, key(j), segment)?;
+                tr.send(right, key(j), s)?;
             }
         }
         tr.wait_all()

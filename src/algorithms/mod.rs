@@ -316,9 +316,7 @@ impl Scratch<'_> {
 
     /// The memory, as bytes.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: `bytes` fit in the Vec's u64s (`take`, `new`), which any
-        // byte pattern is; the slice borrows `self`, so nothing else touches it.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast(), self.bytes) }
+        &mut crate::reduce::bytes_of_words(&mut self.buf)[..self.bytes]
     }
 }
 

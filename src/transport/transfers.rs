@@ -210,7 +210,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
         // until `give_back` returns it, after the send is done; or it stays
         // lent for 'b, see `send`.
         let id = unsafe { self.send_raw(peer, key, std::slice::from_raw_parts(ptr, len))? };
-        Ok(Lent { id, status: self.pending[id.0].status.clone(), ptr, len, slice: PhantomData })
+        Ok(self.lent(id, ptr, len))
     }
 
     /// Receive into `data`, which `give_back` returns once the message is in.
@@ -224,7 +224,11 @@ impl<'t, 'b> Transfers<'t, 'b> {
         // SAFETY: as in `send_mut`: nobody touches the slice until the
         // receive is done (`give_back`) or the Transfers is dropped.
         let id = unsafe { self.recv_folded_raw(peer, key, ptr, len, fold)? };
-        Ok(Lent { id, status: self.pending[id.0].status.clone(), ptr, len, slice: PhantomData })
+        Ok(self.lent(id, ptr, len))
+    }
+
+    fn lent(&self, id: TransferId, ptr: *mut u8, len: usize) -> Lent<'b> {
+        Lent { id, status: self.pending[id.0].status.clone(), ptr, len, slice: PhantomData }
     }
 
     /// Wait for a lent slice's transfer, bounded by the op's deadline, and

@@ -30,17 +30,10 @@ impl Fold {
             return (self.f)(dst, src);
         }
         let mut aligned = vec![0u64; src.len().div_ceil(8)];
-        let bytes = &mut u64_bytes(&mut aligned)[..src.len()];
+        let bytes = &mut crate::reduce::bytes_of_words(&mut aligned)[..src.len()];
         bytes.copy_from_slice(src);
         (self.f)(dst, bytes)
     }
-}
-
-/// 8-byte aligned words viewed as bytes.
-pub fn u64_bytes(words: &mut [u64]) -> &mut [u8] {
-    // SAFETY: u8 has no alignment, the length is that of the words, and the
-    // words are borrowed mutably for as long as the bytes.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len() * 8) }
 }
 
 /// A destination buffer owned by someone who keeps it alive until `status` finishes.

@@ -7,11 +7,12 @@
 
 use crate::error::Error;
 use crate::locks::{level, Mutex};
+use crate::reduce::bytes_of_words;
 use crate::transport::links::conn::Conn;
 use crate::transport::links::frame::{
     FrameHeader, Key, Remote, ABORT_CHANNEL, ABORT_MAX, HEADER_LEN, KIND_ABORT, KIND_ASK, LEAVE_CHANNEL, REMOTE_LEN,
 };
-use crate::transport::links::mailbox::{fail_mismatch, u64_bytes, AnyPosted, Delivery, Mailbox, PostedRecv};
+use crate::transport::links::mailbox::{fail_mismatch, AnyPosted, Delivery, Mailbox, PostedRecv};
 use std::io;
 use std::time::{Duration, Instant};
 
@@ -370,7 +371,7 @@ fn fill(
             let piece = (piece / fold.unit).max(1) * fold.unit;
             bounce.resize(piece.div_ceil(8), 0);
             let want = piece.min(*pending + left) - *pending;
-            let n = read(&mut u64_bytes(bounce)[*pending..*pending + want])?;
+            let n = read(&mut bytes_of_words(bounce)[*pending..*pending + want])?;
             p.status.copied(n);
             *pending += n;
             // Fold whole pieces (whole elements) as they complete.
@@ -380,7 +381,7 @@ fn fill(
                 // at + piece = got + n <= len, the buffer's length (see `Into::Posted`
                 // for why the buffer is valid and this reader's alone).
                 let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(at), piece) };
-                fold.apply(dst, &u64_bytes(bounce)[..piece]);
+                fold.apply(dst, &bytes_of_words(bounce)[..piece]);
                 p.status.copied(piece);
                 *pending = 0;
             }
@@ -399,7 +400,7 @@ fn fold_pending(bounce: &mut [u64], p: &PostedRecv, len: usize, pending: usize) 
     // (the mailbox matched the lengths); valid and this reader's alone, as
     // for `Into::Posted` in `fill`.
     let dst = unsafe { std::slice::from_raw_parts_mut(p.buf.ptr.add(len - pending), pending) };
-    fold.apply(dst, &u64_bytes(bounce)[..pending]);
+    fold.apply(dst, &bytes_of_words(bounce)[..pending]);
     p.status.copied(pending);
 }
 
