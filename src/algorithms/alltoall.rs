@@ -13,32 +13,33 @@
 //! and the W-1 sent through the rings (none where peers read them from its memory).
 
 use super::call_check::mismatch_across;
-use super::{OpCtx, RawBuf};
+use super::{others, others_mut, own_block, OpCtx, RawBuf};
 use crate::error::Result;
 
 /// `inputs[p]` goes to rank p, `outputs[p]` comes from rank p (sizes may differ per pair).
 pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     agree_on_block_sizes(ctx, inputs, outputs)?;
+    // SAFETY: the op's buffers (see `RawBuf`), nothing else's until it ends:
+    // inputs only read, outputs written, apart from each other but for this
+    // rank's own block, which may be one memory (in place).
+    let (sent, mut received, own) =
+        unsafe { (others(inputs, rank), others_mut(outputs, rank), own_block(inputs[rank], outputs[rank])) };
     let key = ctx.key(0);
-    let tr = &mut ctx.transfers();
     let peers = || (1..world).map(|k| (rank + k) % world);
-    for p in peers() {
-        // SAFETY: outputs[p] is the op's buffer (see `RawBuf`), handed to the
-        // transport alone until `tr` waits for it or is dropped; p != rank, so
-        // no other transfer or copy here touches it.
-        unsafe { tr.recv_raw(p, key, outputs[p].ptr, outputs[p].len)? };
-    }
-    for p in peers() {
-        // SAFETY: inputs[p] is the op's buffer, only read here and by the
-        // transport until `tr` is done; nothing of this op writes an input.
-        unsafe { tr.send_raw(p, key, inputs[p].slice(0, inputs[p].len))? };
-    }
-    // SAFETY: both are the op's buffers, the same length (`Collective::check`
-    // for all-to-all does not say so: `copy` asserts it); outputs[rank] is
-    // in no transfer, inputs[rank] only read by the sends above.
-    unsafe { ctx.copy(outputs[rank], inputs[rank]) };
-    tr.wait_all()
+    ctx.with_transfers(|tr| {
+        for (p, block) in received.iter_mut().enumerate().filter(|&(p, _)| p != rank) {
+            // Given back with the scope, which waits for it.
+            let _lent = tr.recv(p, key, block)?;
+        }
+        for p in peers() {
+            tr.send(p, key, sent[p])?;
+        }
+        if let Some((from, to)) = own {
+            ctx.copy_into(to, from);
+        }
+        tr.wait_all()
+    })
 }
 
 /// Check that every rank sends each other rank as many bytes as that rank

@@ -5,48 +5,56 @@
 //! and the W-1 others received); every other rank b (its block, sent through
 //! a ring; 0 where the root reads it from its memory).
 
-use super::{OpCtx, RawBuf};
+use super::{others, others_mut, own_block, OpCtx, RawBuf};
 use crate::error::Result;
 
 /// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
 pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize) -> Result<()> {
     let rank = ctx.transport.rank();
     let key = ctx.key(0);
-    let tr = &mut ctx.transfers();
     if rank != root {
-        // SAFETY: the op's input, only read (by this send) until `tr` is done.
-        unsafe { tr.send_raw(root, key, input.slice(0, input.len))? };
-        return tr.wait_all();
+        // SAFETY: the op's input (see `RawBuf`), only read.
+        let input = unsafe { input.slice(0, input.len) };
+        return ctx.with_transfers(|tr| tr.send(root, key, input).and_then(|_| tr.wait_all()));
     }
-    for (peer, out) in outputs.iter().enumerate().filter(|&(p, _)| p != rank) {
-        // SAFETY: outputs[peer] (peer != root) is the op's buffer, filled by this
-        // receive alone; nothing else here touches it.
-        unsafe { tr.recv_raw(peer, key, out.ptr, out.len)? };
-    }
-    // SAFETY: outputs[rank] is in no transfer; the input is only read (in
-    // place they are the same memory, and `copy` skips it).
-    unsafe { ctx.copy(outputs[rank], input) };
-    tr.wait_all()
+    // SAFETY: the op's buffers, nothing else's until it ends: the outputs,
+    // apart from each other and from the input, but for the root's own,
+    // which may be the input (in place).
+    let (mut received, own) = unsafe { (others_mut(outputs, rank), own_block(input, outputs[rank])) };
+    ctx.with_transfers(|tr| {
+        for (peer, block) in received.iter_mut().enumerate().filter(|&(p, _)| p != rank) {
+            // Given back with the scope, which waits for it.
+            let _lent = tr.recv(peer, key, block)?;
+        }
+        if let Some((from, to)) = own {
+            ctx.copy_into(to, from);
+        }
+        tr.wait_all()
+    })
 }
 
 /// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
 pub fn direct_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, root: usize) -> Result<()> {
     let rank = ctx.transport.rank();
     let key = ctx.key(0);
-    let tr = &mut ctx.transfers();
     if rank != root {
-        // SAFETY: the op's output, filled by this receive alone until `tr` is done.
-        unsafe { tr.recv_raw(root, key, output.ptr, output.len)? };
-        return tr.wait_all();
+        // SAFETY: the op's output (see `RawBuf`), nothing else's until it ends.
+        let output = unsafe { output.slice_mut(0, output.len) };
+        return ctx.with_transfers(|tr| tr.recv(root, key, output).and_then(|lent| tr.give_back(lent).map(drop)));
     }
+    // SAFETY: the op's buffers, nothing else's until it ends: the inputs, only
+    // read, and the output, apart from them but for the root's own input
+    // block, which may be the output (in place).
+    let (sent, own) = unsafe { (others(inputs, rank), own_block(inputs[rank], output)) };
     // Start with the next rank so that concurrent scatters spread their load.
     let world = inputs.len();
-    for peer in (1..world).map(|k| (rank + k) % world) {
-        // SAFETY: inputs[peer] is the op's buffer, only read (by this send).
-        unsafe { tr.send_raw(peer, key, inputs[peer].slice(0, inputs[peer].len))? };
-    }
-    // SAFETY: `output` is in no transfer; inputs[rank] is not sent, only
-    // read here (in place, the same memory: `copy` skips it).
-    unsafe { ctx.copy(output, inputs[rank]) };
-    tr.wait_all()
+    ctx.with_transfers(|tr| {
+        for peer in (1..world).map(|k| (rank + k) % world) {
+            tr.send(peer, key, sent[peer])?;
+        }
+        if let Some((from, to)) = own {
+            ctx.copy_into(to, from);
+        }
+        tr.wait_all()
+    })
 }

@@ -32,58 +32,52 @@ pub fn direct_allreduce(
     check: Option<&Fingerprint>,
 ) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let len = buf.len;
+    // SAFETY: the op's buffer (see `RawBuf`), which nothing else touches
+    // until the op ends.
+    let buf = unsafe { buf.slice_mut(0, buf.len) };
+    let len = buf.len();
     let mut scratch = ctx.scratch(len * world);
-    let slots = scratch.raw();
-    // SAFETY: p < world and the scratch holds len * world bytes: slot p lies
-    // inside it.
-    let slot = |p: usize| RawBuf::new(unsafe { slots.ptr.add(p * len) }, len);
     let key = ctx.key(0);
     // Data arrives from every peer before the check: check every peer's call.
     let mut agreement = check.map(|mine| Agreement::new(mine, true));
-    let tr = &mut ctx.transfers();
-    if let Some(a) = &mut agreement {
-        a.post(ctx, tr);
-    }
-    let agreed = |tr: &Transfers| agreement.as_ref().map_or(Ok(()), |a| a.check(ctx, tr));
-    // A failure before the check may come of a mismatch (a peer that saw it left): say so if it does.
-    let explained = |tr: &Transfers, e: Error| match &agreement {
-        Some(a) => a.explain(ctx, tr, e),
-        None => e,
-    };
+    // The exchange: the buffer sent to every peer, a slot of the scratch
+    // received from each. The buffer is written only once the scope is over.
+    ctx.with_transfers(|tr| {
+        if let Some(a) = &mut agreement {
+            a.post(ctx, tr);
+        }
+        let agreed = |tr: &Transfers| agreement.as_ref().map_or(Ok(()), |a| a.check(ctx, tr));
+        // A failure before the check may come of a mismatch (a peer that saw it left): say so if it does.
+        let explained = |tr: &Transfers, e: Error| match &agreement {
+            Some(a) => a.explain(ctx, tr, e),
+            None => e,
+        };
+        if world == 1 || len == 0 {
+            return agreed(tr).and_then(|()| tr.wait_all());
+        }
+        for (p, slot) in scratch.bytes_mut().chunks_mut(len).enumerate().filter(|&(p, _)| p != rank) {
+            // Given back with the scope, once `wait_all` says it is filled.
+            let _lent = tr.recv(p, key, slot).map_err(|e| explained(tr, e))?;
+        }
+        for p in ctx.peers() {
+            tr.send(p, key, buf).map_err(|e| explained(tr, e))?;
+        }
+        // The calls agree, and everything is received and our buffer sent, before it is overwritten.
+        agreed(tr)?;
+        tr.wait_all()
+    })?;
     if world == 1 || len == 0 {
-        return agreed(tr).and_then(|()| tr.wait_all());
+        return Ok(());
     }
-    for p in ctx.peers() {
-        // SAFETY: slot p (p != rank) of the scratch, which outlives `tr`, filled
-        // by this receive alone: each peer has a slot of its own.
-        unsafe { tr.recv_raw(p, key, slot(p).ptr, len) }.map_err(|e| explained(tr, e))?;
-    }
-    for p in ctx.peers() {
-        // SAFETY: the op's buffer, only read by the sends; nothing writes it until
-        // `tr.wait_all` below says every send is done.
-        unsafe { tr.send_raw(p, key, buf.slice(0, len)) }.map_err(|e| explained(tr, e))?;
-    }
-    // The calls agree, everything is received, and our buffer sent, before it is overwritten.
-    agreed(tr)?;
-    tr.wait_all()?;
-    // SAFETY: every transfer is done (`wait_all`): the buffer and the slots
-    // are this rank's alone; slot(rank) and slot(0) are scratch, the
-    // buffer is the op's, so neither copy overlaps.
-    unsafe {
-        ctx.copy(slot(rank), buf);
-        ctx.copy(buf, slot(0));
-    }
-    // SAFETY: the op's buffer, with every transfer done: nothing else
-    // touches it while the folds run.
-    let acc = unsafe { buf.slice_mut(0, len) };
-    for p in 1..world {
-        // SAFETY: a scratch slot, filled by a receive waited for above; other
-        // memory than `acc`.
-        ctx.reduce_into(dtype, op, acc, unsafe { slot(p).slice(0, len) });
+    // Folded in rank order, on every rank the same: slot p holds rank p's buffer.
+    let mut slots: Vec<&mut [u8]> = scratch.bytes_mut().chunks_mut(len).collect();
+    ctx.copy_into(slots[rank], buf);
+    ctx.copy_into(buf, slots[0]);
+    for slot in &slots[1..] {
+        ctx.reduce_into(dtype, op, buf, slot);
     }
     if op == ReduceOp::Avg {
-        divide_by(dtype, acc, world);
+        divide_by(dtype, buf, world);
     }
     Ok(())
 }

@@ -182,6 +182,12 @@ impl<'a> OpCtx<'a> {
         unsafe { copy_buf(dst, src) }
     }
 
+    /// Copy `src` into `dst` (same length: asserted), and count it.
+    pub fn copy_into(&self, dst: &mut [u8], src: &[u8]) {
+        self.cost.copied(src.len());
+        dst.copy_from_slice(src);
+    }
+
     /// Fold `src` into `dst` with `op`, and count it.
     pub fn reduce_into(&self, dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         self.cost.copied(src.len());
@@ -241,6 +247,14 @@ impl RawBuf {
     pub fn new(ptr: *mut u8, len: usize) -> RawBuf {
         let ptr = if len == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr().cast() } else { ptr };
         RawBuf { ptr, len }
+    }
+
+    /// The bytes [off, off + len) of this buffer (inside it: asserted), as a
+    /// buffer of their own: the same promises hold for them.
+    pub fn sub(&self, off: usize, len: usize) -> RawBuf {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len), "a part of a buffer lies inside it");
+        // Inside the buffer, `wrapping_add` is `add`, without its unsafe promise.
+        RawBuf::new(self.ptr.wrapping_add(off), len)
     }
 
     /// The bytes [off, off + len) (inside the buffer: asserted).
@@ -330,6 +344,48 @@ impl Drop for Scratch<'_> {
             free.swap_remove(smallest);
         }
     }
+}
+
+/// An op's blocks, one per rank, as slices to lend: every one but this
+/// rank's own (`rank`), which is left empty there.
+///
+/// # Safety
+/// The blocks must be the op's buffers (see `RawBuf`), touched by nothing
+/// else while the slices live, and other memory than every other slice
+/// made of this op's buffers meanwhile (this rank's own block aside).
+pub unsafe fn others<'a>(blocks: &[RawBuf], rank: usize) -> Vec<&'a [u8]> {
+    let slice = |(p, b): (usize, &RawBuf)| match p == rank {
+        true => &[][..],
+        // SAFETY: the caller's promise, for block p.
+        false => unsafe { b.slice(0, b.len) },
+    };
+    blocks.iter().enumerate().map(slice).collect()
+}
+
+/// Like `others`, to write (each block to one transfer or copy at a time).
+///
+/// # Safety
+/// As for `others`, and nobody else reads them meanwhile either.
+pub unsafe fn others_mut<'a>(blocks: &[RawBuf], rank: usize) -> Vec<&'a mut [u8]> {
+    let slice = |(p, b): (usize, &RawBuf)| match p == rank {
+        true => &mut [][..],
+        // SAFETY: the caller's promise, for block p.
+        false => unsafe { b.slice_mut(0, b.len) },
+    };
+    blocks.iter().enumerate().map(slice).collect()
+}
+
+/// This rank's own block of an op that keeps one (all-to-all, gather and
+/// scatter at the root): `from`, to be copied into `to`; None where they
+/// are the same memory (in place), and there is nothing to copy.
+///
+/// # Safety
+/// As for `others_mut`, for both.
+pub unsafe fn own_block<'a>(from: RawBuf, to: RawBuf) -> Option<(&'a [u8], &'a mut [u8])> {
+    // SAFETY: the caller's promise; two buffers of one op are either the
+    // same memory (in place) or apart (see `RawBuf`), and only apart ones
+    // are made slices.
+    (from.ptr != to.ptr).then(|| unsafe { (from.slice(0, from.len), to.slice_mut(0, to.len)) })
 }
 
 /// Copy `src` into `dst` (same length) unless they are the same memory.

@@ -11,109 +11,110 @@
 //! into the output) + 2(W-1)b (each step's partial received and folded) +
 //! (W-1)b sent through the rings (0 with single copy).
 
-use super::{reducing, segment, segment_count, OpCtx, RawBuf};
+use super::{reducing, segment, segment_count, segments_mut, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
-use crate::transport::TransferId;
+use crate::transport::{Fold, Key, Lent, Transfers};
 
 /// `inputs[c]` is this rank's contribution to block c; `output` gets block
 /// `rank` (as long as `inputs[rank]`; it may be `inputs[rank]` itself).
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
+    assert_eq!(output.len, inputs[rank].len, "ring_reduce_scatter: the output holds this rank's block");
+    // SAFETY: the op's buffers (see `RawBuf`), which nothing else touches
+    // until it ends. The output starts as this rank's own block (the last
+    // step's), copied before the output is lent as a slice (in place they
+    // are the same memory: `copy` skips it); every other input is other
+    // memory than the output, and only read.
+    let (output, inputs) = unsafe {
+        ctx.copy(output, inputs[rank]);
+        let others = inputs.iter().enumerate().map(|(c, b)| if c == rank { &[][..] } else { b.slice(0, b.len) });
+        (output.slice_mut(0, output.len), others.collect::<Vec<&[u8]>>())
+    };
     if world == 1 {
-        // SAFETY: one rank: no transfers; `output` and inputs[0] are the op's
-        // buffers (in place the same memory, which `copy` skips).
-        unsafe { ctx.copy(output, inputs[0]) };
         return Ok(());
     }
     let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
-    assert_eq!(output.len, inputs[rank].len, "ring_reduce_scatter: the output holds this rank's block");
-    let len = |c: usize| inputs[c].len;
+    let lens: Vec<usize> = (0..world).map(|c| if c == rank { output.len() } else { inputs[c].len() }).collect();
+    let len = |c: usize| lens[c];
     // Whole elements per segment, so reductions never split one.
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
     let nseg = |c: usize| segment_count(len(c), seg);
     let stride = (0..world).map(nseg).max().unwrap_or(1);
     let steps = world - 1;
-    let key = |t: usize, j: usize| ctx.key((t * stride + j) as u64);
+    let key = &|t: usize, j: usize| ctx.key((t * stride + j) as u64);
     // Step t sends the partial of block (rank - t - 1) and receives block (rank - t - 2).
     let block = |t: usize| (rank + 3 * world - t - 1) % world;
 
-    // Three rotating partial buffers: a buffer is refilled two steps after its
-    // partials were queued for sending, and only once those sends are done.
+    // Three rotating partial buffers, cut into segments once (every block's
+    // segment j is the head of segment j of the largest): a buffer's
+    // segments are refilled two steps after its partials were queued for
+    // sending, once those sends have given them back.
     let partials = if steps > 1 { (0..world).map(len).max().unwrap_or(0) } else { 0 };
     let mut scratch = [ctx.scratch(partials), ctx.scratch(partials), ctx.scratch(partials)];
-    let bufs = [scratch[0].raw(), scratch[1].raw(), scratch[2].raw()];
-    let tr = &mut ctx.transfers();
-    let mut recvs: Vec<Vec<TransferId>> = vec![Vec::new(); steps];
-    let mut sends: Vec<Vec<TransferId>> = vec![Vec::new(); steps + 1];
-    // The last step's block is this rank's own: start the output from it.
-    // SAFETY: before any receive into `output` is posted (the first `post`
-    // follows); inputs[rank] is never sent, only read here.
-    unsafe { ctx.copy(output, inputs[rank]) };
+    let mut free: Vec<Vec<Option<&mut [u8]>>> =
+        scratch.iter_mut().map(|s| segments_mut(s.bytes_mut(), seg).into_iter().map(Some).collect()).collect();
+    let mut out: Vec<Option<&mut [u8]>> = segments_mut(output, seg).into_iter().map(Some).collect();
     let fold = reducing(dtype, op);
-    // Step t receives block(t + 1).
-    let post = |tr: &mut super::Transfers, t: usize| -> Result<Vec<TransferId>> {
-        let c = block(t + 1);
-        (0..nseg(c))
-            .map(|j| {
+    ctx.with_transfers(|tr| {
+        // Step t receives block(t + 1): into the output at the last step (its
+        // partials folded straight in), else into partial buffer t % 3.
+        let last = |t: usize| t + 1 == steps;
+        let msgs = |t: usize| {
+            let c = block(t + 1);
+            (0..nseg(c)).map(move |j| (key(t, j), segment(len(c), seg, j).1))
+        };
+        let fold_at = |t: usize| last(t).then(|| fold.clone());
+        let mut recvs: Vec<Vec<Lent>> = (0..steps).map(|_| Vec::new()).collect();
+        // sends[t]: the partials sent at step t (t >= 1), from buffer (t - 1) % 3.
+        let mut sends: Vec<Vec<Lent>> = (0..=steps).map(|_| Vec::new()).collect();
+        recvs[0] = lend_receives(tr, left, if last(0) { &mut out } else { &mut free[0] }, msgs(0), fold_at(0))?;
+        for j in 0..nseg(block(0)) {
+            let (off, n) = segment(len(block(0)), seg, j);
+            tr.send(right, key(0, j), &inputs[block(0)][off..off + n])?;
+        }
+        for t in 0..steps {
+            if t + 1 < steps {
+                // Buffer (t + 1) % 3 last held the partials sent at step t - 1.
+                if t >= 2 {
+                    for (j, sent) in std::mem::take(&mut sends[t - 1]).into_iter().enumerate() {
+                        free[(t + 1) % 3][j] = Some(tr.give_back(sent)?);
+                    }
+                }
+                let parts = if last(t + 1) { &mut out } else { &mut free[(t + 1) % 3] };
+                recvs[t + 1] = lend_receives(tr, left, parts, msgs(t + 1), fold_at(t + 1))?;
+            }
+            let c = block(t + 1);
+            for (j, received) in std::mem::take(&mut recvs[t]).into_iter().enumerate() {
+                let part = tr.give_back(received)?;
                 let (off, n) = segment(len(c), seg, j);
                 if t + 1 == steps {
-                    // SAFETY: segment j of `output` at the last step, the only transfer into
-                    // it; nothing else touches it until the receive is waited for.
-                    unsafe { tr.recv_folded_raw(left, key(t, j), output.ptr.add(off), n, Some(fold.clone())) }
+                    if op == ReduceOp::Avg {
+                        divide_by(dtype, part, world);
+                    }
                 } else {
-                    // SAFETY: segment j of partial buffer t % 3 (scratch as large as the
-                    // largest block): its previous partials, sent at step t - 3, were
-                    // waited for before this post (see the loop), so only this receive
-                    // touches it.
-                    unsafe { tr.recv_raw(left, key(t, j), bufs[t % 3].ptr.add(off), n) }
+                    ctx.reduce_into(dtype, op, &mut part[..n], &inputs[c][off..off + n]);
+                    sends[t + 1].push(tr.send_head(right, key(t + 1, j), part, n)?);
                 }
-            })
-            .collect()
-    };
+            }
+        }
+        tr.wait_all()
+    })
+}
 
-    recvs[0] = post(tr, 0)?;
-    for j in 0..nseg(block(0)) {
-        let (off, n) = segment(len(block(0)), seg, j);
-        // SAFETY: segment j of the op's input block(0) != rank: only read, by this
-        // send; inputs are never written (but inputs[rank], never sent).
-        sends[0].push(unsafe { tr.send_raw(right, key(0, j), inputs[block(0)].slice(off, n))? });
-    }
-    for t in 0..steps {
-        if t + 1 < steps {
-            // bufs[(t + 1) % 3] last held the partials sent at step t - 2.
-            if t >= 2 {
-                for &id in &sends[t - 1] {
-                    tr.wait(id)?;
-                }
-            }
-            recvs[t + 1] = post(tr, t + 1)?;
-        }
-        let c = block(t + 1);
-        let last = t + 1 == steps;
-        for j in 0..nseg(c) {
-            tr.wait(recvs[t][j])?;
-            let (off, n) = segment(len(c), seg, j);
-            if last {
-                if op == ReduceOp::Avg {
-                    // SAFETY: the last fold into this segment of `output` was waited for just
-                    // above; no transfer touches it now.
-                    divide_by(dtype, unsafe { output.slice_mut(off, n) }, world);
-                }
-            } else {
-                // SAFETY: the receive into this segment of partial t % 3 was waited for
-                // above; it is sent (below) only after this fold.
-                let partial = unsafe { bufs[t % 3].slice_mut(off, n) };
-                // SAFETY: inputs[c], c != rank (c is received at a step before the last):
-                // only read, and other memory than the partial (scratch).
-                let mine = unsafe { inputs[c].slice(off, n) };
-                ctx.reduce_into(dtype, op, partial, mine);
-                // SAFETY: `partial` is not written again until its buffer is refilled,
-                // three steps on, after this send is waited for.
-                sends[t + 1].push(unsafe { tr.send_raw(right, key(t + 1, j), partial)? });
-            }
-        }
-    }
-    tr.wait_all()
+/// Lend `parts[j]` to the receive of message j, (key, bytes) in `msgs`,
+/// from `peer`, folding it in with `fold` where there is one.
+fn lend_receives<'b>(
+    tr: &mut Transfers<'_, 'b>,
+    peer: usize,
+    parts: &mut [Option<&'b mut [u8]>],
+    msgs: impl Iterator<Item = (Key, usize)>,
+    fold: Option<Fold>,
+) -> Result<Vec<Lent<'b>>> {
+    let lend = |(j, (key, n))| {
+        let part = Option::take(&mut parts[j]).expect("a segment is lent again only once it is back");
+        tr.recv_head(peer, key, part, n, fold.clone())
+    };
+    msgs.enumerate().map(lend).collect()
 }

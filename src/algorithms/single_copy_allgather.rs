@@ -9,25 +9,29 @@
 //! copy, in W-1 steps).
 
 use super::call_check::{agree_with_all, Fingerprint};
-use super::{OpCtx, RawBuf};
+use super::{others_mut, own_block, OpCtx, RawBuf};
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
 pub fn single_copy_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], check: &Fingerprint) -> Result<()> {
-    let tr = &mut ctx.transfers();
-    agree_with_all(ctx, tr, check)?;
-    for p in ctx.peers() {
-        // SAFETY: outputs[p], p != rank, the op's buffer: filled by this receive
-        // alone (each peer's block is received once).
-        unsafe { tr.recv_raw(p, ctx.key(0), outputs[p].ptr, outputs[p].len)? };
-    }
-    for p in ctx.peers() {
-        // SAFETY: the op's input, only read by the sends; it is in no receive (at
-        // most it is outputs[rank], in place, which nothing receives into).
-        unsafe { tr.send_raw(p, ctx.key(0), input.slice(0, input.len))? };
-    }
-    // SAFETY: outputs[rank] is in no transfer; the input is only read (in
-    // place the same memory, which `copy` skips).
-    unsafe { ctx.copy(outputs[ctx.transport.rank()], input) };
-    tr.wait_all()
+    let rank = ctx.transport.rank();
+    // SAFETY: the op's buffers (see `RawBuf`), nothing else's until it ends:
+    // the input, only read, and the outputs, apart from each other and from
+    // the input but for this rank's own, which may be the input (in place).
+    let (sent, mut received, own) =
+        unsafe { (input.slice(0, input.len), others_mut(outputs, rank), own_block(input, outputs[rank])) };
+    ctx.with_transfers(|tr| {
+        agree_with_all(ctx, tr, check)?;
+        for (p, block) in received.iter_mut().enumerate().filter(|&(p, _)| p != rank) {
+            // Given back with the scope, which waits for it.
+            let _lent = tr.recv(p, ctx.key(0), block)?;
+        }
+        for p in ctx.peers() {
+            tr.send(p, ctx.key(0), sent)?;
+        }
+        if let Some((from, to)) = own {
+            ctx.copy_into(to, from);
+        }
+        tr.wait_all()
+    })
 }

@@ -11,16 +11,19 @@ use super::{OpCtx, RawBuf};
 use crate::error::Result;
 
 pub fn single_copy_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, check: &Fingerprint) -> Result<()> {
-    let tr = &mut ctx.transfers();
-    agree_with_all(ctx, tr, check)?;
-    if ctx.transport.rank() == root {
-        for p in ctx.peers() {
-            // SAFETY: the root's buffer, only read by the sends until `tr` is done.
-            unsafe { tr.send_raw(p, ctx.key(0), buf.slice(0, buf.len))? };
+    // SAFETY: the op's buffer (see `RawBuf`), nothing else's until it ends.
+    let buf = unsafe { buf.slice_mut(0, buf.len) };
+    ctx.with_transfers(|tr| {
+        agree_with_all(ctx, tr, check)?;
+        if ctx.transport.rank() == root {
+            for p in ctx.peers() {
+                tr.send(p, ctx.key(0), buf)?;
+            }
+            tr.wait_all()
+        } else {
+            let lent = tr.recv(root, ctx.key(0), buf)?;
+            tr.give_back(lent)?;
+            tr.wait_all()
         }
-    } else {
-        // SAFETY: the op's buffer on a receiver, filled by this receive alone.
-        unsafe { tr.recv_raw(root, ctx.key(0), buf.ptr, buf.len)? };
-    }
-    tr.wait_all()
+    })
 }

@@ -205,12 +205,21 @@ impl<'t, 'b> Transfers<'t, 'b> {
     /// Send `data`, which `give_back` returns once the send is done (to be
     /// written again, say by a later receive).
     pub fn send_mut(&mut self, peer: usize, key: Key, data: &'b mut [u8]) -> Result<Lent<'b>> {
-        let (ptr, len) = (data.as_mut_ptr(), data.len());
+        let len = data.len();
+        self.send_head(peer, key, data, len)
+    }
+
+    /// Send the first `len` bytes of `data`, and lend all of it: `give_back`
+    /// returns it whole, so that memory cut once carries messages of
+    /// several sizes (a ring's rotating buffers, blocks of different sizes).
+    pub fn send_head(&mut self, peer: usize, key: Key, data: &'b mut [u8], len: usize) -> Result<Lent<'b>> {
+        assert!(len <= data.len(), "a message is sent from inside its slice");
+        let (ptr, whole) = (data.as_mut_ptr(), data.len());
         // SAFETY: the slice is moved into the Lent, out of everyone's reach
         // until `give_back` returns it, after the send is done; or it stays
-        // lent for 'b, see `send`.
+        // lent for 'b, see `send`. Its first `len` bytes are in it (asserted).
         let id = unsafe { self.send_raw(peer, key, std::slice::from_raw_parts(ptr, len))? };
-        Ok(self.lent(id, ptr, len))
+        Ok(self.lent(id, ptr, whole))
     }
 
     /// Receive into `data`, which `give_back` returns once the message is in.
@@ -220,11 +229,27 @@ impl<'t, 'b> Transfers<'t, 'b> {
 
     /// Like `recv`, folding the message into what `data` holds (see `Fold`).
     pub fn recv_folded(&mut self, peer: usize, key: Key, data: &'b mut [u8], fold: Option<Fold>) -> Result<Lent<'b>> {
-        let (ptr, len) = (data.as_mut_ptr(), data.len());
-        // SAFETY: as in `send_mut`: nobody touches the slice until the
-        // receive is done (`give_back`) or the Transfers is dropped.
+        let len = data.len();
+        self.recv_head(peer, key, data, len, fold)
+    }
+
+    /// Like `recv_folded`, into the first `len` bytes of `data`, lending all
+    /// of it (see `send_head`).
+    pub fn recv_head(
+        &mut self,
+        peer: usize,
+        key: Key,
+        data: &'b mut [u8],
+        len: usize,
+        fold: Option<Fold>,
+    ) -> Result<Lent<'b>> {
+        assert!(len <= data.len(), "a message is received inside its slice");
+        let (ptr, whole) = (data.as_mut_ptr(), data.len());
+        // SAFETY: as in `send_head`: nobody touches the slice until the
+        // receive is done (`give_back`) or the Transfers is dropped; the
+        // receive writes its first `len` bytes (asserted) only.
         let id = unsafe { self.recv_folded_raw(peer, key, ptr, len, fold)? };
-        Ok(self.lent(id, ptr, len))
+        Ok(self.lent(id, ptr, whole))
     }
 
     fn lent(&self, id: TransferId, ptr: *mut u8, len: usize) -> Lent<'b> {
@@ -427,6 +452,25 @@ mod tests {
         });
         scope(&*net[1], |tr| tr.recv(0, key, &mut inbox).and_then(|l| tr.give_back(l).map(drop))).unwrap();
         assert_eq!((outbox, inbox), ([9; 4], [3; 4]));
+    }
+
+    /// A slice cut once carries a shorter message at its head, and comes
+    /// back whole: what lies past the message is neither sent nor written.
+    #[test]
+    fn a_message_at_the_head_of_a_slice_lends_and_returns_all_of_it() {
+        let net = FakeNet::new(2);
+        let key = Key::collective(0, 0);
+        let (mut outbox, mut inbox) = ([3u8, 4, 5, 6], [0u8; 4]);
+        scope(&*net[1], |tr| {
+            let lent = tr.recv_head(0, key, &mut inbox, 2, None).unwrap();
+            scope(&*net[0], |tr| {
+                let sent = tr.send_head(1, key, &mut outbox, 2)?;
+                assert_eq!(tr.give_back(sent)?.len(), 4);
+                Ok::<(), Error>(())
+            })
+            .unwrap();
+            assert_eq!(tr.give_back(lent).unwrap(), [3, 4, 0, 0]);
+        });
     }
 
     /// Another scope of the same lifetime, whose own transfer of the same
