@@ -73,9 +73,7 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
         let m = len / es;
         let slice = |p: usize, of: RawBuf| {
             let (lo, hi) = (p * m / world * es, (p + 1) * m / world * es);
-            // SAFETY: lo <= hi <= m * es <= len, the length of every buffer `slice`
-            // cuts (a slot's `len` bytes, or the chunk): inside it.
-            RawBuf::new(unsafe { of.ptr.add(lo) }, hi - lo)
+            of.sub(lo, hi - lo)
         };
         let acc = slice(rank, mine);
         // SAFETY: after the first stage, rank p writes only slice p of its own

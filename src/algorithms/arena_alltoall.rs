@@ -74,10 +74,10 @@ pub fn arena_alltoall(
     let per_block = arena.slot_bytes() / world;
     for k in 0..largest.div_ceil(per_block) {
         let mut r = round(ctx, arena, fp, 1 + k as u64, deadline)?;
-        let slots: Vec<*mut u8> = (0..world).map(|p| r.slot(p, arena.slot_bytes()).ptr).collect();
-        // SAFETY: c < world (asserted above) and len <= per_block (`part`), and
+        let slots: Vec<RawBuf> = (0..world).map(|p| r.slot(p, arena.slot_bytes())).collect();
+        // c < world (asserted above) and len <= per_block (`part`), and
         // world * per_block <= slot bytes: the part lies inside slot p.
-        let at = |p: usize, c: usize, len: usize| RawBuf::new(unsafe { slots[p].add(c * per_block) }, len);
+        let at = |p: usize, c: usize, len: usize| slots[p].sub(c * per_block, len);
         for (c, block) in inputs.iter().enumerate() {
             let src = part(*block, per_block, k);
             // SAFETY: before the stage this rank writes only its own slot, which no

@@ -361,23 +361,16 @@ fn premultiplied_copies<'a>(
 ) -> Vec<RawBuf> {
     let Some(factor) = red.premul else { return blocks.to_vec() };
     *scratch = ctx.scratch(blocks.iter().map(|b| b.len).sum());
-    let mut at = scratch.raw().ptr;
-    blocks
-        .iter()
-        .map(|b| {
-            let dst = RawBuf::new(at, b.len);
-            // SAFETY: `dst` lies in the scratch, which holds the sum of the blocks'
-            // lengths, at the running offset `at` (advanced by each block's length,
-            // so at most to the scratch's end); the scratch is no one else's yet,
-            // and `*b` is the op's input block, only read.
-            unsafe {
-                ctx.copy(dst, *b);
-                scale(red.dtype, dst.slice_mut(0, dst.len), factor);
-                at = at.add(b.len);
-            }
-            dst
-        })
-        .collect()
+    let mut rest = scratch.bytes_mut();
+    let mut scaled = |b: &RawBuf| {
+        let (copy, after) = std::mem::take(&mut rest).split_at_mut(b.len);
+        rest = after;
+        // SAFETY: the op's input block, only read (the scratch is other memory).
+        ctx.copy_into(copy, unsafe { b.slice(0, b.len) });
+        scale(red.dtype, copy, factor);
+        RawBuf::new(copy.as_mut_ptr(), copy.len())
+    };
+    blocks.iter().map(&mut scaled).collect()
 }
 
 #[cfg(test)]

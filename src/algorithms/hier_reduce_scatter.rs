@@ -49,10 +49,8 @@ pub fn hierarchical_reduce_scatter(
     let sum = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
     // partials[g]: this host's sum of the block of host g's i-th rank.
     let mut scratch = ctx.scratch(count * b);
-    let base = scratch.raw().ptr;
-    // SAFETY: g < count and the scratch holds count * b bytes: partial g lies
-    // inside it.
-    let partials: Vec<RawBuf> = (0..count).map(|g| RawBuf::new(unsafe { base.add(g * b) }, b)).collect();
+    let base = scratch.raw();
+    let partials: Vec<RawBuf> = (0..count).map(|g| base.sub(g * b, b)).collect();
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     let one_piece = piece_count(ctx, inputs.iter().map(|b| b.len).sum(), 1) == 1;
     let arena = Hosts::arena_for(&on_host, one_piece);

@@ -117,9 +117,7 @@ impl InArena<'_> {
 /// (empty once the buffer is done).
 pub fn part(buf: RawBuf, per_round: usize, k: usize) -> RawBuf {
     let off = (k * per_round).min(buf.len);
-    // SAFETY: off <= buf.len: the part starts inside the buffer (or at its
-    // end, empty), and `per_round.min(buf.len - off)` ends inside it.
-    RawBuf::new(unsafe { buf.ptr.add(off) }, per_round.min(buf.len - off))
+    buf.sub(off, per_round.min(buf.len - off))
 }
 
 /// The tag of round `index` of collective `seq` (its piece `piece`), called as `fp` says.

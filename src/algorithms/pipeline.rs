@@ -30,9 +30,7 @@ pub fn piece(buf: RawBuf, unit: usize, count: usize, k: usize) -> RawBuf {
     assert!(k < count, "piece {k} of {count}");
     let n = buf.len / unit;
     let (lo, hi) = (k * n / count, (k + 1) * n / count);
-    // SAFETY: k < count (asserted), so lo <= hi <= n and lo * unit <= n * unit
-    // <= buf.len: the piece lies inside the buffer.
-    RawBuf::new(unsafe { buf.ptr.add(lo * unit) }, (hi - lo) * unit)
+    buf.sub(lo * unit, (hi - lo) * unit)
 }
 
 /// The first failure among an op's phases: it aborts the group's transfers,

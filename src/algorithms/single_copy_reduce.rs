@@ -71,9 +71,7 @@ pub fn single_copy_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceO
 fn allreduce_blocks(buf: RawBuf, dtype: DType, world: usize) -> Vec<RawBuf> {
     let (es, n) = (dtype.size(), buf.len / dtype.size());
     let start = |c: usize| c * n / world * es;
-    // SAFETY: start(c) <= n * es <= buf.len for c <= world: each block starts
-    // inside the buffer and ends at the next block's start.
-    (0..world).map(|c| RawBuf::new(unsafe { buf.ptr.add(start(c)) }, start(c + 1) - start(c))).collect()
+    (0..world).map(|c| buf.sub(start(c), start(c + 1) - start(c))).collect()
 }
 
 /// Send `blocks[p]` to every peer p (as its address: the peer reads it).

@@ -37,14 +37,16 @@ pub fn sparse_allreduce(
         // holds: an allocation that fails fails the op (`vec!` would abort
         // the process), blaming the rank that sent the most rows.
         let mut all = zeroed(layout.total * row).ok_or_else(|| bad_peer(ctx, layout.too_many(&counts, rank, row)))?;
-        let base = all.as_mut_ptr();
-        let blocks: Vec<RawBuf> = layout
-            .starts
+        // `RowLayout::of` checked that the blocks (count rows of `row` bytes
+        // each) lie end to end inside `total` rows.
+        let mut rest = &mut all[..];
+        let blocks: Vec<RawBuf> = counts
             .iter()
-            .zip(&counts)
-            // SAFETY: `RowLayout::of` checked that the blocks (start + count
-            // rows of `row` bytes each) lie end to end inside `total` rows.
-            .map(|(&start, &n)| RawBuf::new(unsafe { base.add(start * row) }, n as usize * row))
+            .map(|&n| {
+                let (block, after) = std::mem::take(&mut rest).split_at_mut(n as usize * row);
+                rest = after;
+                RawBuf::new(block.as_mut_ptr(), block.len())
+            })
             .collect();
         ring_allgather(&round(piece), input, &blocks)?;
         Ok(all)

@@ -45,11 +45,9 @@ pub fn tree_reduce(
     let head = on_host.as_ref().is_some_and(HostHop::is_head);
     let own_sum = (parent.is_some() && !children.is_empty()) || head;
     let mut scratch = ctx.scratch(len * (children.len() + own_sum as usize));
+    // A slot per child, and one more where `own_sum`.
     let slots = scratch.raw();
-    // SAFETY: c <= children.len(), and the scratch holds a slot per child and
-    // one more where `own_sum` (the only case slot(children.len()) is
-    // used): slot c lies inside it.
-    let slot = |c: usize| RawBuf::new(unsafe { slots.ptr.add(c * len) }, len);
+    let slot = |c: usize| slots.sub(c * len, len);
     let sum = if own_sum { slot(children.len()) } else { buf };
     // An average divides once, by W, at the root.
     let fold = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
