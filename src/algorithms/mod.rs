@@ -225,8 +225,8 @@ pub fn reducing(dtype: DType, op: ReduceOp) -> Fold {
 ///   all-to-all's, reduce-scatter's output as `inputs[rank]`: in place;
 ///   `copy` skips it). The shim does not check this; torch's in-place
 ///   forms give exactly such blocks.
-/// - Ranges are computed inside the buffer (`slice` and `slice_mut` assert
-///   it; pointer arithmetic says why where it is done by hand).
+/// - Ranges are computed inside the buffer (`sub`, `slice` and `slice_mut`
+///   assert it).
 #[derive(Clone, Copy, Debug)]
 pub struct RawBuf {
     pub ptr: *mut u8,
