@@ -140,10 +140,9 @@ pub mod level {
         ArenaLocal,
         /// A pipelined op's first error.
         PipelineError,
-        /// A peer's state (`mesh_core::Peer`); `linked` waits under it.
+        /// A peer's connections (`mesh_core::PeerConns`: their life and
+        /// striping); `linked` waits under it.
         PeerState: io,
-        /// A peer's striping of large messages over links.
-        Striping: io,
         /// A peer's links.
         PeerLinks: io,
         /// A link's outbox.

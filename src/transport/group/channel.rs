@@ -139,7 +139,7 @@ impl Core {
     /// `lane`), where it has one.
     fn tell_members(&self, key: Key, members: &[usize], why: &[u8]) {
         for &p in members.iter().filter(|&&p| p != self.rank()) {
-            let first_lane = self.peers[p].state.lock().unwrap().lanes().first().copied();
+            let first_lane = self.peers[p].state.lock().unwrap().life.lanes().first().copied();
             if let Some(link) = first_lane.and_then(|conn| self.link(p, conn)) {
                 link.send(SendReq::owning(key, why.to_vec()));
             }

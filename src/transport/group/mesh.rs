@@ -20,7 +20,7 @@ use crate::transport::links::auth::Identity;
 use crate::transport::links::endpoint::{PeerAddr, ShmEndpoint};
 use crate::transport::links::frame::Key;
 use crate::transport::links::mailbox::{Fold, Mailbox, Sources};
-use crate::transport::links::mesh_core::{describe, Core, PeerSlot};
+use crate::transport::links::mesh_core::{describe, Core, PeerConns, PeerSlot};
 use crate::transport::links::peer::Peer;
 use crate::transport::links::peer_reads::PeerReadsGrant;
 use crate::transport::links::reactor::{Reactor, READABLE};
@@ -89,10 +89,12 @@ impl Mesh {
         let peers = (0..addrs.len())
             .map(|p| PeerSlot {
                 mailbox: Mutex::new(Mailbox::with_early_max(p, cfg.early_bytes_max)),
-                state: Mutex::new(Peer::new(describe(&addrs, p))),
+                state: Mutex::new(PeerConns {
+                    life: Peer::new(describe(&addrs, p)),
+                    striping: Striping::new(cfg.nsocks),
+                }),
                 linked: Condvar::new(),
                 links: Mutex::default(),
-                striping: Mutex::new(Striping::new(cfg.nsocks)),
                 answering: AtomicUsize::new(0),
             })
             .collect();
@@ -147,7 +149,7 @@ impl Mesh {
         if let Some(leader) = core.arena_leader().filter(|&l| l != core.rank()) {
             let joined = core.lane(leader, 0, false, deadline).map(drop);
             joined.or_else(|e| core.unless_it_joined_and_gave_up(leader, e))?;
-            if core.arena.lock().unwrap().is_none() && !core.peers[leader].state.lock().unwrap().said_why() {
+            if core.arena.lock().unwrap().is_none() && !core.peers[leader].state.lock().unwrap().life.said_why() {
                 return Err(Error::io(format!(
                     "rustc10d: rank {} did not receive its shared arena from {}",
                     core.rank(),

@@ -104,15 +104,15 @@ impl Core {
     /// `Transport::lanes` of `peer`.
     pub(in crate::transport) fn lanes_of(&self, peer: usize) -> usize {
         let Some(slot) = self.peers.get(peer) else { return 0 };
-        let open = slot.state.lock().unwrap().lanes().len();
-        open.min(slot.striping.lock().unwrap().lanes())
+        let state = slot.state.lock().unwrap();
+        state.life.lanes().len().min(state.striping.lanes())
     }
 
     /// `Transport::lanes_settled` of `peer`.
     pub(in crate::transport) fn lanes_settled_of(&self, peer: usize) -> bool {
         // Shared memory is one connection, never measured.
         self.link_kind_of(peer) == Some("shm")
-            || self.peers.get(peer).is_none_or(|slot| slot.striping.lock().unwrap().settled())
+            || self.peers.get(peer).is_none_or(|slot| slot.state.lock().unwrap().striping.settled())
     }
 }
 

@@ -191,7 +191,7 @@ impl Link {
         }
         if let Some(core) = self.core.upgrade() {
             let slot = &core.peers[self.peer];
-            report(&mut slot.striping.lock().unwrap(), &|| slot.unsent());
+            report(&mut slot.state.lock().unwrap().striping, &|| slot.unsent());
         }
     }
 

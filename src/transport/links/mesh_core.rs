@@ -77,14 +77,21 @@ pub struct Core {
 
 pub struct PeerSlot {
     pub mailbox: Mutex<level::Mailbox, Mailbox>,
-    pub(in crate::transport) state: Mutex<level::PeerState, Peer>,
+    pub(in crate::transport) state: Mutex<level::PeerState, PeerConns>,
     /// Notified when a connection is adopted or the peer is lost.
     pub(in crate::transport) linked: Condvar,
     pub(in crate::transport) links: Mutex<level::PeerLinks, Vec<Arc<Link>>>,
-    /// How many TCP connections to send on, and its measurement.
-    pub(in crate::transport) striping: Mutex<level::Striping, Striping>,
     /// Answers to the peer's questions being made now, each on a thread.
     pub(in crate::transport) answering: AtomicUsize,
+}
+
+/// What this rank knows of a peer's connections, under one lock (both are
+/// pure state, and a send asks both): their life, and how many of them
+/// TCP sends go on.
+pub(in crate::transport) struct PeerConns {
+    pub life: Peer,
+    /// How many TCP connections to send on, and its measurement.
+    pub striping: Striping,
 }
 
 impl PeerSlot {
@@ -233,11 +240,11 @@ impl Core {
             (Some(name), Some(ring_bytes)) => Some((name, ring_bytes)),
             _ => None,
         };
-        let want = if spread && shm.is_none() { slot.striping.lock().unwrap().lanes() } else { 1 };
+        let want = if spread && shm.is_none() { slot.state.lock().unwrap().striping.lanes() } else { 1 };
         let mut dialled = false;
         loop {
             let have = {
-                let mut state = slot.state.lock().unwrap();
+                let state = &mut slot.state.lock().unwrap().life;
                 if let Some(err) = state.lost() {
                     return Err(err.clone());
                 }
@@ -260,7 +267,7 @@ impl Core {
             let dialler = Dialler { me: &self.me, peer, name: self.describe(peer), deadline };
             // No more attempts once the connections are shutting down or the
             // peer is known lost: the op has failed.
-            let lost = || slot.state.lock().unwrap().lost().cloned();
+            let lost = || slot.state.lock().unwrap().life.lost().cloned();
             let stopping = || self.stopping.load(Ordering::SeqCst) || lost().is_some();
             // A peer lost meanwhile (it gave up, and said why on a connection
             // it had dialled) is why the dial failed: say that, not the dial's error.
@@ -327,7 +334,7 @@ impl Core {
     /// Take a connection that passed its handshake into service.
     pub fn adopt(self: &Arc<Self>, peer: usize, conn: Conn) {
         let id = self.next_conn.fetch_add(1, Ordering::SeqCst);
-        let lanes = if conn.is_shm() { 1 } else { self.peers[peer].striping.lock().unwrap().lanes() };
+        let lanes = if conn.is_shm() { 1 } else { self.peers[peer].state.lock().unwrap().striping.lanes() };
         if self.stopping.load(Ordering::SeqCst) {
             return conn.shutdown();
         }
@@ -362,7 +369,7 @@ impl Core {
         // A group's failure closes its channel alone (`tell_group_abort`):
         // the connections are given up on only when they shut down.
         let shut = self.stopping.load(Ordering::SeqCst);
-        let actions = slot.state.lock().unwrap().on(event, shut);
+        let actions = slot.state.lock().unwrap().life.on(event, shut);
         let take = |conn: ConnId| {
             let mut links = slot.links.lock().unwrap();
             links.iter().position(|l| l.id == conn).map(|i| links.remove(i))
@@ -440,8 +447,8 @@ impl Core {
     pub(in crate::transport) fn wait_linked(&self, peer: usize, deadline: Instant) -> Result<()> {
         let slot = &self.peers[peer];
         let mut state = slot.state.lock().unwrap();
-        while !state.is_linked() {
-            if let Some(e) = state.lost() {
+        while !state.life.is_linked() {
+            if let Some(e) = state.life.lost() {
                 return Err(e.clone());
             }
             let now = Instant::now();
@@ -465,7 +472,7 @@ impl Core {
     /// did; failing the join instead would leave this rank without a group
     /// that its peers have, out of step with them from then on.
     pub(in crate::transport) fn unless_it_joined_and_gave_up(&self, peer: usize, failed: Error) -> Result<()> {
-        if self.peers[peer].state.lock().unwrap().said_why() {
+        if self.peers[peer].state.lock().unwrap().life.said_why() {
             tracing::debug!(
                 "rustc10d: rank {} joins a group {} gave up on: {}",
                 self.rank(),
