@@ -387,3 +387,56 @@ def a_rank_still_joining_when_its_peers_give_up_joins_and_raises_with_them(ctx: 
         ctx.errors.append(f"expected a mismatch, got {type(e).__name__}: {e}")
     dist.destroy_process_group(group)
     check_group_usable(ctx, "after a mismatch on a group that a rank joined late")
+
+
+@check("collectives", skip_on={"gloo": "Gloo returns wrong numbers for all_to_all_single(t, t)"})
+def buffers_that_share_memory_give_what_separate_tensors_give(ctx: Ctx):
+    """Views of one tensor passed as several buffers of an op. Over TCP, all_to_all_single(t, t)
+    and a reduce_scatter_tensor whose output was another rank's block of its own input returned
+    wrong numbers without a word (Gloo gets the first wrong too). Each must give what separate
+    tensors give; one tensor twice in an output list holds the last block, as in Gloo."""
+    w, r = ctx.world, ctx.rank
+    nxt = (r + 1) % w
+    for n in (5, 70_000):  # small, and blocks that go as addresses or take several arena rounds
+        ar = torch.arange(n, dtype=torch.float32)
+        block = lambda t, p: t[p * n:(p + 1) * n]  # noqa: E731
+        # all_to_all_single in place: rank r's block p is r*100 + p*10 + i
+        t = torch.cat([ar + r * 100 + p * 10 for p in range(w)])
+        dist.all_to_all_single(t, t)
+        ctx.expect_equal(t, torch.cat([ar + p * 100 + r * 10 for p in range(w)]), f"all_to_all_single(t, t), {n}")
+        # all_to_all with lists, each output the tensor of another peer's input
+        ins = [ar + r * 100 + p * 10 for p in range(w)]
+        outs = [ins[(p + 1) % w] for p in range(w)]
+        want = [ar + p * 100 + r * 10 for p in range(w)]
+        dist.all_to_all(outs, ins)
+        for p in range(w):
+            ctx.expect_equal(outs[p], want[p], f"all_to_all into other inputs, block {p}, {n}")
+        # all_gather_into_tensor, the input another rank's block of the output
+        o = torch.zeros(w * n)
+        block(o, nxt).copy_(ar + r)
+        dist.all_gather_into_tensor(o, block(o, nxt))
+        ctx.expect_equal(o, torch.cat([ar + p for p in range(w)]), f"all_gather_into_tensor from another block, {n}")
+        # reduce_scatter_tensor, the output another rank's block of the input
+        i = torch.cat([ar + r * 10 + p for p in range(w)])
+        expected = ar * w + 10 * w * (w - 1) // 2 + w * r
+        out = block(i, nxt)
+        dist.reduce_scatter_tensor(out, i)
+        ctx.expect_equal(out, expected, f"reduce_scatter_tensor into another block, {n}")
+        # all_gather into one tensor w times: the last rank's block wins
+        x = torch.zeros(n)
+        dist.all_gather([x] * w, ar + r)
+        ctx.expect_equal(x, ar + (w - 1), f"all_gather into one tensor {w} times, {n}")
+        # gather whose root's input is rank 1's slot; scatter whose root's output is rank 1's input
+        slots = [torch.full((n,), -1.0) for _ in range(w)]
+        mine = slots[1] if r == 0 else ar + r
+        if r == 0:
+            mine.copy_(ar)
+        dist.gather(mine, slots if r == 0 else None, dst=0)
+        if r == 0:
+            for p in range(w):
+                ctx.expect_equal(slots[p], ar + p, f"gather into the root's own input, slot {p}, {n}")
+        sources = [ar + 7 * p for p in range(w)]
+        got = sources[1] if r == 0 else torch.zeros(n)
+        dist.scatter(got, sources if r == 0 else None, src=0)
+        ctx.expect_equal(got, ar + 7 * r, f"scatter into one of the root's inputs, {n}")
+    check_group_usable(ctx, "after ops on buffers that share memory")

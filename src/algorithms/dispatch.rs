@@ -14,6 +14,7 @@
 //! copy): `Plan::of`, which also says whether the algorithm checks the call
 //! itself; `run` only follows it.
 
+use super::apart::Apart;
 use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
@@ -225,6 +226,13 @@ fn goes_as_address(ctx: &OpCtx, bytes: usize) -> bool {
 /// hosts' phases compare it in any case).
 pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Result<()> {
     use Algorithm::*;
+    // Buffers that share memory (views of one tensor) run apart (apart.rs).
+    let mut copies = Scratch::new(0);
+    if let Some(apart) = Apart::of(&mut copies, ctx, part) {
+        run(ctx, &apart.part, plan, fp)?;
+        apart.copy_out(ctx);
+        return Ok(());
+    }
     let check = plan.checks_inline.then_some(fp);
     let apart = plan.hosts.as_ref();
     let hosts = || apart.expect("hierarchical algorithms are planned for groups on several hosts");

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod alltoall;
+mod apart;
 mod arena_allgather;
 mod arena_allreduce;
 mod arena_alltoall;
