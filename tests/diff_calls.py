@@ -35,6 +35,13 @@ MOVE_DTYPES = DTYPES + COMPLEX_DTYPES + WIDE_UNSIGNED
 # applied to the wrong rank's data shows up
 PREMUL_FACTORS = (0.3, -1.25, 2.5, 1 / 3)
 
+# Ops whose input and output may be views of one tensor (param "memory": "shared"):
+# all_to_all_single in place, where this rank's blocks fill as many rows as it sends; an
+# all_gather_into_tensor's input the next member's block of its output; a
+# reduce_scatter_tensor's output the next member's block of its input. Each must give what it
+# gives on separate tensors (src/algorithms/apart.rs).
+SHARING_OPS = ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+
 # Tensor layouts (diff_run.place() makes them). Each non-contiguous one is a view into storage
 # with bytes around or between its elements, which must keep their values.
 LAYOUTS = ("contiguous", "transposed", "strided", "offset", "misaligned", "channels_last")
@@ -252,6 +259,8 @@ def _good(rng: random.Random, base: dict) -> Call:
     if op not in ("send_recv", "isend_irecv", "batch_isend_irecv", "coalescing_manager"):
         call["async_op"] = rng.random() < 0.35
         call["hold"] = call["async_op"] and rng.random() < 0.5
+    if op in SHARING_OPS:  # drawn last, so that the calls before it stay as they were
+        params.append(("memory", rng.choice(("apart", "apart", "apart", "shared"))))
     return Call(**call, params=tuple(params))
 
 

@@ -124,11 +124,29 @@ def _stacked(env: Env, shape) -> tuple[int, ...]:
     return (env.n * shape[0], *shape[1:]) if env.call.param("form") == "cat" else (env.n, *shape)
 
 
+def _shared(env: Env) -> bool:
+    """Whether this call's input and output are views of one tensor (diff_calls.SHARING_OPS);
+    rustc10d only: Gloo gets all_to_all_single(t, t) wrong."""
+    return env.call.param("memory") == "shared" and BACKEND == "rustc10d"
+
+
+def _block(env: Env, t: torch.Tensor, j: int) -> torch.Tensor:
+    """Member j's block of a tensor of n blocks (_stacked)."""
+    if env.call.param("form") == "cat":
+        rows = t.shape[0] // env.n
+        return t[j * rows:(j + 1) * rows]
+    return t[j]
+
+
 def _all_gather_into_tensor(env: Env):
     c = env.call
     ins = [env.inp.of(r) for r in env.members]
-    x = env.put(ins[env.me], "input", readonly=True)
     out = env.put(env.garbage(_stacked(env, c.shape)), "output")
+    if _shared(env):  # the input is the next member's block of the output
+        x = _block(env, out, (env.me + 1) % env.n)
+        x.copy_(ins[env.me])
+    else:
+        x = env.put(ins[env.me], "input", readonly=True)
     work = dist.all_gather_into_tensor(out, x, group=env.pg, async_op=c.async_op)
     want = torch.cat(ins) if c.param("form") == "cat" else torch.stack(ins)
     return work, lambda: env.note(expect_same(out, want, "all_gather_into_tensor output"))
@@ -147,8 +165,12 @@ def _reduce_scatter_tensor(env: Env):
     c = env.call
     full_shape = _stacked(env, c.shape)
     full = [env.inp.of(r, shape=full_shape) for r in env.members]
-    x = env.put(full[env.me], "input", readonly=True)
-    out = env.put(env.garbage(c.shape), "output")
+    if _shared(env):  # the output is the next member's block of the input
+        x = env.put(full[env.me], "input")
+        out = _block(env, x, (env.me + 1) % env.n)
+    else:
+        x = env.put(full[env.me], "input", readonly=True)
+        out = env.put(env.garbage(c.shape), "output")
     work = dist.reduce_scatter_tensor(out, x, op=env.op(), group=env.pg, async_op=c.async_op)
     to_me = [f.reshape(env.n, *c.shape)[env.me] for f in full]
     return work, lambda: env.note(expect_reduced(out, to_me, c.reduce_op, c.factor, "reduce_scatter_tensor output"))
@@ -191,9 +213,12 @@ def _blocks(env: Env):
 def _all_to_all_single(env: Env):
     c, rows = env.call, env.call.param("rows")
     sends, wants = _blocks(env)
-    x = env.put(torch.cat(sends), "input", readonly=True)
     want = torch.cat(wants)
-    out = env.put(env.garbage(want.shape), "output")
+    if _shared(env) and want.shape == torch.cat(sends).shape:  # in place
+        x = out = env.put(torch.cat(sends), "input and output")
+    else:
+        x = env.put(torch.cat(sends), "input", readonly=True)
+        out = env.put(env.garbage(want.shape), "output")
     splits = {}
     if not (c.param("split") == "even" and c.param("split_sizes") == "none"):
         splits = {"output_split_sizes": [rows[i][env.me] for i in range(env.n)],
