@@ -14,7 +14,7 @@
 //! its algorithm lends (`others`, `own_block`) never alias one another. An
 //! op that shares nothing, the common case, costs a sort and copies nothing.
 
-use super::{OpCtx, RawBuf, Scratch};
+use super::{take_front, OpCtx, RawBuf, Scratch};
 use crate::ops::Collective;
 
 /// `part` made apart (see the top of this file): the op to run, and the
@@ -60,19 +60,14 @@ impl Apart {
         let bytes = moved_out.iter().map(|&j| outputs[j].len).chain(copied_in.iter().map(|&i| inputs[i].len));
         *scratch = ctx.scratch(bytes.sum());
         let mut rest = scratch.bytes_mut();
-        let mut take = |len: usize| {
-            let (piece, after) = std::mem::take(&mut rest).split_at_mut(len);
-            rest = after;
-            piece
-        };
         let (mut new_inputs, mut new_outputs, mut out) = (inputs.to_vec(), outputs.to_vec(), Vec::new());
         for &j in &moved_out {
-            let piece = take(outputs[j].len);
+            let piece = take_front(&mut rest, outputs[j].len);
             new_outputs[j] = RawBuf::new(piece.as_mut_ptr(), piece.len());
             out.push((new_outputs[j], outputs[j]));
         }
         for &i in &copied_in {
-            let piece = take(inputs[i].len);
+            let piece = take_front(&mut rest, inputs[i].len);
             // SAFETY: the op's input block, only read, before the op starts.
             ctx.copy_into(piece, unsafe { inputs[i].slice(0, inputs[i].len) });
             new_inputs[i] = RawBuf::new(piece.as_mut_ptr(), piece.len());

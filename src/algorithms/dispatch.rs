@@ -26,8 +26,8 @@ use super::{
     direct_allreduce, direct_gather, direct_scatter, hierarchical_allgather, hierarchical_allreduce,
     hierarchical_direct_allreduce, hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
     ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
-    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, sparse_allreduce, tree_broadcast,
-    tree_reduce, OpCtx, RawBuf, Scratch,
+    single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, sparse_allreduce, take_front,
+    tree_broadcast, tree_reduce, OpCtx, RawBuf, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -371,8 +371,7 @@ fn premultiplied_copies<'a>(
     *scratch = ctx.scratch(blocks.iter().map(|b| b.len).sum());
     let mut rest = scratch.bytes_mut();
     let mut scaled = |b: &RawBuf| {
-        let (copy, after) = std::mem::take(&mut rest).split_at_mut(b.len);
-        rest = after;
+        let copy = take_front(&mut rest, b.len);
         // SAFETY: the op's input block, only read (the scratch is other memory).
         ctx.copy_into(copy, unsafe { b.slice(0, b.len) });
         scale(red.dtype, copy, factor);

@@ -408,6 +408,14 @@ pub fn segment(len: usize, seg: usize, j: usize) -> (usize, usize) {
     (off, seg.min(len - off))
 }
 
+/// The first `len` bytes of `rest`, which keeps what follows: memory cut
+/// into consecutive pieces of different lengths, one call a piece.
+pub fn take_front<'s>(rest: &mut &'s mut [u8], len: usize) -> &'s mut [u8] {
+    let (front, after) = std::mem::take(rest).split_at_mut(len);
+    *rest = after;
+    front
+}
+
 /// `buf` cut into the segments `segment` numbers (one empty one where it is
 /// empty, as `segment_count` counts them), to lend to transfers one by one.
 pub fn segments_mut(buf: &mut [u8], seg: usize) -> Vec<&mut [u8]> {

@@ -11,7 +11,7 @@
 //! into the output) + 2(W-1)b (each step's partial received and folded) +
 //! (W-1)b sent through the rings (0 with single copy).
 
-use super::{reducing, segment, segment_count, segments_mut, OpCtx, RawBuf};
+use super::{others, reducing, segment, segment_count, segments_mut, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
@@ -22,6 +22,7 @@ use crate::transport::{Fold, Key, Lent, Transfers};
 pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     assert_eq!(output.len, inputs[rank].len, "ring_reduce_scatter: the output holds this rank's block");
+    let lens: Vec<usize> = inputs.iter().map(|b| b.len).collect();
     // SAFETY: the op's buffers (see `RawBuf`), which nothing else touches
     // until it ends. The output starts as this rank's own block (the last
     // step's), copied before the output is lent as a slice (in place they
@@ -29,14 +30,12 @@ pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype
     // memory than the output, and only read.
     let (output, inputs) = unsafe {
         ctx.copy(output, inputs[rank]);
-        let others = inputs.iter().enumerate().map(|(c, b)| if c == rank { &[][..] } else { b.slice(0, b.len) });
-        (output.slice_mut(0, output.len), others.collect::<Vec<&[u8]>>())
+        (output.slice_mut(0, output.len), others(inputs, rank))
     };
     if world == 1 {
         return Ok(());
     }
     let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
-    let lens: Vec<usize> = (0..world).map(|c| if c == rank { output.len() } else { inputs[c].len() }).collect();
     let len = |c: usize| lens[c];
     // Whole elements per segment, so reductions never split one.
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();

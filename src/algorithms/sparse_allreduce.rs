@@ -10,7 +10,7 @@
 //! tensor before the caller builds a tensor from it. A bad one fails the op
 //! naming the rank that sent it.
 
-use super::{ring_allgather, OpCtx, RawBuf};
+use super::{ring_allgather, take_front, OpCtx, RawBuf};
 use crate::error::{Error, Result};
 use crate::ops::{SparseGathered, SparseShape};
 
@@ -43,8 +43,7 @@ pub fn sparse_allreduce(
         let blocks: Vec<RawBuf> = counts
             .iter()
             .map(|&n| {
-                let (block, after) = std::mem::take(&mut rest).split_at_mut(n as usize * row);
-                rest = after;
+                let block = take_front(&mut rest, n as usize * row);
                 RawBuf::new(block.as_mut_ptr(), block.len())
             })
             .collect();
