@@ -13,30 +13,30 @@
 //! and the W-1 sent through the rings (none where peers read them from its memory).
 
 use super::call_check::mismatch_across;
-use super::{others, others_mut, own_block, OpCtx, RawBuf};
+use super::{split_own, OpCtx};
 use crate::error::Result;
 
-/// `inputs[p]` goes to rank p, `outputs[p]` comes from rank p (sizes may differ per pair).
-pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> Result<()> {
+/// `inputs[p]` goes to rank p (this rank's own is `own`, or in place (None)
+/// what `outputs[rank]` holds), `outputs[p]` comes from rank p (sizes may
+/// differ per pair).
+pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[&[u8]], own: Option<&[u8]>, outputs: &mut [&mut [u8]]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    agree_on_block_sizes(ctx, inputs, outputs)?;
-    // SAFETY: the op's buffers (see `RawBuf`), nothing else's until it ends:
-    // inputs only read, outputs written, apart from each other but for this
-    // rank's own block, which may be one memory (in place).
-    let (sent, mut received, own) =
-        unsafe { (others(inputs, rank), others_mut(outputs, rank), own_block(inputs[rank], outputs[rank])) };
+    let input = |p: usize| if p == rank { own.unwrap_or(outputs[rank]) } else { inputs[p] };
+    let sent = (0..world).map(|p| input(p).len() as u64).collect();
+    let expected = outputs.iter().map(|o| o.len() as u64).collect();
+    agree_on_block_sizes(ctx, sent, expected)?;
     let key = ctx.key(0);
-    let peers = || (1..world).map(|k| (rank + k) % world);
+    let (received, mine) = split_own(outputs, rank);
     ctx.with_transfers(|tr| {
-        for (p, block) in received.iter_mut().enumerate().filter(|&(p, _)| p != rank) {
+        for (p, block) in received {
             // Given back with the scope, which waits for it.
             let _lent = tr.recv(p, key, block)?;
         }
-        for p in peers() {
-            tr.send(p, key, sent[p])?;
+        for p in ctx.peers() {
+            tr.send(p, key, inputs[p])?;
         }
-        if let Some((from, to)) = own {
-            ctx.copy_into(to, from);
+        if let Some(from) = own {
+            ctx.copy_into(mine, from);
         }
         tr.wait_all()
     })
@@ -46,10 +46,8 @@ pub fn pairwise_alltoall(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> 
 /// expects from it (see the top of this file): one message to and from
 /// every rank, of W sizes sent and W expected. Peers' sizes are only
 /// compared, never used.
-fn agree_on_block_sizes(ctx: &OpCtx, inputs: &[RawBuf], outputs: &[RawBuf]) -> Result<()> {
+fn agree_on_block_sizes(ctx: &OpCtx, mine_sent: Vec<u64>, mine_expected: Vec<u64>) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let sizes = |bufs: &[RawBuf]| bufs.iter().map(|b| b.len as u64).collect::<Vec<_>>();
-    let (mine_sent, mine_expected) = (sizes(inputs), sizes(outputs));
     let message: Vec<u8> = mine_sent.iter().chain(&mine_expected).flat_map(|n| n.to_le_bytes()).collect();
     let key = ctx.key(1);
     let tr = &mut ctx.transfers();

@@ -11,7 +11,7 @@
 //! rank's own block alone may be the very memory of its input (in place:
 //! the form every algorithm expects, and the one torch's in-place ops make).
 //! The op then computes what it would on separate tensors, and the slices
-//! its algorithm lends (`others`, `own_block`) never alias one another. An
+//! its algorithm lends (`OpBufs`) never alias one another. An
 //! op that shares nothing, the common case, costs a sort and copies nothing.
 
 use super::{take_front, OpCtx, RawBuf, Scratch};

@@ -9,30 +9,31 @@
 //! largest block.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{in_rounds, part};
-use super::{OpCtx, RawBuf};
+use super::in_arena::{in_rounds, part, part_mut};
+use super::OpCtx;
 use crate::error::Result;
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{Arena, Shape};
 
-/// `outputs[r]` receives rank r's `input`.
-pub fn arena_allgather(ctx: &OpCtx, arena: &Arena, input: RawBuf, outputs: &[RawBuf], fp: &Fingerprint) -> Result<()> {
+/// `outputs[r]` receives rank r's input: `own`, or, in place (None), what
+/// `outputs[rank]` holds.
+pub fn arena_allgather(
+    ctx: &OpCtx,
+    arena: &Arena,
+    own: Option<&[u8]>,
+    outputs: &mut [&mut [u8]],
+    fp: &Fingerprint,
+) -> Result<()> {
     let rank = ctx.transport.rank();
     let per_round = arena.slot_bytes();
-    let longest = outputs.iter().map(|o| o.len).max().unwrap_or(0);
-    in_rounds(ctx, arena, fp, longest, per_round, |r, k| {
-        let mine = part(input, per_round, k);
-        // SAFETY: this round's slot of this rank, which no other rank touches
-        // before the stage (`Round::slot`); `mine` is within the op's input
-        // (`part`), only read. `slot` keeps the length within the slot.
-        unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
+    let longest = outputs.iter().map(|o| o.len()).max().unwrap_or(0);
+    in_rounds(ctx, arena, fp, (longest, per_round), Shape::Gather, |r, k| {
+        let input = own.unwrap_or(outputs[rank]);
+        let mine = &input[part(input.len(), per_round, k)];
+        ctx.copy_into(&mut r.own()[..mine.len()], mine);
         r.stage()?;
-        for (p, out) in outputs.iter().enumerate() {
-            let dst = part(*out, per_round, k);
-            // SAFETY: after the stage every slot of this round is only read, until
-            // every rank has arrived at the next round's first stage; `dst` lies in
-            // the op's buffer outputs[p] (`part`), which nothing else touches (with
-            // p == rank in place it is the input, copied into the slot already).
-            unsafe { ctx.copy(dst, r.slot(p, dst.len)) };
+        for (p, out) in outputs.iter_mut().enumerate() {
+            let dst = part_mut(out, per_round, k);
+            ctx.copy_into(dst, &r.slot(p)[..dst.len()]);
         }
         Ok(())
     })

@@ -16,12 +16,12 @@
 //! only). Stages: 2 per slot of data, 1 if small; at most one wake-up each.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
-use super::{OpCtx, RawBuf};
+use super::in_arena::{part_mut, round};
+use super::OpCtx;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{divide_by, scale};
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{column, Arena, Shape};
 
 /// Buffers whose every rank's copy together is at most this large take one
 /// stage (if no larger than `small_allreduce_bytes`, where the direct
@@ -40,62 +40,44 @@ pub struct Reducing {
     pub root: Option<usize>,
 }
 
-pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, fp: &Fingerprint) -> Result<()> {
+pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: &mut [u8], how: &Reducing, fp: &Fingerprint) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let es = how.dtype.size();
     let gets_result = how.root.is_none_or(|r| r == rank);
     let deadline = ctx.deadline;
     let per_round = arena.slot_bytes() / es * es;
-    let one_stage = buf.len * world <= ONE_STAGE_BYTES && buf.len <= ctx.small_allreduce_bytes.min(per_round);
-    let rounds = if one_stage { 1 } else { buf.len.div_ceil(per_round).max(1) };
+    let one_stage = buf.len() * world <= ONE_STAGE_BYTES && buf.len() <= ctx.small_allreduce_bytes.min(per_round);
+    let rounds = if one_stage { 1 } else { buf.len().div_ceil(per_round).max(1) };
     for k in 0..rounds {
-        let chunk = part(buf, per_round, k);
-        let len = chunk.len;
-        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
-        let mine = r.slot(rank, len);
-        // SAFETY: before the round's first stage this rank's slot is written by
-        // it alone and read by none (`Round::slot`); `chunk` lies in the op's
-        // buffer (`part`), only read here; `mine` is `len` <= slot bytes long.
-        unsafe {
-            ctx.copy(mine, chunk);
-            if let Some(f) = how.premul {
-                scale(how.dtype, mine.slice_mut(0, len), f);
-            }
+        let chunk = part_mut(buf, per_round, k);
+        let len = chunk.len();
+        let shape = if one_stage { Shape::Gather } else { Shape::Columns { len, elem: es } };
+        let mut r = round(ctx, arena, fp, k as u64, shape, deadline)?;
+        let mine = &mut r.own()[..len];
+        ctx.copy_into(mine, chunk);
+        if let Some(f) = how.premul {
+            scale(how.dtype, mine, f);
         }
         r.stage()?;
         if one_stage {
             if gets_result {
-                fold_all(ctx, how, chunk, (0..world).map(|p| r.slot(p, len)));
+                fold_all(ctx, how, chunk, (0..world).map(|p| &r.slot(p)[..len]));
             }
             continue;
         }
-        // Slice p of the chunk: elements [p m / W, (p + 1) m / W).
-        let m = len / es;
-        let slice = |p: usize, of: RawBuf| {
-            let (lo, hi) = (p * m / world * es, (p + 1) * m / world * es);
-            of.sub(lo, hi - lo)
-        };
-        let acc = slice(rank, mine);
-        // SAFETY: after the first stage, rank p writes only slice p of its own
-        // slot and reads slice p of the others': slice `rank` of this rank's
-        // slot is touched by this rank alone until the second stage.
-        let dst = unsafe { acc.slice_mut(0, acc.len) };
+        // Column p of the chunk: its elements [p m / W, (p + 1) m / W), which rank p reduces.
+        let (acc, theirs) = r.columns();
         for p in ctx.peers() {
-            // SAFETY: slice `rank` of rank p's slot: rank p wrote it before the first
-            // stage and writes only its own slice p now; other ranks only read it.
-            // It does not overlap `dst`, which lies in this rank's slot.
-            ctx.reduce_into(how.dtype, how.op, dst, unsafe { slice(rank, r.slot(p, len)).slice(0, acc.len) });
+            ctx.reduce_into(how.dtype, how.op, acc, theirs[p]);
         }
         if how.op == ReduceOp::Avg {
-            divide_by(how.dtype, dst, world);
+            divide_by(how.dtype, acc, world);
         }
         r.stage()?;
         if gets_result {
             for p in 0..world {
-                // SAFETY: after the second stage every slot is only read (until every
-                // rank has arrived at the next round's first stage); slice p of the
-                // chunk lies in the op's buffer, which no transfer touches.
-                unsafe { ctx.copy(slice(p, chunk), slice(p, r.slot(p, len))) };
+                let cut = column(len, es, world, p);
+                ctx.copy_into(&mut chunk[cut.clone()], &r.slot(p)[cut]);
             }
         }
     }
@@ -104,21 +86,13 @@ pub fn arena_allreduce(ctx: &OpCtx, arena: &Arena, buf: RawBuf, how: &Reducing, 
 
 /// `out` = the fold of `slots` (every rank's, in rank order), then divided,
 /// for an average.
-fn fold_all(ctx: &OpCtx, how: &Reducing, out: RawBuf, mut slots: impl ExactSizeIterator<Item = RawBuf>) {
+fn fold_all<'s>(ctx: &OpCtx, how: &Reducing, out: &mut [u8], mut slots: impl ExactSizeIterator<Item = &'s [u8]>) {
     let world = slots.len();
-    let first = slots.next().expect("a group has a rank");
-    // SAFETY: after the round's one stage the slots are only read; `out` is a
-    // chunk of the op's buffer, the same length as every slot here.
-    unsafe { ctx.copy(out, first) };
-    // SAFETY: `out` is a chunk of the op's buffer, touched by nothing else
-    // while the fold runs; the slots it reads are other memory.
-    let acc = unsafe { out.slice_mut(0, out.len) };
+    ctx.copy_into(out, slots.next().expect("a group has a rank"));
     for s in slots {
-        // SAFETY: a slot of this round, after its one stage: read-only until every
-        // rank has arrived at the next round's first stage.
-        ctx.reduce_into(how.dtype, how.op, acc, unsafe { s.slice(0, s.len) });
+        ctx.reduce_into(how.dtype, how.op, out, s);
     }
     if how.op == ReduceOp::Avg {
-        divide_by(how.dtype, acc, world);
+        divide_by(how.dtype, out, world);
     }
 }

@@ -13,10 +13,10 @@
 //! Stages: 1, and 1 per slot / W of the largest block.
 
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
-use super::{pairwise_alltoall, OpCtx, RawBuf};
+use super::in_arena::{part, part_mut, round};
+use super::{pairwise_alltoall, OpCtx};
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{Arena, Shape};
 
 /// Whether a slot holds a rank's sizes (16 bytes per peer), and 16 bytes
 /// of a block for each rank per round.
@@ -24,37 +24,40 @@ pub fn fits(arena: &Arena, world: usize) -> bool {
     arena.slot_bytes() >= 16 * world
 }
 
-/// `inputs[p]` goes to rank p, `outputs[p]` comes from rank p (sizes may differ per pair).
+/// `inputs[p]` goes to rank p (this rank's own is `own`, or in place (None)
+/// what `outputs[rank]` holds), `outputs[p]` comes from rank p (sizes may
+/// differ per pair).
 pub fn arena_alltoall(
     ctx: &OpCtx,
     arena: &Arena,
-    inputs: &[RawBuf],
-    outputs: &[RawBuf],
+    inputs: &[&[u8]],
+    own: Option<&[u8]>,
+    outputs: &mut [&mut [u8]],
     fp: &Fingerprint,
 ) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     // The sizes and each round's parts are laid out for exactly world blocks each way.
     assert!(inputs.len() == world && outputs.len() == world, "arena_alltoall: one block per rank each way");
     let deadline = ctx.deadline;
+    let input_len = |p: usize, outputs: &[&mut [u8]]| match p == rank {
+        true => own.map_or(outputs[rank].len(), <[u8]>::len),
+        false => inputs[p].len(),
+    };
     let (mut largest, mut smallest) = (0, usize::MAX);
     {
-        let mut r = round(ctx, arena, fp, 0, deadline)?;
-        let slots: Vec<*mut u64> = (0..world).map(|p| r.slot(p, 16 * world).ptr.cast()).collect();
-        let sizes = |p: usize| slots[p];
-        let mine: Vec<u64> = inputs.iter().chain(outputs).map(|b| b.len as u64).collect();
-        // SAFETY: this rank's slot, 16 * world >= 8 * 2 * world bytes long (`fits`:
-        // `slot` asserts it) and aligned for u64 (`arena::SLOT_ALIGN`), written by
-        // it alone before the stage; `mine` holds 2 * world u64 (asserted above).
-        unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), sizes(rank), 2 * world) };
+        let mut r = round(ctx, arena, fp, 0, Shape::Gather, deadline)?;
+        // This rank's sizes: what it sends each rank, then what it expects from each.
+        let mine = (0..world).map(|p| input_len(p, outputs)).chain(outputs.iter().map(|o| o.len()));
+        for (word, n) in r.own()[..16 * world].chunks_exact_mut(8).zip(mine) {
+            word.copy_from_slice(&(n as u64).to_le_bytes());
+        }
         r.stage()?;
-        // SAFETY: after the stage slot p is only read; it holds 2 * world aligned
-        // u64 (any bytes are a u64: what a peer wrote is only compared and
-        // counted, never used as an index).
-        let of = |p: usize| unsafe { std::slice::from_raw_parts(sizes(p), 2 * world).to_vec() };
-        let all: Vec<Vec<u64>> = (0..world).map(of).collect();
+        // Any bytes are a size: what a peer wrote is only compared and counted,
+        // never used as an index.
+        let size = |p: usize, i: usize| u64::from_le_bytes(r.slot(p)[8 * i..][..8].try_into().expect("8 bytes"));
         for (p, q) in (0..world).flat_map(|p| (0..world).map(move |q| (p, q))) {
             // What p sends q, and what q expects from p.
-            let (sent, expected) = (all[p][q], all[q][world + p]);
+            let (sent, expected) = (size(p, q), size(q, world + p));
             if sent != expected {
                 return Err(Error::new(
                     ErrorKind::Mismatch,
@@ -69,27 +72,26 @@ pub fn arena_alltoall(
         }
     }
     if ctx.transport.single_copy_bytes().is_some_and(|from| smallest >= from) {
-        return pairwise_alltoall(ctx, inputs, outputs);
+        return pairwise_alltoall(ctx, inputs, own, outputs);
     }
     let per_block = arena.slot_bytes() / world;
+    // Block c's part in a slot: world * per_block <= slot bytes.
+    let at = |c: usize, len: usize| c * per_block..c * per_block + len;
     for k in 0..largest.div_ceil(per_block) {
-        let mut r = round(ctx, arena, fp, 1 + k as u64, deadline)?;
-        let slots: Vec<RawBuf> = (0..world).map(|p| r.slot(p, arena.slot_bytes())).collect();
-        // c < world (asserted above) and len <= per_block (`part`), and
-        // world * per_block <= slot bytes: the part lies inside slot p.
-        let at = |p: usize, c: usize, len: usize| slots[p].sub(c * per_block, len);
-        for (c, block) in inputs.iter().enumerate() {
-            let src = part(*block, per_block, k);
-            // SAFETY: before the stage this rank writes only its own slot, which no
-            // rank reads yet; `src` lies in the op's input block, only read.
-            unsafe { ctx.copy(at(rank, c, src.len), src) };
+        let mut r = round(ctx, arena, fp, 1 + k as u64, Shape::Gather, deadline)?;
+        let slot = r.own();
+        for c in 0..world {
+            let block = match c == rank {
+                true => own.unwrap_or(outputs[rank]),
+                false => inputs[c],
+            };
+            let src = &block[part(block.len(), per_block, k)];
+            ctx.copy_into(&mut slot[at(c, src.len())], src);
         }
         r.stage()?;
-        for (p, out) in outputs.iter().enumerate() {
-            let dst = part(*out, per_block, k);
-            // SAFETY: after the stage the slots are only read; `dst` lies in the op's
-            // output block, touched by nothing else.
-            unsafe { ctx.copy(dst, at(p, rank, dst.len)) };
+        for (p, out) in outputs.iter_mut().enumerate() {
+            let dst = part_mut(out, per_block, k);
+            ctx.copy_into(dst, &r.slot(p)[at(rank, dst.len())]);
         }
     }
     Ok(())

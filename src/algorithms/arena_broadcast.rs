@@ -8,27 +8,39 @@
 
 use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::Result;
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{Arena, Shape};
 
-pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, buf: RawBuf, root: usize, fp: &Fingerprint) -> Result<()> {
+/// The buffer of a broadcast: the root's, only read (it may be in other
+/// transfers meanwhile), or another rank's, written.
+pub enum Cast<'a> {
+    From(&'a [u8]),
+    Into(&'a mut [u8]),
+}
+
+impl Cast<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Cast::From(b) => b.len(),
+            Cast::Into(b) => b.len(),
+        }
+    }
+}
+
+/// `buf` is `Cast::From` at `root`, `Cast::Into` elsewhere.
+pub fn arena_broadcast(ctx: &OpCtx, arena: &Arena, mut buf: Cast, root: usize, fp: &Fingerprint) -> Result<()> {
     let rank = ctx.transport.rank();
+    assert_eq!(matches!(buf, Cast::From(_)), rank == root, "the root's buffer is read, the others' written");
     let per_round = arena.slot_bytes();
-    in_rounds(ctx, arena, fp, buf.len, per_round, |r, k| {
-        let chunk = part(buf, per_round, k);
-        let theirs = r.slot(root, chunk.len);
-        if rank == root {
-            // SAFETY: before the stage the root's slot is written by the root alone
-            // and read by none; `chunk` lies in the op's buffer (`part`), only read.
-            unsafe { ctx.copy(theirs, chunk) };
+    in_rounds(ctx, arena, fp, (buf.len(), per_round), Shape::Gather, |r, k| {
+        let at = part(buf.len(), per_round, k);
+        if let Cast::From(buf) = &buf {
+            ctx.copy_into(&mut r.own()[..at.len()], &buf[at.clone()]);
         }
         r.stage()?;
-        if rank != root {
-            // SAFETY: after the stage the root's slot is only read until every rank
-            // has arrived at the next round's first stage; on a receiver `chunk`
-            // lies in the op's buffer, which nothing else touches.
-            unsafe { ctx.copy(chunk, theirs) };
+        if let Cast::Into(buf) = &mut buf {
+            ctx.copy_into(&mut buf[at.clone()], &r.slot(root)[..at.len()]);
         }
         Ok(())
     })

@@ -10,36 +10,39 @@
 
 use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::Result;
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{Arena, Shape};
 
-/// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
+/// At the root, `outputs[i]` receives rank i's input (this rank's: `own`,
+/// or in place (None) what `outputs[root]` holds); elsewhere `outputs` is
+/// empty and `own` the input.
 pub fn arena_gather(
     ctx: &OpCtx,
     arena: &Arena,
-    input: RawBuf,
-    outputs: &[RawBuf],
+    own: Option<&[u8]>,
+    outputs: &mut [&mut [u8]],
     root: usize,
     fp: &Fingerprint,
 ) -> Result<()> {
     let rank = ctx.transport.rank();
     let per_round = arena.slot_bytes();
-    in_rounds(ctx, arena, fp, input.len, per_round, |r, k| {
-        let mine = part(input, per_round, k);
+    let len = own.map_or_else(|| outputs.get(root).map_or(0, |o| o.len()), |i| i.len());
+    in_rounds(ctx, arena, fp, (len, per_round), Shape::Gather, |r, k| {
         if rank != root {
-            // SAFETY: before the stage this rank's slot is written by it alone and
-            // read by none; `mine` lies in the op's input (`part`), only read.
-            unsafe { ctx.copy(r.slot(rank, mine.len), mine) };
+            let input = own.expect("a rank other than the root has its input");
+            let mine = &input[part(len, per_round, k)];
+            ctx.copy_into(&mut r.own()[..mine.len()], mine);
         }
         r.stage()?;
-        for (p, out) in outputs.iter().enumerate() {
-            let dst = part(*out, per_round, k);
-            let src = if p == rank { mine } else { r.slot(p, dst.len) };
-            // SAFETY: after the stage the slots are only read; `dst` lies in the op's
-            // buffer outputs[p] (at the root), touched by nothing else; `src` is
-            // a slot or this rank's input (only read; in place, `copy` skips it).
-            unsafe { ctx.copy(dst, src) };
+        for (p, out) in outputs.iter_mut().enumerate() {
+            let at = part(out.len(), per_round, k);
+            match (p == rank, own) {
+                // In place the root's own block holds its input already.
+                (true, None) => {}
+                (true, Some(input)) => ctx.copy_into(&mut out[at.clone()], &input[at]),
+                (false, _) => ctx.copy_into(&mut out[at.clone()], &r.slot(p)[..at.len()]),
+            }
         }
         Ok(())
     })

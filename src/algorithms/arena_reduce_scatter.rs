@@ -12,19 +12,21 @@
 
 use super::arena_allreduce::Reducing;
 use super::call_check::Fingerprint;
-use super::in_arena::{part, round};
-use super::{OpCtx, RawBuf};
+use super::in_arena::{part, part_mut, round};
+use super::OpCtx;
 use crate::dtype::ReduceOp;
 use crate::error::Result;
 use crate::reduce::{divide_by, scale};
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{Arena, Shape};
 
-/// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
+/// `inputs[c]` is this rank's contribution to block c (its own, `inputs[rank]`,
+/// is `own`, or None in place: what `output` holds); `output` gets block `rank`.
 pub fn arena_reduce_scatter(
     ctx: &OpCtx,
     arena: &Arena,
-    inputs: &[RawBuf],
-    output: RawBuf,
+    inputs: &[&[u8]],
+    own: Option<&[u8]>,
+    output: &mut [u8],
     how: &Reducing,
     fp: &Fingerprint,
 ) -> Result<()> {
@@ -35,42 +37,33 @@ pub fn arena_reduce_scatter(
     let deadline = ctx.deadline;
     // The dispatcher sees that every block gets an element at least.
     let per_block = arena.slot_bytes() / world / es * es;
-    let longest = inputs.iter().map(|b| b.len).max().unwrap_or(0);
+    let longest = (0..world).map(|c| if c == rank { output.len() } else { inputs[c].len() }).max().unwrap_or(0);
     for k in 0..longest.div_ceil(per_block).max(1) {
-        let mut r = round(ctx, arena, fp, k as u64, deadline)?;
-        // Block c's part in rank p's slot.
-        let slots: Vec<RawBuf> = (0..world).map(|p| r.slot(p, arena.slot_bytes())).collect();
-        // c < world (asserted above) and len <= per_block (`part`), and
-        // world * per_block <= slot bytes: the part lies inside slot p.
-        let at = |p: usize, c: usize, len: usize| slots[p].sub(c * per_block, len);
-        for (c, block) in inputs.iter().enumerate() {
-            let src = part(*block, per_block, k);
-            let dst = at(rank, c, src.len);
-            // SAFETY: before the stage this rank writes only its own slot, which no
-            // rank reads yet; `src` lies in the op's input block (only read), and
-            // `dst` in the slot, so the two do not overlap.
-            unsafe {
-                ctx.copy(dst, src);
-                if let Some(f) = how.premul {
-                    scale(how.dtype, dst.slice_mut(0, dst.len), f);
-                }
+        let mut r = round(ctx, arena, fp, k as u64, Shape::Gather, deadline)?;
+        // Block c's part in a slot: world * per_block <= slot bytes.
+        let at = |c: usize, len: usize| c * per_block..c * per_block + len;
+        let slot = r.own();
+        for c in 0..world {
+            let block = match c == rank {
+                true => own.unwrap_or(output),
+                false => inputs[c],
+            };
+            let src = &block[part(block.len(), per_block, k)];
+            let dst = &mut slot[at(c, src.len())];
+            ctx.copy_into(dst, src);
+            if let Some(f) = how.premul {
+                scale(how.dtype, dst, f);
             }
         }
         r.stage()?;
-        let out = part(output, per_block, k);
-        // SAFETY: after the stage the slots are only read; `out` lies in the op's
-        // output (it may be inputs[rank] itself, already copied to the slot).
-        unsafe { ctx.copy(out, at(0, rank, out.len)) };
-        // SAFETY: `out` lies in the op's output, touched by nothing else while the
-        // folds run; the parts folded into it are in the slots.
-        let acc = unsafe { out.slice_mut(0, out.len) };
+        let out = part_mut(output, per_block, k);
+        let len = out.len();
+        ctx.copy_into(out, &r.slot(0)[at(rank, len)]);
         for p in 1..world {
-            // SAFETY: part `rank` of rank p's slot, written by p before the stage and
-            // only read after it.
-            ctx.reduce_into(how.dtype, how.op, acc, unsafe { at(p, rank, out.len).slice(0, out.len) });
+            ctx.reduce_into(how.dtype, how.op, out, &r.slot(p)[at(rank, len)]);
         }
         if how.op == ReduceOp::Avg {
-            divide_by(how.dtype, acc, world);
+            divide_by(how.dtype, out, world);
         }
     }
     Ok(())

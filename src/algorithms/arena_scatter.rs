@@ -11,36 +11,41 @@
 
 use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part};
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::Result;
-use crate::transport::group::arena::Arena;
+use crate::transport::group::arena::{Arena, Shape};
 
-/// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
+/// At the root, `inputs[i]` goes to rank i's `output` (its own, `inputs[root]`,
+/// is `own`, or None in place: what `output` holds); elsewhere `inputs` is
+/// empty.
 pub fn arena_scatter(
     ctx: &OpCtx,
     arena: &Arena,
-    inputs: &[RawBuf],
-    output: RawBuf,
+    inputs: &[&[u8]],
+    own: Option<&[u8]>,
+    output: &mut [u8],
     root: usize,
     fp: &Fingerprint,
 ) -> Result<()> {
     let rank = ctx.transport.rank();
     let per_round = arena.slot_bytes();
-    in_rounds(ctx, arena, fp, output.len, per_round, |r, k| {
-        for (p, block) in inputs.iter().enumerate().filter(|&(p, _)| p != rank) {
-            let src = part(*block, per_round, k);
-            // SAFETY: before the stage the root alone writes every other rank's slot
-            // (in a scatter no rank writes its own), and no rank reads any; `src`
-            // lies in the op's input block (`part`), only read.
-            unsafe { ctx.copy(r.slot(p, src.len), src) };
+    in_rounds(ctx, arena, fp, (output.len(), per_round), Shape::Scatter { root }, |r, k| {
+        let at = part(output.len(), per_round, k);
+        if rank == root {
+            for (p, slot) in r.others_mut().into_iter().enumerate() {
+                if let Some(slot) = slot {
+                    let src = &inputs[p][part(inputs[p].len(), per_round, k)];
+                    ctx.copy_into(&mut slot[..src.len()], src);
+                }
+            }
         }
         r.stage()?;
-        let dst = part(output, per_round, k);
-        let src = if rank == root { part(inputs[rank], per_round, k) } else { r.slot(rank, dst.len) };
-        // SAFETY: after the stage the slots are only read; `dst` lies in the op's
-        // output, touched by nothing else; `src` is this rank's slot or, at
-        // the root, its own input block (in place, `copy` skips it).
-        unsafe { ctx.copy(dst, src) };
+        match (rank == root, own) {
+            // In place the root's output holds its block already.
+            (true, None) => {}
+            (true, Some(input)) => ctx.copy_into(&mut output[at.clone()], &input[at]),
+            (false, _) => ctx.copy_into(&mut output[at.clone()], &r.slot(rank)[..at.len()]),
+        }
         Ok(())
     })
 }

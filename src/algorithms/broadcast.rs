@@ -5,16 +5,14 @@
 //! every other rank n received, and all but the last n more forwarded through
 //! a ring. With single copy the sends cost nothing: 0 at the root, n elsewhere.
 
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::Result;
 
-pub fn ring_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize) -> Result<()> {
+pub fn ring_broadcast(ctx: &OpCtx, buf: &mut [u8], root: usize) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    if world == 1 || buf.len == 0 {
+    if world == 1 || buf.is_empty() {
         return Ok(());
     }
-    // SAFETY: the op's buffer, which this rank's transfers below alone touch.
-    let buf = unsafe { buf.slice_mut(0, buf.len) };
     let pos = (rank + world - root) % world;
     let right = (rank + 1) % world;
     let left = (rank + world - 1) % world;

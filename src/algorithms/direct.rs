@@ -5,55 +5,49 @@
 //! and the W-1 others received); every other rank b (its block, sent through
 //! a ring; 0 where the root reads it from its memory).
 
-use super::{others, others_mut, own_block, OpCtx, RawBuf};
+use super::{split_own, OpCtx};
 use crate::error::Result;
 
-/// At the root, `outputs[i]` receives rank i's `input`; elsewhere `outputs` is empty.
-pub fn direct_gather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], root: usize) -> Result<()> {
+/// At the root, `outputs[i]` receives rank i's input (this rank's: `own`,
+/// or in place (None) what `outputs[root]` holds); elsewhere `outputs` is
+/// empty and `own` the input.
+pub fn direct_gather(ctx: &OpCtx, own: Option<&[u8]>, outputs: &mut [&mut [u8]], root: usize) -> Result<()> {
     let rank = ctx.transport.rank();
     let key = ctx.key(0);
     if rank != root {
-        // SAFETY: the op's input (see `RawBuf`), only read.
-        let input = unsafe { input.slice(0, input.len) };
+        let input = own.expect("a rank other than the root has its input");
         return ctx.with_transfers(|tr| tr.send(root, key, input).and_then(|_| tr.wait_all()));
     }
-    // SAFETY: the op's buffers, nothing else's until it ends: the outputs,
-    // apart from each other and from the input, but for the root's own,
-    // which may be the input (in place).
-    let (mut received, own) = unsafe { (others_mut(outputs, rank), own_block(input, outputs[rank])) };
+    let (received, mine) = split_own(outputs, rank);
     ctx.with_transfers(|tr| {
-        for (peer, block) in received.iter_mut().enumerate().filter(|&(p, _)| p != rank) {
+        for (peer, block) in received {
             // Given back with the scope, which waits for it.
             let _lent = tr.recv(peer, key, block)?;
         }
-        if let Some((from, to)) = own {
-            ctx.copy_into(to, from);
+        if let Some(input) = own {
+            ctx.copy_into(mine, input);
         }
         tr.wait_all()
     })
 }
 
-/// At the root, `inputs[i]` goes to rank i's `output`; elsewhere `inputs` is empty.
-pub fn direct_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, root: usize) -> Result<()> {
+/// At the root, `inputs[i]` goes to rank i's `output` (its own, `inputs[root]`,
+/// is `own`, or None in place: what `output` holds); elsewhere `inputs` is
+/// empty.
+pub fn direct_scatter(ctx: &OpCtx, inputs: &[&[u8]], own: Option<&[u8]>, output: &mut [u8], root: usize) -> Result<()> {
     let rank = ctx.transport.rank();
     let key = ctx.key(0);
     if rank != root {
-        // SAFETY: the op's output (see `RawBuf`), nothing else's until it ends.
-        let output = unsafe { output.slice_mut(0, output.len) };
         return ctx.with_transfers(|tr| tr.recv(root, key, output).and_then(|lent| tr.give_back(lent).map(drop)));
     }
-    // SAFETY: the op's buffers, nothing else's until it ends: the inputs, only
-    // read, and the output, apart from them but for the root's own input
-    // block, which may be the output (in place).
-    let (sent, own) = unsafe { (others(inputs, rank), own_block(inputs[rank], output)) };
     // Start with the next rank so that concurrent scatters spread their load.
     let world = inputs.len();
     ctx.with_transfers(|tr| {
         for peer in (1..world).map(|k| (rank + k) % world) {
-            tr.send(peer, key, sent[peer])?;
+            tr.send(peer, key, inputs[peer])?;
         }
-        if let Some((from, to)) = own {
-            ctx.copy_into(to, from);
+        if let Some(input) = own {
+            ctx.copy_into(output, input);
         }
         tr.wait_all()
     })

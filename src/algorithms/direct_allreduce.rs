@@ -7,7 +7,7 @@
 //! (W-1)n sent through the rings (small messages never go as addresses).
 
 use super::call_check::{Agreement, Fingerprint};
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce::divide_by;
@@ -26,15 +26,12 @@ pub fn prefers_direct(bytes: usize, world: usize, threshold: usize) -> bool {
 /// against every peer, instead of before it: one round trip less.
 pub fn direct_allreduce(
     ctx: &OpCtx,
-    buf: RawBuf,
+    buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     check: Option<&Fingerprint>,
 ) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    // SAFETY: the op's buffer (see `RawBuf`), which nothing else touches
-    // until the op ends.
-    let buf = unsafe { buf.slice_mut(0, buf.len) };
     let len = buf.len();
     let mut scratch = ctx.scratch(len * world);
     let key = ctx.key(0);

@@ -16,8 +16,10 @@
 
 use super::apart::Apart;
 use super::arena_allreduce::{arena_allreduce, Reducing};
+use super::arena_broadcast::Cast;
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
+use super::op_bufs::OpBufs;
 use super::{
     arena_allgather::arena_allgather, arena_alltoall, arena_broadcast::arena_broadcast, arena_gather::arena_gather,
     arena_reduce_scatter::arena_reduce_scatter, arena_scatter::arena_scatter, in_arena,
@@ -179,20 +181,29 @@ fn in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, single_copy: bool) ->
     }
 }
 
-/// Run `part` in the arena (`in_arena`), its call checked there as `fp` says.
-fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, fp: &Fingerprint) -> Result<()> {
+/// Run `part`, whose buffers are `bufs`, in the arena (`in_arena`), its
+/// call checked there as `fp` says.
+fn run_in_arena(ctx: &OpCtx, arena: &Arena, part: &Collective, bufs: OpBufs, fp: &Fingerprint) -> Result<()> {
     let reducing = |red: &Reduction, root| Reducing { dtype: red.dtype, op: red.op, premul: red.premul, root };
+    let rank = ctx.transport.rank();
+    let OpBufs { inputs, own, mut outputs } = bufs;
     match part {
-        Collective::AllReduce { buf, red } => arena_allreduce(ctx, arena, *buf, &reducing(red, None), fp),
-        Collective::Reduce { buf, root, red } => arena_allreduce(ctx, arena, *buf, &reducing(red, Some(*root)), fp),
-        Collective::Broadcast { buf, root, .. } => arena_broadcast(ctx, arena, *buf, *root, fp),
-        Collective::AllGather { input, outputs, .. } => arena_allgather(ctx, arena, *input, outputs, fp),
-        Collective::ReduceScatter { inputs, output, red } => {
-            arena_reduce_scatter(ctx, arena, inputs, *output, &reducing(red, None), fp)
+        Collective::AllReduce { red, .. } => arena_allreduce(ctx, arena, one(&mut outputs), &reducing(red, None), fp),
+        Collective::Reduce { root, red, .. } => {
+            arena_allreduce(ctx, arena, one(&mut outputs), &reducing(red, Some(*root)), fp)
         }
-        Collective::AllToAll { inputs, outputs, .. } => arena_alltoall::arena_alltoall(ctx, arena, inputs, outputs, fp),
-        Collective::Gather { input, outputs, root, .. } => arena_gather(ctx, arena, *input, outputs, *root, fp),
-        Collective::Scatter { inputs, output, root, .. } => arena_scatter(ctx, arena, inputs, *output, *root, fp),
+        Collective::Broadcast { root, .. } => {
+            let buf = one(&mut outputs);
+            let buf = if rank == *root { Cast::From(buf) } else { Cast::Into(buf) };
+            arena_broadcast(ctx, arena, buf, *root, fp)
+        }
+        Collective::AllGather { .. } => arena_allgather(ctx, arena, own, &mut outputs, fp),
+        Collective::ReduceScatter { red, .. } => {
+            arena_reduce_scatter(ctx, arena, &inputs, own, one(&mut outputs), &reducing(red, None), fp)
+        }
+        Collective::AllToAll { .. } => arena_alltoall::arena_alltoall(ctx, arena, &inputs, own, &mut outputs, fp),
+        Collective::Gather { root, .. } => arena_gather(ctx, arena, own, &mut outputs, *root, fp),
+        Collective::Scatter { root, .. } => arena_scatter(ctx, arena, &inputs, own, one(&mut outputs), *root, fp),
         // A barrier: one stage with nothing in it.
         _ => in_arena::agree(ctx, arena, fp),
     }
@@ -233,27 +244,35 @@ pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Res
         apart.copy_out(ctx);
         return Ok(());
     }
+    let rank = ctx.transport.rank();
+    // SAFETY: the op's buffers, made apart above; an arm makes them slices
+    // once, and its algorithm is all that touches them until it returns.
+    let lend = || unsafe { OpBufs::of(part, rank) };
     let check = plan.checks_inline.then_some(fp);
     let apart = plan.hosts.as_ref();
     let hosts = || apart.expect("hierarchical algorithms are planned for groups on several hosts");
     match (plan.algorithm, part) {
-        (Arena, _) => run_in_arena(ctx, plan.arena.as_ref().expect("planned with its arena"), part, fp),
-        (algorithm, Collective::AllReduce { buf, red }) => {
+        (Arena, _) => run_in_arena(ctx, plan.arena.as_ref().expect("planned with its arena"), part, lend(), fp),
+        (algorithm, Collective::AllReduce { red, .. }) => {
+            let buf = one(&mut lend().outputs);
             let op = premultiply(buf, red);
             match algorithm {
-                SingleCopy => single_copy_allreduce(ctx, *buf, red.dtype, op, fp),
-                Hierarchical => hierarchical_allreduce(ctx, *buf, red.dtype, op, hosts(), fp),
-                _ => all_reduce(ctx, algorithm, apart, *buf, red.dtype, op, (check, fp)),
+                SingleCopy => single_copy_allreduce(ctx, RawBuf::lent(buf), red.dtype, op, fp),
+                Hierarchical => hierarchical_allreduce(ctx, buf, red.dtype, op, hosts(), fp),
+                _ => all_reduce(ctx, algorithm, apart, buf, red.dtype, op, (check, fp)),
             }
         }
-        (algorithm, Collective::Reduce { buf, root, red }) => {
+        (algorithm, Collective::Reduce { root, red, .. }) => {
             // PREMUL_SUM scales the root's buffer, which the op overwrites, in
             // place; the others' must stay as they were, so they send a scaled copy.
+            let buf = one(&mut lend().outputs);
             let mut copy = Scratch::new(0);
-            let (input, op) = if ctx.transport.rank() == *root {
-                (*buf, premultiply(buf, red))
-            } else {
-                (premultiplied_copies(&mut copy, ctx, std::slice::from_ref(buf), red)[0], red.op)
+            let (input, op) = match rank == *root {
+                true => {
+                    let op = premultiply(buf, red);
+                    (buf, op)
+                }
+                false => (premultiplied(&mut copy, ctx, buf, red), red.op),
             };
             match algorithm {
                 Tree => tree_reduce(ctx, input, *root, red.dtype, op, apart, fp),
@@ -262,40 +281,88 @@ pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Res
                 }
             }
         }
-        (SingleCopy, Collective::Broadcast { buf, root, .. }) => single_copy_broadcast(ctx, *buf, *root, fp),
-        (Tree, Collective::Broadcast { buf, root, .. }) => tree_broadcast(ctx, *buf, *root, apart, fp),
-        (_, Collective::Broadcast { buf, root, .. }) => {
-            chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, *buf, root))
-        }
-        (SingleCopy, Collective::AllGather { input, outputs, .. }) => single_copy_allgather(ctx, *input, outputs, fp),
-        (Hierarchical, Collective::AllGather { input, outputs, .. }) => {
-            hierarchical_allgather(ctx, *input, outputs, hosts(), fp)
-        }
-        (_, Collective::AllGather { input, outputs, .. }) => ring_allgather(ctx, *input, outputs),
-        (_, Collective::Gather { input, outputs, root, .. }) => direct_gather(ctx, *input, outputs, *root),
-        (_, Collective::Scatter { inputs, output, root, .. }) => direct_scatter(ctx, inputs, *output, *root),
-        (algorithm, Collective::ReduceScatter { inputs, output, red }) => {
-            let mut copy = Scratch::new(0);
-            let inputs = premultiplied_copies(&mut copy, ctx, inputs, red);
+        (algorithm, Collective::Broadcast { root, .. }) => {
+            let buf = one(&mut lend().outputs);
             match algorithm {
-                SingleCopy => single_copy_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, fp),
-                Hierarchical => hierarchical_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op, hosts(), fp),
-                _ => ring_reduce_scatter(ctx, &inputs, *output, red.dtype, red.op),
+                SingleCopy => single_copy_broadcast(ctx, buf, *root, fp),
+                Tree => tree_broadcast(ctx, buf, *root, apart, fp),
+                _ => chained(ctx, apart, *root, Towards::Others, |ctx, root| ring_broadcast(ctx, buf, root)),
             }
         }
-        (_, Collective::AllToAll { inputs, outputs, .. }) => pairwise_alltoall(ctx, inputs, outputs),
+        (SingleCopy, Collective::AllGather { .. }) => {
+            let OpBufs { own, mut outputs, .. } = lend();
+            single_copy_allgather(ctx, own, &mut outputs, fp)
+        }
+        (algorithm, Collective::AllGather { .. }) => {
+            let OpBufs { own, mut outputs, .. } = lend();
+            match algorithm {
+                Hierarchical => hierarchical_allgather(ctx, own, &mut outputs, hosts(), fp),
+                _ => ring_allgather(ctx, own, &mut outputs),
+            }
+        }
+        (_, Collective::Gather { root, .. }) => {
+            let OpBufs { own, mut outputs, .. } = lend();
+            direct_gather(ctx, own, &mut outputs, *root)
+        }
+        (_, Collective::Scatter { root, .. }) => {
+            let OpBufs { inputs, own, mut outputs } = lend();
+            direct_scatter(ctx, &inputs, own, one(&mut outputs), *root)
+        }
+        (algorithm, Collective::ReduceScatter { red, .. }) => {
+            let OpBufs { mut inputs, mut own, mut outputs } = lend();
+            let output = one(&mut outputs);
+            // PREMUL_SUM scales copies of the inputs, which the caller keeps.
+            let mut copy;
+            if let Some(factor) = red.premul {
+                copy = ctx.scratch(inputs.iter().map(|b| b.len()).sum::<usize>() + output.len());
+                let mut rest = copy.bytes_mut();
+                let mut scaled = |b: &[u8]| -> &[u8] {
+                    let c = take_front(&mut rest, b.len());
+                    ctx.copy_into(c, b);
+                    scale(red.dtype, c, factor);
+                    c
+                };
+                own = Some(scaled(own.unwrap_or(output)));
+                for b in inputs.iter_mut().filter(|b| !b.is_empty()) {
+                    *b = scaled(b);
+                }
+            }
+            match algorithm {
+                SingleCopy => {
+                    // It still takes its buffers by address (see docs/layout.md).
+                    let out = RawBuf::lent(output);
+                    let at = |(c, b): (usize, &&[u8])| {
+                        if c == rank {
+                            own.map_or(out, RawBuf::read)
+                        } else {
+                            RawBuf::read(b)
+                        }
+                    };
+                    let inputs: Vec<RawBuf> = inputs.iter().enumerate().map(at).collect();
+                    single_copy_reduce_scatter(ctx, &inputs, out, red.dtype, red.op, fp)
+                }
+                Hierarchical => {
+                    hierarchical_reduce_scatter(ctx, (&inputs, own), output, red.dtype, red.op, hosts(), fp)
+                }
+                _ => ring_reduce_scatter(ctx, &inputs, own, output, red.dtype, red.op),
+            }
+        }
+        (_, Collective::AllToAll { .. }) => {
+            let OpBufs { inputs, own, mut outputs } = lend();
+            pairwise_alltoall(ctx, &inputs, own, &mut outputs)
+        }
         // An all-reduce of one byte: nobody finishes before everybody has arrived.
         (algorithm, Collective::Barrier) => {
             let mut one = Scratch::new(1);
-            let buf = RawBuf { ptr: one.raw().ptr, len: 1 };
-            all_reduce(ctx, algorithm, apart, buf, DType::U8, ReduceOp::BOr, (check, fp))
+            all_reduce(ctx, algorithm, apart, one.bytes_mut(), DType::U8, ReduceOp::BOr, (check, fp))
         }
         (_, Collective::MonitoredBarrier { wait_all, timeout }) => {
             monitored_barrier(ctx, *wait_all, timeout.unwrap_or(ctx.timeout))
         }
         (_, Collective::AllReduceSparse { indices, values, shape, out, .. }) => {
             let rows = shape.rows(indices, values).expect("checked by Collective::check");
-            *out.lock().unwrap() = sparse_allreduce(ctx, *indices, *values, rows, shape)?;
+            let OpBufs { inputs, .. } = lend();
+            *out.lock().unwrap() = sparse_allreduce(ctx, inputs[0], inputs[1], rows, shape)?;
             Ok(())
         }
     }
@@ -333,7 +400,7 @@ fn all_reduce(
     ctx: &OpCtx,
     algorithm: Algorithm,
     apart: Option<&Hosts>,
-    buf: RawBuf,
+    buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     (check, fp): (Option<&Fingerprint>, &Fingerprint),
@@ -344,40 +411,39 @@ fn all_reduce(
         _ => {
             debug_assert_eq!(algorithm, Algorithm::Ring, "planned for an all-reduce");
             debug_assert!(check.is_none(), "the ring checks the call before it starts");
-            ring_allreduce(ctx, buf, dtype, op)
+            ring_allreduce(ctx, RawBuf::lent(buf), dtype, op)
         }
     }
 }
 
+/// The one buffer of an op that has one (all-reduce, reduce, broadcast, and
+/// the one output of reduce-scatter and scatter): `OpBufs::outputs`.
+fn one<'a>(outputs: &mut [&'a mut [u8]]) -> &'a mut [u8] {
+    std::mem::take(&mut outputs[0])
+}
+
 /// PREMUL_SUM on a buffer the op overwrites anyway: scale it in place, then sum.
-fn premultiply(buf: &RawBuf, red: &Reduction) -> ReduceOp {
+fn premultiply(buf: &mut [u8], red: &Reduction) -> ReduceOp {
     if let Some(f) = red.premul {
-        // SAFETY: before the algorithm starts: the op's buffer (its whole `len`)
-        // is in no transfer, and this rank alone touches it.
-        scale(red.dtype, unsafe { buf.slice_mut(0, buf.len) }, f);
+        scale(red.dtype, buf, f);
     }
     red.op
 }
 
-/// PREMUL_SUM on inputs the caller keeps: scaled copies of `blocks` in `scratch`
-/// (taken from the pool here); without PREMUL_SUM the blocks themselves.
-fn premultiplied_copies<'a>(
-    scratch: &mut Scratch<'a>,
+/// PREMUL_SUM on an input the caller keeps: a scaled copy of `buf` in
+/// `scratch` (taken from the pool here); without PREMUL_SUM `buf` itself.
+fn premultiplied<'s, 'a>(
+    scratch: &'s mut Scratch<'a>,
     ctx: &OpCtx<'a>,
-    blocks: &[RawBuf],
+    buf: &'s mut [u8],
     red: &Reduction,
-) -> Vec<RawBuf> {
-    let Some(factor) = red.premul else { return blocks.to_vec() };
-    *scratch = ctx.scratch(blocks.iter().map(|b| b.len).sum());
-    let mut rest = scratch.bytes_mut();
-    let mut scaled = |b: &RawBuf| {
-        let copy = take_front(&mut rest, b.len);
-        // SAFETY: the op's input block, only read (the scratch is other memory).
-        ctx.copy_into(copy, unsafe { b.slice(0, b.len) });
-        scale(red.dtype, copy, factor);
-        RawBuf::new(copy.as_mut_ptr(), copy.len())
-    };
-    blocks.iter().map(&mut scaled).collect()
+) -> &'s mut [u8] {
+    let Some(factor) = red.premul else { return buf };
+    *scratch = ctx.scratch(buf.len());
+    let copy = scratch.bytes_mut();
+    ctx.copy_into(copy, buf);
+    scale(red.dtype, copy, factor);
+    copy
 }
 
 #[cfg(test)]

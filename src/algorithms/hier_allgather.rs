@@ -19,49 +19,69 @@
 use super::arena_allgather::arena_allgather;
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
-use super::pipeline::{piece, piece_count, pipelined};
-use super::{ring_allgather, OpCtx, RawBuf};
+use super::pipeline::{piece_count, pieces, pieces_mut, pipelined};
+use super::{pick, ring_allgather, OpCtx};
 use crate::error::Result;
 use crate::transport::group::subgroup::Subgroup;
 
-/// `outputs[r]` receives rank r's `input`; `fp`: the call, for the arena's rounds to compare.
+/// `outputs[r]` receives rank r's input: `own`, or, in place (None), what
+/// `outputs[rank]` holds; `fp`: the call, for the arena's rounds to compare.
 pub fn hierarchical_allgather(
     ctx: &OpCtx,
-    input: RawBuf,
-    outputs: &[RawBuf],
+    own: Option<&[u8]>,
+    outputs: &mut [&mut [u8]],
     hosts: &Hosts,
     fp: &Fingerprint,
 ) -> Result<()> {
     let Some(_) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
-        return ring_allgather(&ctx.phase(&ring, ctx.phase), input, &hosts.in_ring_order(outputs));
+        return ring_allgather(&ctx.phase(&ring, ctx.phase), own, &mut hosts.in_ring_order(outputs));
     };
     let (host, i) = hosts.locate(ctx.transport.rank());
     let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     // Each piece takes a phase across hosts and one on the host per host.
     let keys = 1 + hosts.members.len();
-    let count = piece_count(ctx, outputs.iter().map(|o| o.len).sum(), keys);
+    let count = piece_count(ctx, outputs.iter().map(|o| o.len()).sum(), keys);
     let arena = Hosts::arena_for(&on_host, count == 1);
-    let stage = |stage: usize, k: usize| -> Result<()> {
-        let cut = |b: RawBuf| piece(b, 1, count, k);
+    let mut parts: Vec<Part> = match own {
+        Some(input) => {
+            pieces(input, 1, count).into_iter().map(|p| Part { input: Some(p), outputs: Vec::new() }).collect()
+        }
+        None => (0..count).map(|_| Part { input: None, outputs: Vec::new() }).collect(),
+    };
+    for out in outputs.iter_mut() {
+        for (k, p) in pieces_mut(out, 1, count).into_iter().enumerate() {
+            parts[k].outputs.push(p);
+        }
+    }
+    let stage = |stage: usize, k: usize, Part { input, outputs: outs }: &mut Part| -> Result<()> {
         let phase = 1 + (k * keys) as u64;
         if stage == 0 {
-            let theirs: Vec<RawBuf> = hosts.members.iter().map(|m| cut(outputs[m[i]])).collect();
-            return ring_allgather(&ctx.phase(&across, phase), cut(input), &theirs);
+            let mut theirs = pick(outs, &hosts.counterparts(i));
+            return ring_allgather(&ctx.phase(&across, phase), *input, &mut theirs);
         }
         for (g, members) in hosts.members.iter().enumerate() {
-            let blocks: Vec<RawBuf> = members.iter().map(|&r| cut(outputs[r])).collect();
+            // Every block is filled in place: this rank's by the phase before.
+            let mut blocks = pick(outs, members);
             let on_host = &ctx.phase(&on_host, phase + 1 + g as u64);
             match &arena {
-                Some(arena) => arena_allgather(on_host, arena, blocks[i], &blocks, fp)?,
-                None => ring_allgather(on_host, blocks[i], &blocks)?,
+                Some(arena) => arena_allgather(on_host, arena, None, &mut blocks, fp)?,
+                None => ring_allgather(on_host, None, &mut blocks)?,
             }
         }
         Ok(())
     };
     if count == 1 {
-        return (0..2).try_for_each(|s| stage(s, 0));
+        let mut part = parts.pop().expect("one piece");
+        return (0..2).try_for_each(|s| stage(s, 0, &mut part));
     }
-    pipelined(ctx, 2, count, stage)
+    pipelined(ctx, 2, parts, stage)
+}
+
+/// Piece k of an all-gather: that of this rank's input (None in place), and
+/// that of every output block.
+struct Part<'a> {
+    input: Option<&'a [u8]>,
+    outputs: Vec<&'a mut [u8]>,
 }

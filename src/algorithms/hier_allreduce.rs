@@ -28,8 +28,8 @@ use super::arena_allreduce::Reducing;
 use super::arena_reduce_scatter::arena_reduce_scatter;
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
-use super::pipeline::{piece, piece_count, pipelined, pipelined_through};
-use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, OpCtx, RawBuf};
+use super::pipeline::{piece_count, pieces_mut, pipelined, pipelined_through};
+use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, split_own, OpCtx, RawBuf};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
@@ -40,7 +40,7 @@ use std::sync::Arc;
 /// `fp`: the call, for the arena's rounds to compare.
 pub fn hierarchical_allreduce(
     ctx: &OpCtx,
-    buf: RawBuf,
+    buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     hosts: &Hosts,
@@ -48,10 +48,10 @@ pub fn hierarchical_allreduce(
 ) -> Result<()> {
     let Some(local) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
-        return ring_allreduce(&ctx.phase(&ring, ctx.phase), buf, dtype, op);
+        return ring_allreduce(&ctx.phase(&ring, ctx.phase), RawBuf::lent(buf), dtype, op);
     };
     let (host, i) = hosts.locate(ctx.transport.rank());
-    let count = piece_count(ctx, buf.len, 3);
+    let count = piece_count(ctx, buf.len(), 3);
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
     let plan = Plan {
         arena: Hosts::arena_for(&on_host, count == 1),
@@ -63,14 +63,14 @@ pub fn hierarchical_allreduce(
         op,
         fp,
     };
-    let pieces: Vec<RawBuf> = (0..count).map(|k| piece(buf, dtype.size(), count, k)).collect();
+    let mut pieces = pieces_mut(buf, dtype.size(), count);
     if count == 1 {
         return (0..3).try_for_each(|stage| plan.stage(ctx, stage, 0, pieces[0]));
     }
-    let stage = |stage, k| plan.stage(ctx, stage, k, pieces[k]);
+    let stage = |stage, k, piece: &mut &mut [u8]| plan.stage(ctx, stage, k, piece);
     match plan.arena {
-        Some(_) => pipelined_through(ctx, count, stage),
-        None => pipelined(ctx, 3, count, stage),
+        Some(_) => pipelined_through(ctx, pieces, stage),
+        None => pipelined(ctx, 3, pieces, stage),
     }
 }
 
@@ -90,34 +90,41 @@ struct Plan<'a> {
 
 impl Plan<'_> {
     /// Phase `stage` (0: reduce-scatter on the host, 1: all-reduce across
-    /// hosts, 2: all-gather on the host) of piece `k`, with keys of its own.
-    fn stage(&self, ctx: &OpCtx, stage: usize, k: usize, part: RawBuf) -> Result<()> {
+    /// hosts, 2: all-gather on the host) of piece `k`, `part`, with keys of its own.
+    fn stage(&self, ctx: &OpCtx, stage: usize, k: usize, part: &mut [u8]) -> Result<()> {
         // Chunk c holds elements [c n / L, (c + 1) n / L): sizes differ by at most one.
-        let chunks: Vec<RawBuf> = (0..self.local).map(|c| piece(part, self.dtype.size(), self.local, c)).collect();
-        let mine = chunks[self.i];
+        let mut chunks = pieces_mut(part, self.dtype.size(), self.local);
         // An average divides once, by W, after the sums across hosts.
         let sum = if self.op == ReduceOp::Avg { ReduceOp::Sum } else { self.op };
         let phase = 1 + 3 * k as u64 + stage as u64;
         let on_host = &ctx.phase(&self.on_host, phase);
         match (stage, &self.arena) {
-            (0, Some(arena)) => {
-                let how = Reducing { dtype: self.dtype, op: sum, premul: None, root: None };
-                arena_reduce_scatter(on_host, arena, &chunks, mine, &how, self.fp)
+            (0, arena) => {
+                // This rank's chunk, in place, is the output.
+                let (others, mine) = split_own(&mut chunks, self.i);
+                let mut inputs = vec![&[][..]; self.local];
+                for (c, chunk) in others {
+                    inputs[c] = chunk;
+                }
+                match arena {
+                    Some(arena) => {
+                        let how = Reducing { dtype: self.dtype, op: sum, premul: None, root: None };
+                        arena_reduce_scatter(on_host, arena, &inputs, None, mine, &how, self.fp)
+                    }
+                    None => ring_reduce_scatter(on_host, &inputs, None, mine, self.dtype, sum),
+                }
             }
-            (0, None) => ring_reduce_scatter(on_host, &chunks, mine, self.dtype, sum),
             (1, _) => {
-                ring_allreduce(&ctx.phase(&self.across, phase), mine, self.dtype, sum)?;
+                let mine = &mut *chunks[self.i];
+                ring_allreduce(&ctx.phase(&self.across, phase), RawBuf::lent(mine), self.dtype, sum)?;
                 if self.op == ReduceOp::Avg {
-                    // SAFETY: `mine` is this piece's chunk of the op's buffer; the all-reduce
-                    // across hosts returned, so its transfers are done, and the pipeline
-                    // runs this piece's phases one after the other (other threads work on
-                    // other pieces: other bytes).
-                    divide_by(self.dtype, unsafe { mine.slice_mut(0, mine.len) }, ctx.transport.size());
+                    divide_by(self.dtype, mine, ctx.transport.size());
                 }
                 Ok(())
             }
-            (_, Some(arena)) => arena_allgather(on_host, arena, mine, &chunks, self.fp),
-            (_, None) => ring_allgather(on_host, mine, &chunks),
+            // This rank's chunk is its input, in place.
+            (_, Some(arena)) => arena_allgather(on_host, arena, None, &mut chunks, self.fp),
+            (_, None) => ring_allgather(on_host, None, &mut chunks),
         }
     }
 }

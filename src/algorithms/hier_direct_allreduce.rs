@@ -30,7 +30,7 @@
 use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::{Agreement, Fingerprint};
 use super::hosts::Hosts;
-use super::{direct_allreduce, OpCtx, RawBuf};
+use super::{direct_allreduce, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
@@ -40,7 +40,7 @@ use crate::transport::group::subgroup::Subgroup;
 /// call, if checked here; `fp`: the call, for the arena's round to compare.
 pub fn hierarchical_direct_allreduce(
     ctx: &OpCtx,
-    buf: RawBuf,
+    buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     hosts: &Hosts,
@@ -52,17 +52,17 @@ pub fn hierarchical_direct_allreduce(
     let on_host = Subgroup::new(ctx.transport, mates.clone());
     let across = Subgroup::new(ctx.transport, counterparts.clone());
     let arena = Hosts::arena(&on_host);
-    let mut scratch = ctx.scratch(buf.len);
-    let sums = scratch.raw();
+    let mut scratch = ctx.scratch(buf.len());
+    let sums = scratch.bytes_mut();
     let told = if arena.is_some() { counterparts.clone() } else { [mates.as_slice(), &counterparts].concat() };
     let mut agreement = check.map(|mine| Agreement::among(mine, ctx, &told));
     let tr = &mut ctx.transfers();
     if let Some(a) = &mut agreement {
         a.post(ctx, tr);
     }
-    // SAFETY: `sums` is scratch of buf.len bytes, in no transfer (`tr` holds
-    // only the agreement's own messages); the buffer is the op's, only read.
-    unsafe { ctx.copy(sums, buf) };
+    // `tr` holds only the agreement's own messages: the buffer and the sums
+    // are in no transfer of it.
+    ctx.copy_into(sums, buf);
     // An average divides once, by W, after the sums across hosts.
     let sum = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
     let host_sum = match &arena {
@@ -80,12 +80,8 @@ pub fn hierarchical_direct_allreduce(
     direct_allreduce(&ctx.phase(&across, 2), sums, dtype, sum, None)?;
     tr.wait_all()?;
     if op == ReduceOp::Avg {
-        // SAFETY: both exchanges have returned (their transfers are done) and
-        // `tr` is waited for: the scratch is this rank's alone.
-        divide_by(dtype, unsafe { sums.slice_mut(0, sums.len) }, ctx.transport.size());
+        divide_by(dtype, sums, ctx.transport.size());
     }
-    // SAFETY: every transfer is done; the buffer is the op's, touched by
-    // nothing else, and the scratch is other memory.
-    unsafe { ctx.copy(buf, sums) };
+    ctx.copy_into(buf, sums);
     Ok(())
 }

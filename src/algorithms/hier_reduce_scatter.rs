@@ -21,18 +21,19 @@ use super::arena_reduce_scatter::arena_reduce_scatter;
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::pipeline::piece_count;
-use super::{ring_reduce_scatter, OpCtx, RawBuf};
+use super::{ring_reduce_scatter, take_front, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
 use crate::transport::group::subgroup::Subgroup;
 
-/// `inputs[r]` is this rank's contribution to rank r's block; `output` gets
-/// this rank's; `fp`: the call, for the arena's rounds to compare.
+/// `inputs[r]` is this rank's contribution to rank r's block (its own,
+/// `inputs[rank]`, is `own`, or None in place: what `output` holds);
+/// `output` gets this rank's; `fp`: the call, for the arena's rounds to compare.
 pub fn hierarchical_reduce_scatter(
     ctx: &OpCtx,
-    inputs: &[RawBuf],
-    output: RawBuf,
+    (inputs, own): (&[&[u8]], Option<&[u8]>),
+    output: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     hosts: &Hosts,
@@ -40,37 +41,39 @@ pub fn hierarchical_reduce_scatter(
 ) -> Result<()> {
     let Some(_) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
-        return ring_reduce_scatter(&ctx.phase(&ring, ctx.phase), &hosts.in_ring_order(inputs), output, dtype, op);
+        let in_ring: Vec<&[u8]> = hosts.ring().into_iter().map(|r| inputs[r]).collect();
+        return ring_reduce_scatter(&ctx.phase(&ring, ctx.phase), &in_ring, own, output, dtype, op);
     };
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let (host, i) = hosts.locate(rank);
     let count = hosts.members.len();
-    let b = output.len;
+    let b = output.len();
     let sum = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
     // partials[g]: this host's sum of the block of host g's i-th rank.
     let mut scratch = ctx.scratch(count * b);
-    let base = scratch.raw();
-    let partials: Vec<RawBuf> = (0..count).map(|g| base.sub(g * b, b)).collect();
+    let mut rest = scratch.bytes_mut();
+    let mut partials: Vec<&mut [u8]> = (0..count).map(|_| take_front(&mut rest, b)).collect();
     let on_host = Subgroup::new(ctx.transport, hosts.members[host].clone());
-    let one_piece = piece_count(ctx, inputs.iter().map(|b| b.len).sum(), 1) == 1;
+    let one_piece = piece_count(ctx, (0..world).map(|r| if r == rank { b } else { inputs[r].len() }).sum(), 1) == 1;
     let arena = Hosts::arena_for(&on_host, one_piece);
     for (g, members) in hosts.members.iter().enumerate() {
-        let blocks: Vec<RawBuf> = members.iter().map(|&r| inputs[r]).collect();
+        // In place this rank's input is the output, written only at the end.
+        let input = |r: usize| if r == rank { own.unwrap_or(output) } else { inputs[r] };
+        let blocks: Vec<&[u8]> = members.iter().map(|&r| input(r)).collect();
         let on_host = &ctx.phase(&on_host, 1 + g as u64);
         match &arena {
             Some(arena) => {
                 let how = Reducing { dtype, op: sum, premul: None, root: None };
-                arena_reduce_scatter(on_host, arena, &blocks, partials[g], &how, fp)?
+                arena_reduce_scatter(on_host, arena, &blocks, Some(blocks[i]), partials[g], &how, fp)?
             }
-            None => ring_reduce_scatter(on_host, &blocks, partials[g], dtype, sum)?,
+            None => ring_reduce_scatter(on_host, &blocks, Some(blocks[i]), partials[g], dtype, sum)?,
         }
     }
     let across = Subgroup::new(ctx.transport, hosts.counterparts(i));
-    ring_reduce_scatter(&ctx.phase(&across, 1 + count as u64), &partials, output, dtype, sum)?;
+    let partials: Vec<&[u8]> = partials.into_iter().map(|p| &*p).collect();
+    ring_reduce_scatter(&ctx.phase(&across, 1 + count as u64), &partials, Some(partials[host]), output, dtype, sum)?;
     if op == ReduceOp::Avg {
-        // SAFETY: the last reduce-scatter has returned (its transfers are done):
-        // the op's output, b bytes long, is this rank's alone.
-        divide_by(dtype, unsafe { output.slice_mut(0, b) }, world);
+        divide_by(dtype, output, world);
     }
     Ok(())
 }

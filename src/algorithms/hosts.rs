@@ -2,7 +2,7 @@
 //! that keep bytes off the links between hosts: those links are slower than
 //! memory, so what counts across hosts is how many bytes cross them.
 
-use super::{RawBuf, MAX_PHASES};
+use super::{pick, MAX_PHASES};
 use crate::transport::group::arena::Arena;
 use crate::transport::group::subgroup::Subgroup;
 use crate::transport::Transport;
@@ -84,8 +84,8 @@ impl Hosts {
     }
 
     /// `per_rank` (one buffer per group rank) in host order, as the ring view's ranks hold them.
-    pub fn in_ring_order(&self, per_rank: &[RawBuf]) -> Vec<RawBuf> {
-        self.members.iter().flatten().map(|&r| per_rank[r]).collect()
+    pub fn in_ring_order<'o>(&self, per_rank: &'o mut [&mut [u8]]) -> Vec<&'o mut [u8]> {
+        pick(per_rank, &self.ring())
     }
 
     /// The shared arena of one host's ranks (`on_host`, the view of them),

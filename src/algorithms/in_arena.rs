@@ -8,9 +8,9 @@
 //! the ops that move their data elsewhere.
 
 use super::call_check::{mismatch, Fingerprint};
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::{Error, Result};
-use crate::transport::group::arena::{Arena, Round, Stuck, TAG_BYTES};
+use crate::transport::group::arena::{Arena, Round, Shape, Stuck, TAG_BYTES};
 use crate::transport::group::waits::in_turn;
 use crate::transport::{Wait, WaitOn};
 use std::time::{Duration, Instant};
@@ -30,33 +30,35 @@ pub struct InArena<'a> {
     checked: bool,
 }
 
-/// Round `index` of the op `ctx` runs (called as `fp` says), ending by `deadline`.
+/// Round `index` of the op `ctx` runs (called as `fp` says), its slots
+/// touched as `shape` says, ending by `deadline`.
 pub fn round<'a>(
     ctx: &'a OpCtx<'a>,
     arena: &'a Arena,
     fp: &Fingerprint,
     index: u64,
+    shape: Shape,
     deadline: Instant,
 ) -> Result<InArena<'a>> {
     let mine = tag(fp, ctx.seq, ctx.piece, index);
-    let round = arena.round(&mine).map_err(|stuck| failed(ctx, stuck))?;
+    let round = arena.round(&mine, shape).map_err(|stuck| failed(ctx, stuck))?;
     Ok(InArena { ctx, round, mine, deadline, checked: false })
 }
 
 /// Run `each(round, k)` for round k of an op that moves up to `bytes` per
-/// slot, `per_round` of them each round: at least one round, so that even
-/// an op with nothing to move checks its call.
+/// slot, `per_round` of them each round (in rounds of `shape`): at least
+/// one round, so that even an op with nothing to move checks its call.
 pub fn in_rounds(
     ctx: &OpCtx,
     arena: &Arena,
     fp: &Fingerprint,
-    bytes: usize,
-    per_round: usize,
+    (bytes, per_round): (usize, usize),
+    shape: Shape,
     mut each: impl FnMut(&mut InArena, usize) -> Result<()>,
 ) -> Result<()> {
     let deadline = ctx.deadline;
     for k in 0..bytes.div_ceil(per_round).max(1) {
-        each(&mut round(ctx, arena, fp, k as u64, deadline)?, k)?;
+        each(&mut round(ctx, arena, fp, k as u64, shape, deadline)?, k)?;
     }
     Ok(())
 }
@@ -64,15 +66,28 @@ pub fn in_rounds(
 /// Check the call with every rank of the group in one round.
 pub fn agree(ctx: &OpCtx, arena: &Arena, mine: &Fingerprint) -> Result<()> {
     let deadline = ctx.deadline;
-    round(ctx, arena, mine, 0, deadline)?.stage()
+    round(ctx, arena, mine, 0, Shape::Gather, deadline)?.stage()
 }
 
 impl InArena<'_> {
-    /// `len` bytes of this round's slot of `rank` (at most `Arena::slot_bytes`).
-    pub fn slot(&self, rank: usize, len: usize) -> RawBuf {
-        // The RawBuf's users rely on its length to stay inside the slot.
-        assert!(len <= self.round.slot_bytes(), "{len} bytes of a slot of {}", self.round.slot_bytes());
-        RawBuf::new(self.round.slot(rank), len)
+    /// This rank's own slot, to write before the first stage (`Round::own`).
+    pub fn own(&mut self) -> &mut [u8] {
+        self.round.own()
+    }
+
+    /// Every other rank's slot, to write at a scatter's root (`Round::others_mut`).
+    pub fn others_mut(&mut self) -> Vec<Option<&mut [u8]>> {
+        self.round.others_mut()
+    }
+
+    /// This rank's column of its slot and of the others' (`Round::columns`).
+    pub fn columns(&mut self) -> (&mut [u8], Vec<&[u8]>) {
+        self.round.columns()
+    }
+
+    /// The slot of `rank`, to read after the round's writes (`Round::slot`).
+    pub fn slot(&self, rank: usize) -> &[u8] {
+        self.round.slot(rank)
     }
 
     /// Arrive, wait for every rank; after the first stage, check every tag.
@@ -113,11 +128,17 @@ impl InArena<'_> {
     }
 }
 
-/// Round `k`'s part of `buf` when every round takes `per_round` bytes of it
-/// (empty once the buffer is done).
-pub fn part(buf: RawBuf, per_round: usize, k: usize) -> RawBuf {
-    let off = (k * per_round).min(buf.len);
-    buf.sub(off, per_round.min(buf.len - off))
+/// Round `k`'s part of `len` bytes when every round takes `per_round` of
+/// them (empty once they are done).
+pub fn part(len: usize, per_round: usize, k: usize) -> std::ops::Range<usize> {
+    let off = (k * per_round).min(len);
+    off..off + per_round.min(len - off)
+}
+
+/// Round `k`'s part of `buf` (see `part`), to write.
+pub fn part_mut(buf: &mut [u8], per_round: usize, k: usize) -> &mut [u8] {
+    let at = part(buf.len(), per_round, k);
+    &mut buf[at]
 }
 
 /// The tag of round `index` of collective `seq` (its piece `piece`), called as `fp` says.

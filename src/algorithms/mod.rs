@@ -5,8 +5,9 @@
 // Segment loops index several parallel lists (offsets, posted receives) by
 // the segment number; iterator chains would hide that.
 #![allow(clippy::needless_range_loop)]
-// The algorithms read and write the caller's tensors, scratch memory and the
-// arena's slots through raw pointers: every unsafe block says why (see `RawBuf`).
+// What unsafe code is left here (turning the op's pointers into slices, and
+// the two algorithms that still send and receive by address) says why in
+// every block (see `RawBuf`).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::dtype::{DType, ReduceOp};
@@ -37,6 +38,7 @@ mod hier_reduce_scatter;
 pub mod hosts;
 mod in_arena;
 mod monitored_barrier;
+mod op_bufs;
 mod pipeline;
 mod ring_allgather;
 mod ring_allreduce;
@@ -207,25 +209,25 @@ pub fn reducing(dtype: DType, op: ReduceOp) -> Fold {
 
 /// A caller-owned byte range (a tensor's storage) that outlives the op.
 ///
-/// The algorithms' unsafe code rests on what follows; their SAFETY comments
-/// say which of it applies and which range is meant:
+/// Algorithms take slices (`OpBufs::of` makes them, once, where the op
+/// starts); the unsafe code that still takes a RawBuf (that conversion,
+/// `apart.rs`, and the algorithms that send a range and receive into it
+/// again, see docs/layout.md) rests on what follows:
 /// - The op's buffers (the `Collective`'s) are valid for reads and writes of
 ///   `len` bytes until the op is done, and the caller does not touch them
 ///   meanwhile (`Engine::submit`'s contract). Scratch memory is valid while
 ///   its `Scratch` lives; an algorithm takes it before its `Transfers`,
 ///   which is dropped first, and waits for or withdraws every transfer.
-///   An arena slot is valid while its round's arena lives (`InArena::slot`
-///   keeps the length inside the slot).
 /// - The transport touches a range handed to `Transfers::send` (reads) or
 ///   `recv` (writes) from then until the transfer is waited for or the
 ///   `Transfers` is dropped; the algorithm does not write a range being
 ///   sent, nor touch one being received, in between, unless the order of
 ///   the messages proves the transport is done with it (said where so).
-/// - Two buffers of one op do not overlap, but where an input is exactly
-///   the block this rank keeps of its own (all-gather's `outputs[rank]`,
-///   all-to-all's, reduce-scatter's output as `inputs[rank]`: in place;
-///   `copy` skips it). The shim does not check this; torch's in-place
-///   forms give exactly such blocks.
+/// - Two buffers of one op do not overlap (`apart.rs` makes sure of it), but
+///   where an input is exactly the block this rank keeps of its own
+///   (all-gather's `outputs[rank]`, all-to-all's, reduce-scatter's output as
+///   `inputs[rank]`: in place; `copy` skips it), the form torch's in-place
+///   ops give.
 /// - Ranges are computed inside the buffer (`sub`, `slice` and `slice_mut`
 ///   assert it).
 #[derive(Clone, Copy, Debug)]
@@ -248,6 +250,17 @@ impl RawBuf {
     pub fn new(ptr: *mut u8, len: usize) -> RawBuf {
         let ptr = if len == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr().cast() } else { ptr };
         RawBuf { ptr, len }
+    }
+
+    /// A slice lent by the op (`OpBufs`) to an algorithm that still takes its
+    /// buffer by address: the slice is not used again while the buffer is.
+    pub fn lent(buf: &mut [u8]) -> RawBuf {
+        RawBuf::new(buf.as_mut_ptr(), buf.len())
+    }
+
+    /// As `lent`, for a slice lent to be read only.
+    pub fn read(buf: &[u8]) -> RawBuf {
+        RawBuf::new(buf.as_ptr().cast_mut(), buf.len())
     }
 
     /// The bytes [off, off + len) of this buffer (inside it: asserted), as a
@@ -347,46 +360,19 @@ impl Drop for Scratch<'_> {
     }
 }
 
-/// An op's blocks, one per rank, as slices to lend: every one but this
-/// rank's own (`rank`), which is left empty there.
-///
-/// # Safety
-/// The blocks must be the op's buffers (see `RawBuf`), touched by nothing
-/// else while the slices live, and other memory than every other slice
-/// made of this op's buffers meanwhile (this rank's own block aside).
-pub unsafe fn others<'a>(blocks: &[RawBuf], rank: usize) -> Vec<&'a [u8]> {
-    let slice = |(p, b): (usize, &RawBuf)| match p == rank {
-        true => &[][..],
-        // SAFETY: the caller's promise, for block p.
-        false => unsafe { b.slice(0, b.len) },
-    };
-    blocks.iter().enumerate().map(slice).collect()
+/// An op's blocks, one per rank, split into every other rank's (numbered),
+/// to lend one by one, and this rank's own.
+pub fn split_own<'o>(blocks: &'o mut [&mut [u8]], rank: usize) -> (Vec<(usize, &'o mut [u8])>, &'o mut [u8]) {
+    let (before, rest) = blocks.split_at_mut(rank);
+    let (own, after) = rest.split_first_mut().expect("this rank's own block");
+    let others = before.iter_mut().enumerate().chain((rank + 1..).zip(after.iter_mut()));
+    (others.map(|(p, b)| (p, &mut **b)).collect(), own)
 }
 
-/// Like `others`, to write (each block to one transfer or copy at a time).
-///
-/// # Safety
-/// As for `others`, and nobody else reads them meanwhile either.
-pub unsafe fn others_mut<'a>(blocks: &[RawBuf], rank: usize) -> Vec<&'a mut [u8]> {
-    let slice = |(p, b): (usize, &RawBuf)| match p == rank {
-        true => &mut [][..],
-        // SAFETY: the caller's promise, for block p.
-        false => unsafe { b.slice_mut(0, b.len) },
-    };
-    blocks.iter().enumerate().map(slice).collect()
-}
-
-/// This rank's own block of an op that keeps one (all-to-all, gather and
-/// scatter at the root): `from`, to be copied into `to`; None where they
-/// are the same memory (in place), and there is nothing to copy.
-///
-/// # Safety
-/// As for `others_mut`, for both.
-pub unsafe fn own_block<'a>(from: RawBuf, to: RawBuf) -> Option<(&'a [u8], &'a mut [u8])> {
-    // SAFETY: the caller's promise; two buffers of one op are either the
-    // same memory (in place) or apart (see `RawBuf`), and only apart ones
-    // are made slices.
-    (from.ptr != to.ptr).then(|| unsafe { (from.slice(0, from.len), to.slice_mut(0, to.len)) })
+/// The blocks numbered `at` (each once), in that order, out of `blocks`.
+pub fn pick<'o>(blocks: &'o mut [&mut [u8]], at: &[usize]) -> Vec<&'o mut [u8]> {
+    let mut all: Vec<Option<&mut [u8]>> = blocks.iter_mut().map(|b| Some(&mut **b)).collect();
+    at.iter().map(|&i| all[i].take().expect("each block is picked once")).collect()
 }
 
 /// Copy `src` into `dst` (same length) unless they are the same memory.

@@ -3,9 +3,11 @@
 //! pieces in order. While one piece crosses a slow link, the next is worked
 //! on in memory, so the link does not wait for the host. Where the first and
 //! last of three phases both take a host's arena, which serves one round at
-//! a time, they share a thread instead (`pipelined_through`).
+//! a time, they share a thread instead (`pipelined_through`). A piece's
+//! memory goes with it from phase to phase, so that each phase owns what it
+//! works on.
 
-use super::{OpCtx, RawBuf, MAX_PHASES};
+use super::{take_front, OpCtx, MAX_PHASES};
 use crate::error::{Error, Result};
 use crate::locks::{level, Mutex};
 use std::sync::mpsc;
@@ -25,12 +27,28 @@ pub fn piece_count(ctx: &OpCtx, bytes: usize, keys: usize) -> usize {
     (bytes / PIECE_BYTES.min(16 * ctx.segment_bytes)).clamp(1, most)
 }
 
-/// Piece k of `count` of `buf`, cut at multiples of `unit` bytes.
-pub fn piece(buf: RawBuf, unit: usize, count: usize, k: usize) -> RawBuf {
-    assert!(k < count, "piece {k} of {count}");
-    let n = buf.len / unit;
-    let (lo, hi) = (k * n / count, (k + 1) * n / count);
-    buf.sub(lo * unit, (hi - lo) * unit)
+/// The byte lengths of `len` bytes cut into `count` pieces at multiples of
+/// `unit` (sizes differ by one unit at most; the bytes of a part-unit
+/// beyond the last whole one are in no piece).
+fn piece_lens(len: usize, unit: usize, count: usize) -> impl Iterator<Item = usize> {
+    let n = len / unit;
+    (0..count).map(move |k| ((k + 1) * n / count - k * n / count) * unit)
+}
+
+/// `buf` cut into `count` pieces at multiples of `unit` bytes.
+pub fn pieces_mut(mut buf: &mut [u8], unit: usize, count: usize) -> Vec<&mut [u8]> {
+    piece_lens(buf.len(), unit, count).map(|len| take_front(&mut buf, len)).collect()
+}
+
+/// `buf` cut into `count` pieces at multiples of `unit` bytes, to read.
+pub fn pieces(mut buf: &[u8], unit: usize, count: usize) -> Vec<&[u8]> {
+    let lens = piece_lens(buf.len(), unit, count);
+    let cut = |len| {
+        let (front, rest) = buf.split_at(len);
+        buf = rest;
+        front
+    };
+    lens.map(cut).collect()
 }
 
 /// The first failure among an op's phases: it aborts the group's transfers,
@@ -60,45 +78,41 @@ impl<'a> FirstFailure<'a> {
     }
 }
 
-/// Run `phase(s, k)` for phases 0..phases and pieces 0..count: piece k's
-/// phase s once its phase s - 1 is done. The first failure ends the op
-/// (`FirstFailure`).
-pub fn pipelined(
+/// Run `phase(s, k, piece)` for phases 0..phases and each piece k of
+/// `pieces`: piece k's phase s once its phase s - 1 is done, the piece
+/// handed from phase to phase. The first failure ends the op (`FirstFailure`).
+pub fn pipelined<P: Send>(
     ctx: &OpCtx,
     phases: usize,
-    count: usize,
-    phase: impl Fn(usize, usize) -> Result<()> + Sync,
+    pieces: Vec<P>,
+    phase: impl Fn(usize, usize, &mut P) -> Result<()> + Sync,
 ) -> Result<()> {
     let failed = FirstFailure::new(ctx);
     let fail = |e: Error| failed.fail(e);
     // Each phase hands the pieces it finished to the next; a phase that
     // fails drops its sender, which ends the phases after it.
-    let run = |s: usize, from: Option<mpsc::Receiver<usize>>, to: Option<mpsc::Sender<usize>>| {
-        let pieces: Box<dyn Iterator<Item = usize>> = match &from {
-            Some(from) => Box::new(from.iter()),
-            None => Box::new(0..count),
-        };
-        for k in pieces {
-            if let Err(e) = phase(s, k) {
+    type Pieces<'p, P> = Box<dyn Iterator<Item = (usize, P)> + 'p>;
+    let run = |s: usize, pieces: Pieces<P>, to: Option<mpsc::Sender<(usize, P)>>| {
+        for (k, mut piece) in pieces {
+            if let Err(e) = phase(s, k, &mut piece) {
                 return fail(e);
             }
             if let Some(to) = &to {
-                let _ = to.send(k);
+                let _ = to.send((k, piece));
             }
         }
     };
     // Phase s takes its pieces from channel s - 1 and hands them on to channel s.
-    let (to, from): (Vec<_>, Vec<_>) = (1..phases).map(|_| mpsc::channel::<usize>()).unzip();
-    let from = std::iter::once(None).chain(from.into_iter().map(Some));
+    let (to, from): (Vec<_>, Vec<_>) = (1..phases).map(|_| mpsc::channel::<(usize, P)>()).unzip();
     let to = to.into_iter().map(Some).chain(std::iter::once(None));
-    let mut stages = (0..phases).zip(from).zip(to);
+    let mut stages = (0..phases).zip(to);
     std::thread::scope(|scope| {
-        let ((s, from), to) = stages.next().expect("one phase at least");
-        for ((s, from), to) in stages {
+        let (s, to) = stages.next().expect("one phase at least");
+        for ((s, to), from) in stages.zip(from) {
             let run = &run;
-            scope.spawn(move || run(s, from, to));
+            scope.spawn(move || run(s, Box::new(from.into_iter()), to));
         }
-        run(s, from, to);
+        run(s, Box::new(pieces.into_iter().enumerate()), to);
     });
     failed.result()
 }
@@ -109,42 +123,49 @@ pub fn pipelined(
 /// phase 1 (across hosts) has a thread of its own. So while piece k crosses
 /// the link, piece k + 1 is reduced on the host and piece k - 1 gathered,
 /// and the host's ranks take the arena's rounds in the same order.
-pub fn pipelined_through(ctx: &OpCtx, count: usize, phase: impl Fn(usize, usize) -> Result<()> + Sync) -> Result<()> {
+pub fn pipelined_through<P: Send>(
+    ctx: &OpCtx,
+    pieces: Vec<P>,
+    phase: impl Fn(usize, usize, &mut P) -> Result<()> + Sync,
+) -> Result<()> {
     let failed = FirstFailure::new(ctx);
     let fail = |e: Error| failed.fail(e);
-    let (to_link, link_in) = mpsc::channel::<usize>();
-    let (link_out, from_link) = mpsc::channel::<usize>();
+    let count = pieces.len();
+    let (to_link, link_in) = mpsc::channel::<(usize, P)>();
+    let (link_out, from_link) = mpsc::channel::<(usize, P)>();
     let phase = &phase;
     std::thread::scope(|scope| {
         let fail = &fail;
         scope.spawn(move || {
-            for k in link_in.iter() {
-                if let Err(e) = phase(1, k) {
+            for (k, mut piece) in link_in.iter() {
+                if let Err(e) = phase(1, k, &mut piece) {
                     return fail(e);
                 }
-                let _ = link_out.send(k);
+                let _ = link_out.send((k, piece));
             }
         });
         // Phase 2 of piece k, once the link has handed it back (or has
         // stopped: then it failed, and said so).
         let gather = |k: usize| match from_link.recv() {
-            Ok(done) => {
+            Ok((done, mut piece)) => {
                 debug_assert_eq!(done, k, "the link takes the pieces in order");
-                phase(2, k).map_err(fail).is_ok()
+                phase(2, k, &mut piece).map_err(fail).is_ok()
             }
             Err(_) => false,
         };
-        for k in 0..count {
-            if let Err(e) = phase(0, k) {
+        for (k, mut piece) in pieces.into_iter().enumerate() {
+            if let Err(e) = phase(0, k, &mut piece) {
                 return fail(e);
             }
-            let _ = to_link.send(k);
+            let _ = to_link.send((k, piece));
             if k > 0 && !gather(k - 1) {
                 return;
             }
         }
         drop(to_link);
-        gather(count - 1);
+        if count > 0 {
+            gather(count - 1);
+        }
     });
     failed.result()
 }
@@ -178,7 +199,7 @@ mod tests {
             cost: &cost,
         };
         let on_host = Mutex::<level::TestRecord, _>::new(Vec::new());
-        let r = pipelined_through(&ctx, count, |s, k| {
+        let r = pipelined_through(&ctx, vec![(); count], |s, k, _| {
             if s != 1 {
                 on_host.lock().unwrap().push((s, k));
             } else {

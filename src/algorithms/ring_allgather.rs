@@ -6,30 +6,29 @@
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: b (its own) +
 //! (W-1)b received + (W-1)b forwarded through the rings (0 with single copy).
 
-use super::{segment_count, segments_mut, OpCtx, RawBuf};
+use super::{segment_count, segments_mut, OpCtx};
 use crate::error::Result;
 
-/// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
-pub fn ring_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf]) -> Result<()> {
+/// `outputs[i]` receives rank i's input: `own`, or, in place (None), what
+/// `outputs[rank]` holds.
+pub fn ring_allgather(ctx: &OpCtx, own: Option<&[u8]>, outputs: &mut [&mut [u8]]) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    // SAFETY: before any transfer: outputs[rank] and the input are the op's
-    // buffers (in place the same memory, which `copy` skips).
-    unsafe { ctx.copy(outputs[rank], input) };
+    if let Some(input) = own {
+        ctx.copy_into(outputs[rank], input);
+    }
     if world == 1 {
         return Ok(());
     }
     let (right, left) = ((rank + 1) % world, (rank + world - 1) % world);
     let seg = ctx.segment_bytes;
-    let nseg = |b: usize| segment_count(outputs[b].len, seg);
+    let lens: Vec<usize> = outputs.iter().map(|o| o.len()).collect();
+    let nseg = |b: usize| segment_count(lens[b], seg);
     let stride = (0..world).map(nseg).max().unwrap_or(1);
     let key = |t: usize, j: usize| ctx.key((t * stride + j) as u64);
     // Step t sends block (rank - t) and receives block (rank - t - 1).
     let block = |t: usize| (rank + 2 * world - t) % world;
 
-    // SAFETY: the op's output blocks (disjoint), which from here on the
-    // transfers below alone touch; the input, where it is the same memory as
-    // outputs[rank], is not read again.
-    let mut blocks: Vec<Option<&mut [u8]>> = outputs.iter().map(|b| Some(unsafe { b.slice_mut(0, b.len) })).collect();
+    let mut blocks: Vec<Option<&mut [u8]>> = outputs.iter_mut().map(|b| Some(&mut **b)).collect();
     let mut take = |b: usize| segments_mut(blocks[b].take().expect("each block is received at one step only"), seg);
     ctx.with_transfers(|tr| {
         let own = take(rank);

@@ -6,12 +6,12 @@
 //! 0 with single copy); every other rank n received and n folded, and all
 //! but the root n more sent (0 with single copy).
 
-use super::{segments_mut, OpCtx, RawBuf};
+use super::{segments_mut, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
 
-pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn ring_reduce(ctx: &OpCtx, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     if world == 1 {
         return Ok(());
@@ -22,11 +22,7 @@ pub fn ring_reduce(ctx: &OpCtx, buf: RawBuf, root: usize, dtype: DType, op: Redu
     let seg = (ctx.segment_bytes / dtype.size()).max(1) * dtype.size();
     let key = |j: usize| ctx.key(j as u64);
 
-    let mut scratch = ctx.scratch(if pos == 0 { 0 } else { buf.len });
-    // SAFETY: the op's buffer, which from here on only this function's
-    // transfers and folds touch: the first rank of the chain sends it, the
-    // root folds into it, the ranks between only read it.
-    let buf = unsafe { buf.slice_mut(0, buf.len) };
+    let mut scratch = ctx.scratch(if pos == 0 { 0 } else { buf.len() });
     ctx.with_transfers(|tr| {
         if pos == 0 {
             for (j, mine) in segments_mut(buf, seg).into_iter().enumerate() {

@@ -11,27 +11,29 @@
 //! into the output) + 2(W-1)b (each step's partial received and folded) +
 //! (W-1)b sent through the rings (0 with single copy).
 
-use super::{others, reducing, segment, segment_count, segments_mut, OpCtx, RawBuf};
+use super::{reducing, segment, segment_count, segments_mut, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
 use crate::transport::{Fold, Key, Lent, Transfers};
 
-/// `inputs[c]` is this rank's contribution to block c; `output` gets block
-/// `rank` (as long as `inputs[rank]`; it may be `inputs[rank]` itself).
-pub fn ring_reduce_scatter(ctx: &OpCtx, inputs: &[RawBuf], output: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+/// `inputs[c]` is this rank's contribution to block c (its own, `inputs[rank]`,
+/// is `own`, or None in place: what `output` holds); `output` gets block
+/// `rank`.
+pub fn ring_reduce_scatter(
+    ctx: &OpCtx,
+    inputs: &[&[u8]],
+    own: Option<&[u8]>,
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    assert_eq!(output.len, inputs[rank].len, "ring_reduce_scatter: the output holds this rank's block");
-    let lens: Vec<usize> = inputs.iter().map(|b| b.len).collect();
-    // SAFETY: the op's buffers (see `RawBuf`), which nothing else touches
-    // until it ends. The output starts as this rank's own block (the last
-    // step's), copied before the output is lent as a slice (in place they
-    // are the same memory: `copy` skips it); every other input is other
-    // memory than the output, and only read.
-    let (output, inputs) = unsafe {
-        ctx.copy(output, inputs[rank]);
-        (output.slice_mut(0, output.len), others(inputs, rank))
-    };
+    let lens: Vec<usize> = (0..world).map(|c| if c == rank { output.len() } else { inputs[c].len() }).collect();
+    // The output starts as this rank's own block (the last step's).
+    if let Some(own) = own {
+        ctx.copy_into(output, own);
+    }
     if world == 1 {
         return Ok(());
     }

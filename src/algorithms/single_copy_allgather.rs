@@ -9,28 +9,38 @@
 //! copy, in W-1 steps).
 
 use super::call_check::{agree_with_all, Fingerprint};
-use super::{others_mut, own_block, OpCtx, RawBuf};
+use super::{split_own, OpCtx};
 use crate::error::Result;
 
-/// `outputs[i]` receives rank i's `input` (`outputs[rank]` has `input.len` bytes).
-pub fn single_copy_allgather(ctx: &OpCtx, input: RawBuf, outputs: &[RawBuf], check: &Fingerprint) -> Result<()> {
+/// `outputs[i]` receives rank i's input: `own`, or, in place (None), what
+/// `outputs[rank]` holds.
+pub fn single_copy_allgather(
+    ctx: &OpCtx,
+    own: Option<&[u8]>,
+    outputs: &mut [&mut [u8]],
+    check: &Fingerprint,
+) -> Result<()> {
     let rank = ctx.transport.rank();
-    // SAFETY: the op's buffers (see `RawBuf`), nothing else's until it ends:
-    // the input, only read, and the outputs, apart from each other and from
-    // the input but for this rank's own, which may be the input (in place).
-    let (sent, mut received, own) =
-        unsafe { (input.slice(0, input.len), others_mut(outputs, rank), own_block(input, outputs[rank])) };
+    let (received, mine) = split_own(outputs, rank);
     ctx.with_transfers(|tr| {
         agree_with_all(ctx, tr, check)?;
-        for (p, block) in received.iter_mut().enumerate().filter(|&(p, _)| p != rank) {
+        for (p, block) in received {
             // Given back with the scope, which waits for it.
             let _lent = tr.recv(p, ctx.key(0), block)?;
         }
-        for p in ctx.peers() {
-            tr.send(p, ctx.key(0), sent)?;
-        }
-        if let Some((from, to)) = own {
-            ctx.copy_into(to, from);
+        match own {
+            Some(input) => {
+                for p in ctx.peers() {
+                    tr.send(p, ctx.key(0), input)?;
+                }
+                ctx.copy_into(mine, input);
+            }
+            None => {
+                let mine: &[u8] = mine;
+                for p in ctx.peers() {
+                    tr.send(p, ctx.key(0), mine)?;
+                }
+            }
         }
         tr.wait_all()
     })

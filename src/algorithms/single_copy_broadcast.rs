@@ -7,12 +7,10 @@
 //! Bytes copied per payload byte: the root 0, every other rank 1.
 
 use super::call_check::{agree_with_all, Fingerprint};
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::Result;
 
-pub fn single_copy_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, check: &Fingerprint) -> Result<()> {
-    // SAFETY: the op's buffer (see `RawBuf`), nothing else's until it ends.
-    let buf = unsafe { buf.slice_mut(0, buf.len) };
+pub fn single_copy_broadcast(ctx: &OpCtx, buf: &mut [u8], root: usize, check: &Fingerprint) -> Result<()> {
     ctx.with_transfers(|tr| {
         agree_with_all(ctx, tr, check)?;
         if ctx.transport.rank() == root {

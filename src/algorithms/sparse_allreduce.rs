@@ -10,29 +10,28 @@
 //! tensor before the caller builds a tensor from it. A bad one fails the op
 //! naming the rank that sent it.
 
-use super::{ring_allgather, take_front, OpCtx, RawBuf};
+use super::{ring_allgather, take_front, OpCtx};
 use crate::error::{Error, Result};
 use crate::ops::{SparseGathered, SparseShape};
+use crate::reduce::bytes_of_words;
 
 /// Gather every rank's rows of `indices` and `values` (this rank's: `rows`
 /// of `shape`) into a `SparseGathered`.
 pub fn sparse_allreduce(
     ctx: &OpCtx,
-    indices: RawBuf,
-    values: RawBuf,
+    indices: &[u8],
+    values: &[u8],
     rows: usize,
     shape: &SparseShape,
 ) -> Result<SparseGathered> {
     let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
     let round = |piece: u64| OpCtx { piece, what: ctx.what.within("sparse round", piece), ..*ctx };
     let mut counts = vec![0u64; world];
-    let mine = [rows as u64];
-    let as_buf = |v: &mut [u64]| RawBuf::new(v.as_mut_ptr().cast(), v.len() * 8);
-    let blocks: Vec<RawBuf> = counts.chunks_mut(1).map(as_buf).collect();
-    ring_allgather(&round(0), RawBuf::new(mine.as_ptr() as *mut u8, 8), &blocks)?;
+    let mut blocks: Vec<&mut [u8]> = bytes_of_words(&mut counts).chunks_mut(8).collect();
+    ring_allgather(&round(0), Some(&(rows as u64).to_ne_bytes()), &mut blocks)?;
     let layout = RowLayout::of(&counts, shape).map_err(|e| bad_peer(ctx, e))?;
 
-    let gather = |piece: u64, input: RawBuf, row: usize| -> Result<Vec<u8>> {
+    let gather = |piece: u64, input: &[u8], row: usize| -> Result<Vec<u8>> {
         // The counts fit the shape, which may still be far more than memory
         // holds: an allocation that fails fails the op (`vec!` would abort
         // the process), blaming the rank that sent the most rows.
@@ -40,14 +39,8 @@ pub fn sparse_allreduce(
         // `RowLayout::of` checked that the blocks (count rows of `row` bytes
         // each) lie end to end inside `total` rows.
         let mut rest = &mut all[..];
-        let blocks: Vec<RawBuf> = counts
-            .iter()
-            .map(|&n| {
-                let block = take_front(&mut rest, n as usize * row);
-                RawBuf::new(block.as_mut_ptr(), block.len())
-            })
-            .collect();
-        ring_allgather(&round(piece), input, &blocks)?;
+        let mut blocks: Vec<&mut [u8]> = counts.iter().map(|&n| take_front(&mut rest, n as usize * row)).collect();
+        ring_allgather(&round(piece), Some(input), &mut blocks)?;
         Ok(all)
     };
     let gathered_indices = gather(1, indices, shape.index_row())?;

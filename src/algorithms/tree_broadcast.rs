@@ -12,10 +12,10 @@
 //! passes the message on to (in an arena, n to its slot, and n out of it on
 //! every other rank of the host).
 
-use super::arena_broadcast::arena_broadcast;
+use super::arena_broadcast::{arena_broadcast, Cast};
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
-use super::{OpCtx, RawBuf};
+use super::OpCtx;
 use crate::error::Result;
 use crate::transport::group::arena::Arena;
 use crate::transport::group::subgroup::Subgroup;
@@ -23,29 +23,32 @@ use crate::transport::Transport;
 use std::sync::Arc;
 
 /// `fp`: the call, for a host's arena to compare.
-pub fn tree_broadcast(ctx: &OpCtx, buf: RawBuf, root: usize, hosts: Option<&Hosts>, fp: &Fingerprint) -> Result<()> {
+pub fn tree_broadcast(ctx: &OpCtx, buf: &mut [u8], root: usize, hosts: Option<&Hosts>, fp: &Fingerprint) -> Result<()> {
     if ctx.transport.size() == 1 {
         return Ok(());
     }
     let on_host = hosts.and_then(|h| HostHop::of(ctx, h, root));
     let (parent, children) = tree(ctx, root, hosts, on_host.is_some());
-    let tr = &mut ctx.transfers();
-    if let Some(parent) = parent {
-        // SAFETY: the op's buffer, filled by this receive alone; it is waited
-        // for at once, before anything reads the buffer.
-        let id = unsafe { tr.recv_raw(parent, ctx.key(0), buf.ptr, buf.len)? };
-        tr.wait(id)?;
+    if let Some(hop) = on_host.as_ref().filter(|hop| !hop.is_head()) {
+        // It hears in its host's arena, and passes nothing on.
+        return arena_broadcast(&ctx.phase(&hop.view, 1), &hop.arena, Cast::Into(buf), hop.head, fp);
     }
-    for child in children {
-        // SAFETY: the buffer is only read from here on (sends, and the arena's
-        // broadcast from this rank where it is the host's head); the receive
-        // into it, if any, was waited for above.
-        unsafe { tr.send_raw(child, ctx.key(0), buf.slice(0, buf.len))? };
-    }
-    if let Some(hop) = &on_host {
-        arena_broadcast(&ctx.phase(&hop.view, 1), &hop.arena, buf, hop.head, fp)?;
-    }
-    tr.wait_all()
+    ctx.with_transfers(|tr| {
+        let buf: &[u8] = match parent {
+            Some(parent) => {
+                let lent = tr.recv(parent, ctx.key(0), buf)?;
+                tr.give_back(lent)?
+            }
+            None => buf,
+        };
+        for child in children {
+            tr.send(child, ctx.key(0), buf)?;
+        }
+        if let Some(hop) = &on_host {
+            arena_broadcast(&ctx.phase(&hop.view, 1), &hop.arena, Cast::From(buf), hop.head, fp)?;
+        }
+        tr.wait_all()
+    })
 }
 
 /// The hop on this rank's host through the host's arena: its ranks, the

@@ -18,7 +18,7 @@ use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::tree_broadcast::{tree, HostHop};
-use super::{OpCtx, RawBuf};
+use super::{take_front, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
@@ -26,7 +26,7 @@ use crate::reduce::divide_by;
 /// `fp`: the call, for a host's arena to compare.
 pub fn tree_reduce(
     ctx: &OpCtx,
-    buf: RawBuf,
+    buf: &mut [u8],
     root: usize,
     dtype: DType,
     op: ReduceOp,
@@ -39,67 +39,53 @@ pub fn tree_reduce(
     }
     let on_host = hosts.and_then(|h| HostHop::of(ctx, h, root));
     let (parent, children) = tree(ctx, root, hosts, on_host.is_some());
-    let len = buf.len;
+    let len = buf.len();
     // One slot per child, and the sum for a rank that passes one on or
     // gets its host's from the arena (the root's buffer waits for the end).
     let head = on_host.as_ref().is_some_and(HostHop::is_head);
     let own_sum = (parent.is_some() && !children.is_empty()) || head;
     let mut scratch = ctx.scratch(len * (children.len() + own_sum as usize));
-    // A slot per child, and one more where `own_sum`.
-    let slots = scratch.raw();
-    let slot = |c: usize| slots.sub(c * len, len);
-    let sum = if own_sum { slot(children.len()) } else { buf };
     // An average divides once, by W, at the root.
     let fold = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-    let tr = &mut ctx.transfers();
-    for (c, &child) in children.iter().enumerate() {
-        // SAFETY: slot c of the scratch (taken before `tr`), filled by this
-        // receive alone: each child has a slot of its own.
-        unsafe { tr.recv_raw(child, ctx.key(0), slot(c).ptr, len)? };
-    }
-    match &on_host {
-        Some(hop) => {
-            // The rank that sums reads its buffer from `sum` and gets the host's sum there.
-            if head {
-                // SAFETY: `sum` is the scratch slot after the children's, in no transfer;
-                // the buffer is the op's, only read.
-                unsafe { ctx.copy(sum, buf) };
+    ctx.with_transfers(|tr| {
+        let mut rest = scratch.bytes_mut();
+        let mut slots = Vec::with_capacity(children.len());
+        for &child in &children {
+            slots.push(tr.recv(child, ctx.key(0), take_front(&mut rest, len))?);
+        }
+        // The sum starts as this rank's buffer, or a copy of it (`out`: where
+        // the root's goes at the end).
+        let (sum, out) = match own_sum {
+            true => {
+                let sum = take_front(&mut rest, len);
+                ctx.copy_into(sum, buf);
+                (sum, Some(buf))
             }
+            false => (buf, None),
+        };
+        if let Some(hop) = &on_host {
             let how = Reducing { dtype, op: fold, premul: None, root: Some(hop.head) };
-            arena_allreduce(&ctx.phase(&hop.view, 1), &hop.arena, if head { sum } else { buf }, &how, fp)?;
+            arena_allreduce(&ctx.phase(&hop.view, 1), &hop.arena, sum, &how, fp)?;
             if !head {
                 return Ok(());
             }
-            tr.wait_all()?;
         }
-        None => {
-            tr.wait_all()?;
-            // SAFETY: every receive is done; `sum` is the buffer itself (then `copy`
-            // skips it) or a scratch slot no transfer touches.
-            unsafe { ctx.copy(sum, buf) };
+        for slot in slots {
+            ctx.reduce_into(dtype, fold, sum, tr.give_back(slot)?);
         }
-    }
-    for c in 0..children.len() {
-        // SAFETY: after every receive is done: `sum` (the buffer or its own
-        // scratch slot) and slot c are different memory, and no transfer
-        // touches either.
-        ctx.reduce_into(dtype, fold, unsafe { sum.slice_mut(0, len) }, unsafe { slot(c).slice(0, len) });
-    }
-    match parent {
-        None => {
-            if op == ReduceOp::Avg {
-                // SAFETY: the root's `sum`: no transfer touches it (the root sends nothing).
-                divide_by(dtype, unsafe { sum.slice_mut(0, len) }, world);
+        match parent {
+            None => {
+                if op == ReduceOp::Avg {
+                    divide_by(dtype, sum, world);
+                }
+                if let Some(out) = out {
+                    ctx.copy_into(out, sum);
+                }
             }
-            // SAFETY: the root's buffer and `sum`, neither in a transfer (in place the
-            // same memory: `copy` skips it).
-            unsafe { ctx.copy(buf, sum) };
+            Some(parent) => {
+                tr.send(parent, ctx.key(0), sum)?;
+            }
         }
-        // SAFETY: `sum` is only read by the send and not written again before
-        // `tr` is done.
-        Some(parent) => unsafe {
-            tr.send_raw(parent, ctx.key(0), sum.slice(0, len))?;
-        },
-    }
-    tr.wait_all()
+        tr.wait_all()
+    })
 }

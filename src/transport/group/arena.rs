@@ -369,9 +369,10 @@ impl Arena {
         unsafe { self.map.base.add(at) }
     }
 
-    /// Start this rank's next round, with what it was called to do (`tag`).
+    /// Start this rank's next round, with what it was called to do (`tag`),
+    /// its slots touched as `shape` says.
     /// Fails at once if the arena was aborted.
-    pub fn round(&self, tag: &[u8; TAG_BYTES]) -> std::result::Result<Round<'_>, Stuck> {
+    pub fn round(&self, tag: &[u8; TAG_BYTES], shape: Shape) -> std::result::Result<Round<'_>, Stuck> {
         if let Some(stuck) = self.aborted() {
             return Err(stuck);
         }
@@ -380,7 +381,7 @@ impl Arena {
         local.rounds += 1;
         // Nobody reads this tag any more: everyone has finished the round before last.
         self.stamp(self.rank, parity).set_tag(tag);
-        Ok(Round { arena: self, local, parity, stages: 0, from: 0 })
+        Ok(Round { arena: self, local, parity, shape, stages: 0, passed: 0, from: 0 })
     }
 
     /// Wake every rank waiting in the arena and fail every later round,
@@ -453,33 +454,139 @@ fn line_at(map: &Mapping, offset: usize, world: usize, rank: usize) -> &Line {
     unsafe { &*(map.base.add(at) as *const Line) }
 }
 
+/// Who touches which slot of a round, and when: the discipline that makes
+/// the round's slices (`Round::own`, `others_mut`, `columns`, `slot`)
+/// sound. Every rank of a round takes the same shape for it (the same
+/// algorithm, which the round's tag says: a rank called otherwise fails at
+/// the first stage, having only written its own slots).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Before the first stage each rank writes its own slot (`own`); after
+    /// it, every slot is only read (`slot`).
+    Gather,
+    /// Before the first stage `root` writes every other rank's slot
+    /// (`others_mut`) and no rank its own; after it, every slot is only read.
+    Scatter { root: usize },
+    /// As `Gather`, with a second stage: between the two, rank p writes
+    /// column p of its own slot and reads column p of the others' (`columns`),
+    /// where the first `len` bytes, `elem`-byte elements, are cut into one
+    /// column per rank (`column`); after the second, every slot is only read.
+    Columns { len: usize, elem: usize },
+}
+
+impl Shape {
+    /// The stages after which the slots are only read.
+    fn writes(&self) -> u32 {
+        match self {
+            Shape::Columns { .. } => 2,
+            _ => 1,
+        }
+    }
+}
+
+/// Column `p` of `len` bytes of `elem`-byte elements cut into one per rank
+/// of `world` (whole elements; sizes differ by one element at most): its
+/// byte range.
+pub fn column(len: usize, elem: usize, world: usize, p: usize) -> std::ops::Range<usize> {
+    let m = len / elem;
+    p * m / world * elem..(p + 1) * m / world * elem
+}
+
 /// One round of this rank in the arena; no other round starts until it ends.
 pub struct Round<'a> {
     arena: &'a Arena,
     local: MutexGuard<'a, level::ArenaLocal, Local>,
     parity: usize,
+    shape: Shape,
+    /// The stages this rank has arrived at in this round.
     stages: u32,
+    /// The stages that have passed (every rank arrived), as this rank saw.
+    passed: u32,
     /// The ranks below this one had arrived at the stage waited for.
     from: usize,
 }
 
-impl Round<'_> {
-    /// This round's slot of `rank` (< world; `Arena::slot_bytes` long). Each
-    /// rank writes its own before a stage (or one rank writes the others', as
-    /// a scatter's root does), others read it after.
+impl<'a> Round<'a> {
+    /// This round's slot of `rank` (< world; `Arena::slot_bytes` long).
     ///
-    /// Touching the bytes is the caller's unsafe code, sound under the
-    /// protocol: between two stages a slot is written by one rank and
-    /// touched by no other, or read by any and written by none; a stage's
-    /// Release arrival and Acquire wait order the writes before the reads,
-    /// and double buffering keeps the next round's writes off this round's
-    /// slots. The pointer is valid while the `Round`'s arena lives. The
-    /// bytes are plain data that other processes write: nothing read from
-    /// them is trusted as a length, an index or a pointer, so a peer that
-    /// breaks the protocol (writes out of turn) can make the results wrong,
-    /// but cannot make this process touch memory outside its mappings.
-    pub fn slot(&self, rank: usize) -> *mut u8 {
+    /// The slices the methods below make of it are sound under the round's
+    /// `Shape`, which they check: between two stages a slot (or a column of
+    /// it) is written by one rank and touched by no other, or read by any
+    /// and written by none; a stage's Release arrival and Acquire wait order
+    /// the writes before the reads, and double buffering keeps the next
+    /// round's writes off this round's slots. A slice borrows the `Round`,
+    /// which arriving at the next stage takes mutably: none outlives the
+    /// stage that ends its access. The bytes are plain data that other
+    /// processes write: nothing read from them is trusted as a length, an
+    /// index or a pointer, so a peer that breaks the protocol (writes out of
+    /// turn) can make the results wrong, but cannot make this process touch
+    /// memory outside its mappings.
+    fn slot_ptr(&self, rank: usize) -> *mut u8 {
         self.arena.slot_ptr(rank, self.parity)
+    }
+
+    /// The whole slot of `rank` as a slice, for `'r`.
+    ///
+    /// # Safety
+    /// The round's shape gives this rank the access asked for (`mutable`:
+    /// writing) to that slot for as long as `'r`, and no other slice of this
+    /// process covers it meanwhile.
+    unsafe fn slice<'r>(&self, rank: usize) -> &'r mut [u8] {
+        // SAFETY: the slot is `slot_bytes` long inside the mapping, which the
+        // arena keeps alive as long as it (`slot_ptr`); access as the caller says.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(rank), self.arena.slot_bytes) }
+    }
+
+    /// This rank's own slot, to write before the first stage (`Gather`, `Columns`).
+    pub fn own(&mut self) -> &mut [u8] {
+        assert!(self.stages == 0 && !matches!(self.shape, Shape::Scatter { .. }), "{:?}: own slot", self.shape);
+        // SAFETY: before this rank's first arrival no rank reads its slot, and
+        // in these shapes no other writes it; the slice borrows the round mutably.
+        unsafe { self.slice(self.arena.rank) }
+    }
+
+    /// Every other rank's slot (None at this rank), to write before the first
+    /// stage, at the root of a `Scatter`.
+    pub fn others_mut(&mut self) -> Vec<Option<&mut [u8]>> {
+        let me = self.arena.rank;
+        assert!(self.stages == 0 && self.shape == Shape::Scatter { root: me }, "{:?}: others' slots", self.shape);
+        // SAFETY: before the root's first arrival no rank reads any slot, and
+        // the root alone writes them (not its own); the slices are of different
+        // slots and borrow the round mutably.
+        (0..self.arena.world).map(|p| (p != me).then(|| unsafe { self.slice(p) })).collect()
+    }
+
+    /// Between a `Columns` round's two stages: this rank's column of its own
+    /// slot, to write, and the others' slots' columns of this rank, to read
+    /// (empty at this rank).
+    pub fn columns(&mut self) -> (&mut [u8], Vec<&[u8]>) {
+        let Shape::Columns { len, elem } = self.shape else { panic!("{:?}: columns", self.shape) };
+        assert!(self.stages == 1 && self.passed == 1, "columns between the first stage and the second");
+        let (me, world) = (self.arena.rank, self.arena.world);
+        assert!(len <= self.arena.slot_bytes, "{len} bytes of a slot of {}", self.arena.slot_bytes);
+        let range = column(len, elem.max(1), world, me);
+        // SAFETY: between the stages rank p writes column p of its own slot
+        // alone, and reads column p of the others' (the shape): this rank's
+        // column of its slot is its own to write, the same column of every
+        // other slot only read; the slices borrow the round mutably.
+        let mine = unsafe { &mut self.slice(me)[range.clone()] };
+        let theirs = (0..world)
+            .map(|p| match p == me {
+                true => &[][..],
+                // SAFETY: see above: column `me` of another rank's slot.
+                false => unsafe { &self.slice(p)[range.clone()] },
+            })
+            .collect();
+        (mine, theirs)
+    }
+
+    /// The slot of `rank`, to read once every write stage of the round has passed.
+    pub fn slot(&self, rank: usize) -> &[u8] {
+        assert!(self.passed >= self.shape.writes(), "{:?}: reading a slot at stage {}", self.shape, self.passed);
+        // SAFETY: after the round's last write stage every slot is only read,
+        // until every rank has arrived at the next round's first stage, which
+        // this rank does only after this round (borrowed by the slice) ends.
+        unsafe { self.slice(rank) }
     }
 
     /// The bytes of each slot.
@@ -532,6 +639,7 @@ impl Round<'_> {
         if !self.passed() {
             return false;
         }
+        self.passed = self.stages;
         let h = a.header();
         if h.sleepers.load(Ordering::SeqCst) > 0 {
             h.wake.fetch_add(1, Ordering::SeqCst);
@@ -563,6 +671,7 @@ impl Round<'_> {
         let mut until = None;
         loop {
             if self.poll_a_while() {
+                self.passed = self.stages;
                 return Some(Ok(()));
             }
             if let Some(stuck) = self.aborted_before_passing() {
@@ -613,6 +722,7 @@ impl Round<'_> {
         let spin_until = Instant::now() + spin;
         loop {
             if self.poll_a_while() {
+                self.passed = self.stages;
                 return Ok(());
             }
             if let Some(stuck) = self.aborted_before_passing() {
@@ -635,6 +745,7 @@ impl Round<'_> {
             }
             h.sleepers.fetch_sub(1, Ordering::SeqCst);
             if self.passed() {
+                self.passed = self.stages;
                 return Ok(());
             }
             if let Some(stuck) = self.aborted_before_passing() {
@@ -702,17 +813,13 @@ mod tests {
                 for (a, cost) in arenas.iter().zip(&costs) {
                     s.spawn(move || {
                         for round in 0..500u32 {
-                            let mut r = a.round(&tag(round as u8)).unwrap();
-                            // SAFETY: 8 bytes at the start of this rank's slot (4096
-                            // bytes, page-aligned), which only this rank writes until the stage.
-                            unsafe { (r.slot(a.rank()) as *mut [u32; 2]).write([a.rank() as u32, round]) };
+                            let mut r = a.round(&tag(round as u8), Shape::Gather).unwrap();
+                            r.own()[..4].copy_from_slice(&(a.rank() as u32 ^ round << 8).to_le_bytes());
                             r.stage(far(), spin, cost).unwrap();
                             for peer in 0..world {
                                 assert_eq!(r.tag(peer), tag(round as u8));
-                                // SAFETY: after the stage every slot of this round is
-                                // read-only until every rank has arrived at the next round's.
-                                let got = unsafe { (r.slot(peer) as *const [u32; 2]).read() };
-                                assert_eq!(got, [peer as u32, round], "rank {} round {round}", a.rank());
+                                let got = u32::from_le_bytes(r.slot(peer)[..4].try_into().unwrap());
+                                assert_eq!(got, peer as u32 ^ round << 8, "rank {} round {round}", a.rank());
                             }
                         }
                     });
@@ -724,14 +831,125 @@ mod tests {
         }
     }
 
+    /// A round of `Columns`: every rank fills its slot, reduces its column of
+    /// every slot into its own, and after the second stage reads every slot:
+    /// each sees the whole sum, whatever the columns' sizes.
+    #[test]
+    fn a_columns_round_has_each_column_reduced_by_one_rank() {
+        let world = 3;
+        let arenas = Arena::in_memory(world, 64).unwrap();
+        for len in [0, 4, 40, 64] {
+            let shape = Shape::Columns { len, elem: 4 };
+            std::thread::scope(|s| {
+                for a in &arenas {
+                    s.spawn(move || {
+                        let mut r = a.round(&tag(1), shape).unwrap();
+                        for (i, b) in r.own()[..len].iter_mut().enumerate() {
+                            *b = (a.rank() * 10 + i) as u8;
+                        }
+                        r.stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+                        let (mine, theirs) = r.columns();
+                        assert_eq!(theirs[a.rank()].len(), 0);
+                        for t in theirs {
+                            assert!(t.is_empty() || t.len() == mine.len());
+                            for (m, v) in mine.iter_mut().zip(t) {
+                                *m += v;
+                            }
+                        }
+                        r.stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+                        for p in 0..world {
+                            let cut = column(len, 4, world, p);
+                            for (i, &b) in r.slot(p)[cut.clone()].iter().enumerate() {
+                                assert_eq!(b as usize, 30 + 3 * (cut.start + i), "len {len}, column {p}");
+                            }
+                        }
+                    });
+                }
+            });
+        }
+    }
+
+    /// The columns cover the bytes once, in whole elements.
+    #[test]
+    fn columns_cut_whole_elements_in_order() {
+        for (len, elem, world) in [(0, 4, 3), (40, 4, 3), (44, 4, 4), (6, 2, 5), (64, 8, 1)] {
+            let cuts: Vec<_> = (0..world).map(|p| column(len, elem, world, p)).collect();
+            assert_eq!(cuts[0].start, 0);
+            assert_eq!(cuts[world - 1].end, len / elem * elem);
+            for w in cuts.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+            }
+            assert!(cuts.iter().all(|c| c.start % elem == 0 && c.len() % elem == 0));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "reading a slot at stage 0")]
+    fn a_slot_is_not_read_before_its_stage() {
+        let arenas = Arena::in_memory(1, 64).unwrap();
+        let r = arenas[0].round(&tag(0), Shape::Gather).unwrap();
+        let _ = r.slot(0);
+    }
+
+    #[test]
+    #[should_panic(expected = "own slot")]
+    fn an_own_slot_is_not_written_after_the_first_stage() {
+        let arenas = Arena::in_memory(1, 64).unwrap();
+        let mut r = arenas[0].round(&tag(0), Shape::Gather).unwrap();
+        r.stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+        r.own()[0] = 1;
+    }
+
+    #[test]
+    #[should_panic(expected = "reading a slot at stage 1")]
+    fn a_columns_round_is_not_read_whole_between_its_stages() {
+        let arenas = Arena::in_memory(1, 64).unwrap();
+        let mut r = arenas[0].round(&tag(0), Shape::Columns { len: 64, elem: 4 }).unwrap();
+        r.stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+        let _ = r.slot(0);
+    }
+
+    #[test]
+    #[should_panic(expected = "others' slots")]
+    fn only_a_scatters_root_writes_the_others_slots() {
+        let arenas = Arena::in_memory(2, 64).unwrap();
+        let mut r = arenas[0].round(&tag(0), Shape::Scatter { root: 1 }).unwrap();
+        let _ = r.others_mut();
+    }
+
+    #[test]
+    fn a_scatters_root_writes_every_slot_but_its_own() {
+        let arenas = Arena::in_memory(3, 64).unwrap();
+        std::thread::scope(|s| {
+            for a in &arenas {
+                s.spawn(move || {
+                    let mut r = a.round(&tag(0), Shape::Scatter { root: 1 }).unwrap();
+                    if a.rank() == 1 {
+                        let slots = r.others_mut();
+                        assert!(slots[1].is_none());
+                        for (p, slot) in slots.into_iter().enumerate() {
+                            if let Some(slot) = slot {
+                                slot[0] = p as u8 + 100;
+                            }
+                        }
+                    }
+                    r.stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+                    if a.rank() != 1 {
+                        assert_eq!(r.slot(a.rank())[0], a.rank() as u8 + 100);
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn a_rank_that_never_arrives_is_named_at_the_deadline() {
         let arenas = Arena::in_memory(3, 64).unwrap();
         let cost = Cost::default();
         std::thread::scope(|s| {
             let a1 = &arenas[1];
-            s.spawn(move || a1.round(&tag(0)).unwrap().stage(far(), Duration::ZERO, &Cost::default()));
-            let mut r = arenas[0].round(&tag(0)).unwrap();
+            s.spawn(move || a1.round(&tag(0), Shape::Gather).unwrap().stage(far(), Duration::ZERO, &Cost::default()));
+            let mut r = arenas[0].round(&tag(0), Shape::Gather).unwrap();
             let started = Instant::now();
             let deadline = started + Duration::from_millis(200);
             assert_eq!(r.stage(deadline, Duration::ZERO, &cost), Err(Stuck::TimedOut { missing: vec![2] }));
@@ -747,7 +965,11 @@ mod tests {
         std::thread::scope(|s| {
             let waiters: Vec<_> = arenas[..2]
                 .iter()
-                .map(|a| s.spawn(move || a.round(&tag(1)).unwrap().stage(far(), Duration::ZERO, &Cost::default())))
+                .map(|a| {
+                    s.spawn(move || {
+                        a.round(&tag(1), Shape::Gather).unwrap().stage(far(), Duration::ZERO, &Cost::default())
+                    })
+                })
                 .collect();
             std::thread::sleep(Duration::from_millis(50));
             arenas[2].abort("rank 2 lost its peer");
@@ -759,7 +981,7 @@ mod tests {
                 assert!(started.elapsed() < Duration::from_secs(1));
             }
         });
-        assert!(matches!(arenas[1].round(&tag(2)), Err(Stuck::Aborted { by: 2, .. })));
+        assert!(matches!(arenas[1].round(&tag(2), Shape::Gather), Err(Stuck::Aborted { by: 2, .. })));
     }
 
     #[test]
@@ -767,11 +989,11 @@ mod tests {
         // Everything the stage waited for is there: an abort after the others
         // arrived does not fail it, but the next round.
         let arenas = Arena::in_memory(2, 64).unwrap();
-        let mut r1 = arenas[1].round(&tag(0)).unwrap();
+        let mut r1 = arenas[1].round(&tag(0), Shape::Gather).unwrap();
         std::thread::scope(|s| {
             let a0 = &arenas[0];
             let first = s.spawn(move || {
-                let mut r0 = a0.round(&tag(0)).unwrap();
+                let mut r0 = a0.round(&tag(0), Shape::Gather).unwrap();
                 r0.stage(far(), Duration::ZERO, &Cost::default())
             });
             while arenas[0].stamp(0, 0).arrived.load(Ordering::SeqCst) == 0 {
@@ -784,7 +1006,7 @@ mod tests {
             assert!(matches!(first, Ok(()) | Err(Stuck::Aborted { by: 0, .. })), "{first:?}");
         });
         drop(r1);
-        assert!(arenas[1].round(&tag(1)).is_err());
+        assert!(arenas[1].round(&tag(1), Shape::Gather).is_err());
     }
 
     /// A rank that passed a stage may finish its op and abort the arena
@@ -795,12 +1017,12 @@ mod tests {
     #[test]
     fn an_abort_after_the_stage_passed_fails_only_the_next_round() {
         let arenas = Arena::in_memory(2, 64).unwrap();
-        let mut r1 = arenas[1].round(&tag(0)).unwrap();
+        let mut r1 = arenas[1].round(&tag(0), Shape::Gather).unwrap();
         assert!(!r1.arrive(), "rank 1 first: it waits");
         // Rank 0 on a thread of its own, as in its own process (one round per thread).
         std::thread::scope(|s| {
             s.spawn(|| {
-                let mut r0 = arenas[0].round(&tag(0)).unwrap();
+                let mut r0 = arenas[0].round(&tag(0), Shape::Gather).unwrap();
                 assert!(r0.arrive(), "rank 0 last: the stage passed");
             });
         });
@@ -809,7 +1031,7 @@ mod tests {
         assert_eq!(r1.aborted_before_passing(), None);
         assert_eq!(r1.wait(far(), Duration::ZERO, &Cost::default()), Ok(()));
         drop(r1);
-        assert!(matches!(arenas[1].round(&tag(1)), Err(Stuck::Aborted { by: 0, .. })));
+        assert!(matches!(arenas[1].round(&tag(1), Shape::Gather), Err(Stuck::Aborted { by: 0, .. })));
     }
 
     /// What another process wrote in the header is bounded before use: a
@@ -851,7 +1073,10 @@ mod tests {
             for a in &arenas {
                 s.spawn(move || {
                     for k in 0..20u8 {
-                        a.round(&tag(k)).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+                        a.round(&tag(k), Shape::Gather)
+                            .unwrap()
+                            .stage(far(), Duration::ZERO, &Cost::default())
+                            .unwrap();
                     }
                 });
             }
@@ -866,18 +1091,18 @@ mod tests {
         assert!(Arena::open(made.fd().unwrap(), 1, 3).is_err(), "made for another world size");
         let (_, ring_fd) = crate::transport::links::ring::Segment::create(64 << 10).unwrap();
         assert!(Arena::open(&ring_fd, 1, 2).is_err(), "not an arena");
-        let mut o = opened.round(&tag(7)).unwrap();
+        let mut o = opened.round(&tag(7), Shape::Gather).unwrap();
         // Rank 0 on a thread of its own, as in its own process (one round per thread).
         std::thread::scope(|s| {
             s.spawn(|| {
-                let r = made.round(&tag(7)).unwrap();
-                // SAFETY: the first byte of rank 0's slot (4096 bytes); no other thread touches it.
-                unsafe { *r.slot(0) = 42 };
+                let mut r = made.round(&tag(7), Shape::Gather).unwrap();
+                r.own()[0] = 42;
             });
         });
         assert!(opened.aborted().is_some(), "an unused round aborts the arena");
-        // SAFETY: the same byte, through the other mapping of the same memfd, still alive.
-        assert_eq!(unsafe { *o.slot(0) }, 42, "the same memory");
+        // SAFETY: rank 0's slot, through the other mapping of the same memfd,
+        // still alive; the thread that wrote it has ended.
+        assert_eq!(unsafe { o.slice(0)[0] }, 42, "the same memory");
         assert!(o.stage(far(), Duration::ZERO, &Cost::default()).is_err());
     }
 }

@@ -720,6 +720,7 @@ impl Drop for Lease {
 mod tests {
     use super::*;
     use crate::status::Cost;
+    use crate::transport::group::arena::Shape;
 
     fn far() -> Instant {
         Instant::now() + Duration::from_secs(10)
@@ -745,8 +746,10 @@ mod tests {
         assert!(pb.lease(9, &[0, 1], 1, far()).unwrap().is_none());
         // The two members of key 7 share its region: a round passes between them.
         std::thread::scope(|s| {
-            s.spawn(|| x1.round(&[1; 56]).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap());
-            x0.round(&[1; 56]).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap();
+            s.spawn(|| {
+                x1.round(&[1; 56], Shape::Gather).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap()
+            });
+            x0.round(&[1; 56], Shape::Gather).unwrap().stage(far(), Duration::ZERO, &Cost::default()).unwrap();
         });
         assert_eq!(x0.offset(), x1.offset());
         assert_ne!(x0.offset(), y0.offset());
@@ -759,7 +762,7 @@ mod tests {
         // Freed: a new group gets it, its header written anew.
         let z0 = pa.lease(11, &[0, 1], 0, far()).unwrap().unwrap();
         assert!(z0.aborted().is_none());
-        assert_eq!(z0.round(&[2; 56]).unwrap().late(), None, "no stage arrived at yet");
+        assert_eq!(z0.round(&[2; 56], Shape::Gather).unwrap().late(), None, "no stage arrived at yet");
         drop((y0, z0));
     }
 
