@@ -14,7 +14,12 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+// The algorithms hold no unsafe code: they take the op's memory as slices
+// (`engine::lend`), the arena's slots by stage (`transport::group::arena`),
+// and lend them to transfers by borrow (`transport::Transfers`).
+#[forbid(unsafe_code)]
 pub mod algorithms;
+pub mod alloc;
 pub mod config;
 pub mod cuda;
 pub mod dtype;

@@ -2,7 +2,9 @@
 //! its buffers, and how values combine; and the checks that refuse a bad call
 //! before anything is sent. No I/O.
 
-use crate::algorithms::RawBuf;
+// `RawBuf` is the caller's memory by address: its unsafe code says why.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 use crate::dtype::{DType, ReduceOp, TypeCode};
 use crate::error::{Error, Result};
 use crate::locks::{level, Mutex};
@@ -179,6 +181,65 @@ impl SparseShape {
     /// "[4, 3] (sparse) x [2] (dense)".
     pub fn describe(&self) -> String {
         format!("{:?} (sparse) x {:?} (dense)", self.sparse_sizes, self.dense_sizes)
+    }
+}
+
+/// A caller-owned byte range (a tensor's storage) that outlives the op.
+///
+/// The engine lends an op's buffers to its algorithm as slices, once
+/// (`engine::lend`), after making them apart (`engine::apart`); that unsafe
+/// code rests on what follows:
+/// - The op's buffers (the `Collective`'s) are valid for reads and writes of
+///   `len` bytes until the op is done, and the caller does not touch them
+///   meanwhile (`Engine::submit`'s contract).
+/// - Two buffers of one op do not overlap (`engine::apart` makes sure of
+///   it), but where an input is exactly the block this rank keeps of its own
+///   (all-gather's `outputs[rank]`, all-to-all's, reduce-scatter's output as
+///   `inputs[rank]`: in place), the form torch's in-place ops give.
+/// - Ranges are computed inside the buffer (`slice` and `slice_mut` assert it).
+#[derive(Clone, Copy, Debug)]
+pub struct RawBuf {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+// SAFETY: a RawBuf is a pointer and a length; touching the memory is unsafe
+// (`slice`, `slice_mut`, the transfers), and the op's owner keeps it alive
+// until the op finishes, whichever thread runs it (the engine's worker, a
+// pipelined phase's thread, the reactor for transfers).
+unsafe impl Send for RawBuf {}
+// SAFETY: sharing the descriptor between an op's threads only copies the
+// pointer; each phase of an op touches ranges of its own (see above).
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    /// Empty tensors may have no storage (a null pointer); slices still need
+    /// an aligned non-null one.
+    pub fn new(ptr: *mut u8, len: usize) -> RawBuf {
+        let ptr = if len == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr().cast() } else { ptr };
+        RawBuf { ptr, len }
+    }
+
+    /// The bytes [off, off + len) (inside the buffer: asserted).
+    ///
+    /// # Safety
+    /// The range must be valid and not written by anyone else while the slice lives.
+    pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
+        // SAFETY: [off, off + len) lies inside the buffer (asserted), whose
+        // pointer is non-null and, being bytes, aligned (`RawBuf::new`); the
+        // caller promises the range is valid and unwritten while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
+    }
+
+    /// The bytes [off, off + len) (inside the buffer: asserted), to write.
+    ///
+    /// # Safety
+    /// The range must be valid and not accessed by anyone else while the slice lives.
+    pub unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
+        // SAFETY: as in `slice`; the caller promises nobody else touches the
+        // range while this mutable slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
     }
 }
 

@@ -21,8 +21,9 @@
 //! instead (`in_arena`).
 
 use super::hosts::Hosts;
-use super::{in_arena, OpCtx, RawBuf};
+use super::{in_arena, OpCtx};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ops::RawBuf;
 use crate::ops::{Collective, OpKind, Reduction};
 use crate::transport::group::subgroup::Subgroup;
 use crate::transport::{Key, TransferId, Transfers};

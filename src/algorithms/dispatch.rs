@@ -14,7 +14,6 @@
 //! copy): `Plan::of`, which also says whether the algorithm checks the call
 //! itself; `run` only follows it.
 
-use super::apart::Apart;
 use super::arena_allreduce::{arena_allreduce, Reducing};
 use super::arena_broadcast::Cast;
 use super::call_check::Fingerprint;
@@ -29,7 +28,7 @@ use super::{
     hierarchical_direct_allreduce, hierarchical_reduce_scatter, monitored_barrier, pairwise_alltoall, prefers_direct,
     ring_allgather, ring_allreduce, ring_broadcast, ring_reduce, ring_reduce_scatter, single_copy_allgather,
     single_copy_allreduce, single_copy_broadcast, single_copy_reduce_scatter, sparse_allreduce, take_front,
-    tree_broadcast, tree_reduce, OpCtx, RawBuf, Scratch,
+    tree_broadcast, tree_reduce, OpCtx, Scratch,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -235,19 +234,12 @@ fn goes_as_address(ctx: &OpCtx, bytes: usize) -> bool {
 /// Run one collective as `plan` says: `fp` is the call, which the
 /// algorithm checks where `plan.checks_inline` (the arena's rounds and the
 /// hosts' phases compare it in any case).
-pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Result<()> {
+pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Fingerprint) -> Result<()> {
     use Algorithm::*;
-    // Buffers that share memory (views of one tensor) run apart (apart.rs).
-    let mut copies = Scratch::new(0);
-    if let Some(apart) = Apart::of(&mut copies, ctx, part) {
-        run(ctx, &apart.part, plan, fp)?;
-        apart.copy_out(ctx);
-        return Ok(());
-    }
     let rank = ctx.transport.rank();
-    // SAFETY: the op's buffers, made apart above; an arm makes them slices
-    // once, and its algorithm is all that touches them until it returns.
-    let lend = || unsafe { OpBufs::of(part, rank) };
+    // `part`'s buffers, lent once (each arm takes them from here).
+    let mut bufs = Some(bufs);
+    let mut lend = || bufs.take().expect("an arm lends the op's buffers once");
     let check = plan.checks_inline.then_some(fp);
     let apart = plan.hosts.as_ref();
     let hosts = || apart.expect("hierarchical algorithms are planned for groups on several hosts");
@@ -257,7 +249,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Res
             let buf = one(&mut lend().outputs);
             let op = premultiply(buf, red);
             match algorithm {
-                SingleCopy => single_copy_allreduce(ctx, RawBuf::lent(buf), red.dtype, op, fp),
+                SingleCopy => single_copy_allreduce(ctx, buf, red.dtype, op, fp),
                 Hierarchical => hierarchical_allreduce(ctx, buf, red.dtype, op, hosts(), fp),
                 _ => all_reduce(ctx, algorithm, apart, buf, red.dtype, op, (check, fp)),
             }
@@ -328,19 +320,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, plan: &Plan, fp: &Fingerprint) -> Res
                 }
             }
             match algorithm {
-                SingleCopy => {
-                    // It still takes its buffers by address (see docs/layout.md).
-                    let out = RawBuf::lent(output);
-                    let at = |(c, b): (usize, &&[u8])| {
-                        if c == rank {
-                            own.map_or(out, RawBuf::read)
-                        } else {
-                            RawBuf::read(b)
-                        }
-                    };
-                    let inputs: Vec<RawBuf> = inputs.iter().enumerate().map(at).collect();
-                    single_copy_reduce_scatter(ctx, &inputs, out, red.dtype, red.op, fp)
-                }
+                SingleCopy => single_copy_reduce_scatter(ctx, (&inputs, own), output, red.dtype, red.op, fp),
                 Hierarchical => {
                     hierarchical_reduce_scatter(ctx, (&inputs, own), output, red.dtype, red.op, hosts(), fp)
                 }
@@ -411,7 +391,7 @@ fn all_reduce(
         _ => {
             debug_assert_eq!(algorithm, Algorithm::Ring, "planned for an all-reduce");
             debug_assert!(check.is_none(), "the ring checks the call before it starts");
-            ring_allreduce(ctx, RawBuf::lent(buf), dtype, op)
+            ring_allreduce(ctx, buf, dtype, op)
         }
     }
 }
@@ -451,6 +431,7 @@ mod tests {
     use super::*;
     use crate::algorithms::{ScratchPool, What};
     use crate::dtype::BYTES;
+    use crate::ops::RawBuf;
     use crate::transport::fake::{FakeNet, FakeTransport};
     use std::time::{Duration, Instant};
 

@@ -29,7 +29,7 @@ use super::arena_reduce_scatter::arena_reduce_scatter;
 use super::call_check::Fingerprint;
 use super::hosts::Hosts;
 use super::pipeline::{piece_count, pieces_mut, pipelined, pipelined_through};
-use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, split_own, OpCtx, RawBuf};
+use super::{ring_allgather, ring_allreduce, ring_reduce_scatter, split_own, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
@@ -48,7 +48,7 @@ pub fn hierarchical_allreduce(
 ) -> Result<()> {
     let Some(local) = hosts.per_host() else {
         let ring = hosts.ring_view(ctx.transport);
-        return ring_allreduce(&ctx.phase(&ring, ctx.phase), RawBuf::lent(buf), dtype, op);
+        return ring_allreduce(&ctx.phase(&ring, ctx.phase), buf, dtype, op);
     };
     let (host, i) = hosts.locate(ctx.transport.rank());
     let count = piece_count(ctx, buf.len(), 3);
@@ -116,7 +116,7 @@ impl Plan<'_> {
             }
             (1, _) => {
                 let mine = &mut *chunks[self.i];
-                ring_allreduce(&ctx.phase(&self.across, phase), RawBuf::lent(mine), self.dtype, sum)?;
+                ring_allreduce(&ctx.phase(&self.across, phase), mine, self.dtype, sum)?;
                 if self.op == ReduceOp::Avg {
                     divide_by(self.dtype, mine, ctx.transport.size());
                 }

@@ -5,10 +5,6 @@
 // Segment loops index several parallel lists (offsets, posted receives) by
 // the segment number; iterator chains would hide that.
 #![allow(clippy::needless_range_loop)]
-// What unsafe code is left here (turning the op's pointers into slices, and
-// the two algorithms that still send and receive by address) says why in
-// every block (see `RawBuf`).
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 use crate::dtype::{DType, ReduceOp};
 use crate::locks::{level, Mutex};
@@ -18,7 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod alltoall;
-mod apart;
 mod arena_allgather;
 mod arena_allreduce;
 mod arena_alltoall;
@@ -61,6 +56,7 @@ pub use hier_allreduce::hierarchical_allreduce;
 pub use hier_direct_allreduce::hierarchical_direct_allreduce;
 pub use hier_reduce_scatter::hierarchical_reduce_scatter;
 pub use monitored_barrier::monitored_barrier;
+pub use op_bufs::OpBufs;
 pub use ring_allgather::ring_allgather;
 pub use ring_allreduce::ring_allreduce;
 pub use ring_reduce::ring_reduce;
@@ -173,18 +169,6 @@ impl<'a> OpCtx<'a> {
         (1..world).map(move |k| (rank + k) % world)
     }
 
-    /// Copy `src` into `dst` (same length) unless they are the same memory, and count it.
-    ///
-    /// # Safety
-    /// As for `copy_buf`.
-    pub unsafe fn copy(&self, dst: RawBuf, src: RawBuf) {
-        if dst.ptr != src.ptr {
-            self.cost.copied(src.len);
-        }
-        // SAFETY: this function's contract is `copy_buf`'s, passed on.
-        unsafe { copy_buf(dst, src) }
-    }
-
     /// Copy `src` into `dst` (same length: asserted), and count it.
     pub fn copy_into(&self, dst: &mut [u8], src: &[u8]) {
         self.cost.copied(src.len());
@@ -205,94 +189,6 @@ pub const MAX_PHASES: u64 = 255;
 pub fn reducing(dtype: DType, op: ReduceOp) -> Fold {
     let f = move |dst: &mut [u8], src: &[u8]| crate::reduce::reduce_into(dtype, op, dst, src);
     Fold { unit: dtype.size(), f: Arc::new(f) }
-}
-
-/// A caller-owned byte range (a tensor's storage) that outlives the op.
-///
-/// Algorithms take slices (`OpBufs::of` makes them, once, where the op
-/// starts); the unsafe code that still takes a RawBuf (that conversion,
-/// `apart.rs`, and the algorithms that send a range and receive into it
-/// again, see docs/layout.md) rests on what follows:
-/// - The op's buffers (the `Collective`'s) are valid for reads and writes of
-///   `len` bytes until the op is done, and the caller does not touch them
-///   meanwhile (`Engine::submit`'s contract). Scratch memory is valid while
-///   its `Scratch` lives; an algorithm takes it before its `Transfers`,
-///   which is dropped first, and waits for or withdraws every transfer.
-/// - The transport touches a range handed to `Transfers::send` (reads) or
-///   `recv` (writes) from then until the transfer is waited for or the
-///   `Transfers` is dropped; the algorithm does not write a range being
-///   sent, nor touch one being received, in between, unless the order of
-///   the messages proves the transport is done with it (said where so).
-/// - Two buffers of one op do not overlap (`apart.rs` makes sure of it), but
-///   where an input is exactly the block this rank keeps of its own
-///   (all-gather's `outputs[rank]`, all-to-all's, reduce-scatter's output as
-///   `inputs[rank]`: in place; `copy` skips it), the form torch's in-place
-///   ops give.
-/// - Ranges are computed inside the buffer (`sub`, `slice` and `slice_mut`
-///   assert it).
-#[derive(Clone, Copy, Debug)]
-pub struct RawBuf {
-    pub ptr: *mut u8,
-    pub len: usize,
-}
-// SAFETY: a RawBuf is a pointer and a length; touching the memory is unsafe
-// (`slice`, `slice_mut`, the transfers), and the op's owner keeps it alive
-// until the op finishes, whichever thread runs it (the engine's worker, a
-// pipelined phase's thread, the reactor for transfers).
-unsafe impl Send for RawBuf {}
-// SAFETY: sharing the descriptor between an op's threads only copies the
-// pointer; each phase of an op touches ranges of its own (see above).
-unsafe impl Sync for RawBuf {}
-
-impl RawBuf {
-    /// Empty tensors may have no storage (a null pointer); slices still need
-    /// an aligned non-null one.
-    pub fn new(ptr: *mut u8, len: usize) -> RawBuf {
-        let ptr = if len == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr().cast() } else { ptr };
-        RawBuf { ptr, len }
-    }
-
-    /// A slice lent by the op (`OpBufs`) to an algorithm that still takes its
-    /// buffer by address: the slice is not used again while the buffer is.
-    pub fn lent(buf: &mut [u8]) -> RawBuf {
-        RawBuf::new(buf.as_mut_ptr(), buf.len())
-    }
-
-    /// As `lent`, for a slice lent to be read only.
-    pub fn read(buf: &[u8]) -> RawBuf {
-        RawBuf::new(buf.as_ptr().cast_mut(), buf.len())
-    }
-
-    /// The bytes [off, off + len) of this buffer (inside it: asserted), as a
-    /// buffer of their own: the same promises hold for them.
-    pub fn sub(&self, off: usize, len: usize) -> RawBuf {
-        assert!(off.checked_add(len).is_some_and(|end| end <= self.len), "a part of a buffer lies inside it");
-        // Inside the buffer, `wrapping_add` is `add`, without its unsafe promise.
-        RawBuf::new(self.ptr.wrapping_add(off), len)
-    }
-
-    /// The bytes [off, off + len) (inside the buffer: asserted).
-    ///
-    /// # Safety
-    /// The range must be valid and not written by anyone else while the slice lives.
-    pub unsafe fn slice<'a>(&self, off: usize, len: usize) -> &'a [u8] {
-        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
-        // SAFETY: [off, off + len) lies inside the buffer (asserted), whose
-        // pointer is non-null and, being bytes, aligned (`RawBuf::new`); the
-        // caller promises the range is valid and unwritten while the slice lives.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
-    }
-
-    /// The bytes [off, off + len) (inside the buffer: asserted), to write.
-    ///
-    /// # Safety
-    /// The range must be valid and not accessed by anyone else while the slice lives.
-    pub unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {
-        assert!(off.checked_add(len).is_some_and(|end| end <= self.len));
-        // SAFETY: as in `slice`; the caller promises nobody else touches the
-        // range while this mutable slice lives.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
-    }
 }
 
 /// Scratch memory kept between ops: a fresh large allocation costs a page
@@ -338,10 +234,6 @@ impl Scratch<'static> {
 }
 
 impl Scratch<'_> {
-    pub fn raw(&mut self) -> RawBuf {
-        RawBuf::new(self.buf.as_mut_ptr().cast(), self.bytes)
-    }
-
     /// The memory, as bytes.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         &mut crate::reduce::bytes_of_words(&mut self.buf)[..self.bytes]
@@ -373,19 +265,6 @@ pub fn split_own<'o>(blocks: &'o mut [&mut [u8]], rank: usize) -> (Vec<(usize, &
 pub fn pick<'o>(blocks: &'o mut [&mut [u8]], at: &[usize]) -> Vec<&'o mut [u8]> {
     let mut all: Vec<Option<&mut [u8]>> = blocks.iter_mut().map(|b| Some(&mut **b)).collect();
     at.iter().map(|&i| all[i].take().expect("each block is picked once")).collect()
-}
-
-/// Copy `src` into `dst` (same length) unless they are the same memory.
-///
-/// # Safety
-/// Both ranges must be valid and not accessed by anyone else meanwhile.
-pub unsafe fn copy_buf(dst: RawBuf, src: RawBuf) {
-    assert_eq!(dst.len, src.len, "copy_buf: length mismatch");
-    if dst.ptr != src.ptr && src.len > 0 {
-        // SAFETY: both ranges are `len` bytes (asserted), valid and touched by
-        // no one else (the caller's promise); `copy` allows them to overlap.
-        unsafe { std::ptr::copy(src.ptr, dst.ptr, src.len) };
-    }
 }
 
 /// Byte range of segment `j` when `len` bytes are cut into `seg`-byte pieces.

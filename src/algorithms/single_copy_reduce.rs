@@ -12,92 +12,92 @@
 //! contribution to its output) + 2(W-1)c (each peer's block read and
 //! folded); all-reduce 3(W-1)c (the same folds, then the W-1 reduced blocks
 //! read), as much as the ring's with single copy.
+//!
+//! All-reduce receives the peers' reduced blocks into the blocks it sent
+//! them: each receive is posted once its block's send is done (the peer has
+//! read it), `Transfers::recv_after`.
 
 use super::call_check::{agree_with_all, Fingerprint};
-use super::{reducing, OpCtx, RawBuf};
+use super::pipeline::pieces_mut;
+use super::{reducing, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::divide_by;
 use crate::transport::Transfers;
 
-/// `inputs[c]` is this rank's contribution to block c; `output` gets block `rank`.
+/// `inputs[c]` is this rank's contribution to block c (its own, `inputs[rank]`,
+/// is `own`, or None in place: what `output` holds); `output` gets block `rank`.
 pub fn single_copy_reduce_scatter(
     ctx: &OpCtx,
-    inputs: &[RawBuf],
-    output: RawBuf,
+    (inputs, own): (&[&[u8]], Option<&[u8]>),
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    check: &Fingerprint,
+) -> Result<()> {
+    ctx.with_transfers(|tr| {
+        agree_with_all(ctx, tr, check)?;
+        for p in ctx.peers() {
+            tr.send(p, ctx.key(0), inputs[p])?;
+        }
+        if let Some(own) = own {
+            ctx.copy_into(output, own);
+        }
+        fold_peers_blocks(ctx, tr, output, dtype, op)?;
+        tr.wait_all()
+    })
+}
+
+/// All-reduce of `buf`, cut into W blocks of whole elements (block c:
+/// elements [c n / W, (c + 1) n / W)).
+pub fn single_copy_allreduce(
+    ctx: &OpCtx,
+    buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     check: &Fingerprint,
 ) -> Result<()> {
     let rank = ctx.transport.rank();
-    let tr = &mut ctx.transfers();
-    agree_with_all(ctx, tr, check)?;
-    send_blocks(ctx, tr, inputs, 0)?;
-    // SAFETY: `output` is in no transfer yet (folds into it come next); the
-    // sends above only read inputs[p] for p != rank, and inputs[rank]
-    // is only read here (in place the same memory: `copy` skips it).
-    unsafe { ctx.copy(output, inputs[rank]) };
-    fold_peers_blocks(ctx, tr, output, dtype, op)?;
-    tr.wait_all()
-}
-
-/// All-reduce of `buf`, cut into W blocks of whole elements.
-pub fn single_copy_allreduce(ctx: &OpCtx, buf: RawBuf, dtype: DType, op: ReduceOp, check: &Fingerprint) -> Result<()> {
-    let (rank, world) = (ctx.transport.rank(), ctx.transport.size());
-    let blocks = allreduce_blocks(buf, dtype, world);
-    let tr = &mut ctx.transfers();
-    agree_with_all(ctx, tr, check)?;
-    send_blocks(ctx, tr, &blocks, 0)?;
-    fold_peers_blocks(ctx, tr, blocks[rank], dtype, op)?;
-    // A peer's block is overwritten only by the peer's reduced one, which it
-    // sends after it has read (and folded) ours.
-    for p in ctx.peers() {
-        // SAFETY: blocks[p], p != rank, of the op's buffer. Its send above may
-        // still count as pending, but peer p reads it (as its address) before
-        // it folds and sends its reduced block, which is what fills this
-        // receive: the transport is done reading it by then. No other receive
-        // fills it.
-        unsafe { tr.recv_raw(p, ctx.key(1), blocks[p].ptr, blocks[p].len)? };
-    }
-    for p in ctx.peers() {
-        // SAFETY: this rank's reduced block, whose folds were all waited for; no
-        // receive fills it, the sends only read it.
-        unsafe { tr.send_raw(p, ctx.key(1), blocks[rank].slice(0, blocks[rank].len))? };
-    }
-    tr.wait_all()
-}
-
-/// Block c of an all-reduce's buffer: elements [c n / W, (c + 1) n / W).
-fn allreduce_blocks(buf: RawBuf, dtype: DType, world: usize) -> Vec<RawBuf> {
-    let (es, n) = (dtype.size(), buf.len / dtype.size());
-    let start = |c: usize| c * n / world * es;
-    (0..world).map(|c| buf.sub(start(c), start(c + 1) - start(c))).collect()
-}
-
-/// Send `blocks[p]` to every peer p (as its address: the peer reads it).
-fn send_blocks(ctx: &OpCtx, tr: &mut Transfers, blocks: &[RawBuf], step: u64) -> Result<()> {
-    for p in ctx.peers() {
-        // SAFETY: blocks[p], p != rank, of the op's buffers: only read, by the
-        // sends; nothing writes them before the peers have read them (see
-        // `single_copy_allreduce`).
-        unsafe { tr.send_raw(p, ctx.key(step), blocks[p].slice(0, blocks[p].len))? };
-    }
-    Ok(())
+    let mut blocks: Vec<Option<&mut [u8]>> =
+        pieces_mut(buf, dtype.size(), ctx.transport.size()).into_iter().map(Some).collect();
+    let mine = blocks[rank].take().expect("this rank's block");
+    ctx.with_transfers(|tr| {
+        agree_with_all(ctx, tr, check)?;
+        let mut sent = Vec::new();
+        for p in ctx.peers() {
+            let block = blocks[p].take().expect("each block is sent once");
+            sent.push((p, tr.send_mut(p, ctx.key(0), block)?));
+        }
+        let mine: &[u8] = fold_peers_blocks(ctx, tr, mine, dtype, op)?;
+        // A peer's block is overwritten by the peer's reduced one, once the
+        // peer has read (and folded) ours.
+        for (p, block) in sent {
+            // Given back with the scope, which waits for it.
+            let _lent = tr.recv_after(block, p, ctx.key(1), None)?;
+        }
+        for p in ctx.peers() {
+            tr.send(p, ctx.key(1), mine)?;
+        }
+        tr.wait_all()
+    })
 }
 
 /// Fold every peer's block into `mine`, one peer at a time (folds into one
-/// buffer must not run at once), then divide for AVG.
-fn fold_peers_blocks(ctx: &OpCtx, tr: &mut Transfers, mine: RawBuf, dtype: DType, op: ReduceOp) -> Result<()> {
+/// buffer must not run at once), then divide for AVG; `mine` back.
+fn fold_peers_blocks<'b>(
+    ctx: &OpCtx,
+    tr: &mut Transfers<'_, 'b>,
+    mut mine: &'b mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<&'b mut [u8]> {
     let fold = reducing(dtype, op);
     for p in ctx.peers() {
-        // SAFETY: `mine` is this rank's block (never sent from here), filled by one
-        // fold at a time: each is waited for before the next is posted.
-        let id = unsafe { tr.recv_folded_raw(p, ctx.key(0), mine.ptr, mine.len, Some(fold.clone()))? };
-        tr.wait(id)?;
+        let lent = tr.recv_folded(p, ctx.key(0), mine, Some(fold.clone()))?;
+        mine = tr.give_back(lent)?;
     }
     if op == ReduceOp::Avg {
-        // SAFETY: every fold into `mine` was waited for: no transfer touches it.
-        divide_by(dtype, unsafe { mine.slice_mut(0, mine.len) }, ctx.transport.size());
+        divide_by(dtype, mine, ctx.transport.size());
     }
-    Ok(())
+    Ok(mine)
 }

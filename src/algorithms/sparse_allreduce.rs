@@ -11,6 +11,7 @@
 //! naming the rank that sent it.
 
 use super::{ring_allgather, take_front, OpCtx};
+use crate::alloc::zeroed;
 use crate::error::{Error, Result};
 use crate::ops::{SparseGathered, SparseShape};
 use crate::reduce::bytes_of_words;
@@ -113,25 +114,6 @@ impl RowLayout {
             why: format!("sent a count of {n} rows: this rank cannot allocate the {bytes} bytes of all ranks' rows"),
         }
     }
-}
-
-/// `bytes` zeroed bytes, or None if the allocator refuses them. Zeroed by
-/// the allocator as `vec!` does it (pages that are never written are never
-/// touched), but without aborting the process when they cannot be had.
-fn zeroed(bytes: usize) -> Option<Vec<u8>> {
-    if bytes == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(bytes).ok()?;
-    // SAFETY: `layout` has a size above zero (checked above), as alloc_zeroed requires.
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: `ptr` comes from the global allocator with `layout`: `bytes`
-    // bytes at alignment 1, a u8's, all zero (so initialised); length and
-    // capacity are both that size, as from_raw_parts requires.
-    Some(unsafe { Vec::from_raw_parts(ptr, bytes, bytes) })
 }
 
 fn bad_peer(ctx: &OpCtx, bad: BadRows) -> Error {

@@ -2,6 +2,7 @@
 //! run its collectives in order (fault injection, the broken-group check, the
 //! call check and the algorithm), stage results out, count, and finish.
 
+use super::lend;
 use super::staging::{run_in_pieces, Staging};
 use super::Shared;
 use crate::algorithms::{self, call_check::Fingerprint, OpCtx, Plan, What};
@@ -70,7 +71,7 @@ impl Shared {
                             piece: i as u64,
                             ..*ctx
                         };
-                        algorithms::run(&piece_ctx, piece, &Plan::of(&piece_ctx, piece, false), &Fingerprint::of(piece))
+                        lend::run(&piece_ctx, piece, &Plan::of(&piece_ctx, piece, false), &Fingerprint::of(piece))
                     })
                 })
             }
@@ -94,7 +95,7 @@ impl Shared {
             if !plan.checks_inline && !matches!(part, Collective::MonitoredBarrier { .. }) {
                 algorithms::call_check::agree(ctx, &fingerprint)?;
             }
-            algorithms::run(ctx, part, &plan, &fingerprint)
+            lend::run(ctx, part, &plan, &fingerprint)
         })
     }
 

@@ -9,10 +9,12 @@
 //! a collective is `algorithms::run`'s business, moving device tensors in
 //! and out staging.rs's.
 
+mod apart;
 mod gates;
 mod handle;
 mod host_stream;
 mod job;
+pub mod lend;
 mod p2p;
 mod staging;
 

@@ -4,10 +4,10 @@
 
 use super::handle::{Expiry, OpHandle, ANY_SOURCE};
 use super::Engine;
-use crate::algorithms::RawBuf;
 use crate::error::{Error, Result};
 use crate::fault::{Action, ENV_FAULT};
 use crate::ops::OpKind;
+use crate::ops::RawBuf;
 use crate::status::{Cost, Finisher, Status};
 use crate::transport::{Key, Ready};
 use std::sync::atomic::Ordering;

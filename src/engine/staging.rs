@@ -8,9 +8,9 @@
 //! (`Device`): copy a byte range one way or the other in stream order, and
 //! wait for a copy.
 
-use crate::algorithms::RawBuf;
 use crate::error::Result;
 use crate::ops::Collective;
+use crate::ops::RawBuf;
 
 /// One tensor that lives on a device: the engine works on its host copy.
 #[derive(Debug, Clone, Copy)]

@@ -4,11 +4,11 @@
 
 use super::bridge::{self, Call, OpKind, ReduceOpCode};
 use crate::algorithms::call_check::Fingerprint;
-use crate::algorithms::RawBuf;
 use crate::dtype;
 use crate::engine::{AfterCopies, Device, Event, HeldCopies, Staging};
 use crate::error::{Error, Result};
 use crate::locks::{level, Condvar, Mutex};
+use crate::ops::RawBuf;
 use crate::ops::{self, Collective, Reduction, SparseGathered};
 use crate::status::Finisher;
 use std::sync::Arc;

@@ -28,7 +28,7 @@
 use super::group::arena::Arena;
 use super::group::waits::{ask_next, in_turn, Wait, Waits};
 use super::links::mailbox::{AnyPosted, Mailbox, PostedRecv, RecvBuf, Sources};
-use super::{Fold, Key, Ready, Transport};
+use super::{Fold, Gate, Key, Ready, Transport};
 use crate::error::{Error, Result};
 use crate::locks::{level, Mutex};
 use crate::status::Status;
@@ -320,6 +320,23 @@ impl Transport for FakeTransport {
         self.check_peer(peer)?;
         let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: None };
         self.net.inbox[self.rank][peer].lock().unwrap().post(key, recv);
+        Ok(())
+    }
+
+    unsafe fn recv_after(
+        &self,
+        gate: &Arc<Gate>,
+        peer: usize,
+        key: Key,
+        buf: RecvBuf,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        self.check_peer(peer)?;
+        let (net, rank, posted) = (self.net.clone(), self.rank, status.clone());
+        gate.post_after(status, move || {
+            let recv = PostedRecv { buf, status: posted, any_source: None };
+            net.inbox[rank][peer].lock().unwrap().post(key, recv);
+        });
         Ok(())
     }
 

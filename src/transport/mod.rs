@@ -11,6 +11,7 @@
 //! and the waits a peer may ask about.
 
 pub mod fake;
+mod gate;
 pub mod group;
 pub mod links;
 mod transfers;
@@ -18,9 +19,10 @@ mod transfers;
 // Modules are named by their folder (`transport::links::frame`), so that a
 // reader sees which side each is on; only the items every layer uses are
 // here.
+pub use gate::Gate;
 use group::{arena, waits};
 pub use links::frame::Key;
-pub use links::mailbox::Fold;
+pub use links::mailbox::{Fold, RecvBuf};
 pub use transfers::{withdraw, Lent, TransferId, Transfers};
 
 use crate::error::{Error, Result};
@@ -85,6 +87,23 @@ pub trait Transport: Send + Sync {
         data: *mut u8,
         len: usize,
         fold: Option<Fold>,
+        status: Arc<Status>,
+    ) -> Result<()>;
+
+    /// Like `recv`, posted once the send `gate` waits for (from the same
+    /// memory) has finished, so that the message is not written while the
+    /// send may still read it (one that arrives sooner waits, as an early
+    /// message does); that send failing fails it with its error. `gate` says
+    /// whether it was posted yet, and withdraws it before then.
+    ///
+    /// # Safety
+    /// As for `recv`, from now on.
+    unsafe fn recv_after(
+        &self,
+        gate: &Arc<Gate>,
+        peer: usize,
+        key: Key,
+        buf: RecvBuf,
         status: Arc<Status>,
     ) -> Result<()>;
 

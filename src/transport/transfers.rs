@@ -57,7 +57,7 @@
 //! ```
 
 use super::group::waits;
-use super::{Fold, Key, Transport, Wait, WaitOn};
+use super::{Fold, Gate, Key, RecvBuf, Transport, Wait, WaitOn};
 use crate::error::{Error, Result};
 use crate::status::{Cost, Status};
 use std::marker::PhantomData;
@@ -147,6 +147,8 @@ struct Pending {
     /// `recv_owned`): freed only after the transfer is done, when the
     /// `Transfers` is, however early its user returned.
     owned: Option<Vec<u8>>,
+    /// A receive posted once a send is done (`recv_after`): whether it is yet.
+    gate: Option<Arc<Gate>>,
 }
 
 /// Index of a transfer within its `Transfers`.
@@ -252,6 +254,34 @@ impl<'t, 'b> Transfers<'t, 'b> {
         Ok(self.lent(id, ptr, whole))
     }
 
+    /// Receive into the slice `sent` lends (a `send_mut` or `send_head` of
+    /// it), once that send is done, from `peer` (all of it, folded as
+    /// `fold` says): the slice goes from the send to the receive without
+    /// coming back in between, so the receive can be posted now, ahead of
+    /// the message, and `give_back` returns it once the message is in.
+    pub fn recv_after(&mut self, sent: Lent<'b>, peer: usize, key: Key, fold: Option<Fold>) -> Result<Lent<'b>> {
+        let send = self.mine(&sent);
+        let (gate, status) = (Gate::after(self.pending[send.0].status.clone()), Status::costed(self.cost.clone()));
+        // SAFETY: the slice was moved into `sent`, out of everyone's reach: the
+        // transport writes it only once the send that reads it is done
+        // (`recv_after`), and it stays lent (the Lent made below) until a wait
+        // for this receive returns Ok or this Transfers is dropped, which waits
+        // for it or withdraws it (`Gate::withdraw` before it is posted).
+        unsafe {
+            self.transport.recv_after(&gate, peer, key, RecvBuf { ptr: sent.ptr, len: sent.len, fold }, status.clone())
+        }
+        .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
+        self.pending.push(Pending { peer, recv_key: Some(key), status, owned: None, gate: Some(gate) });
+        Ok(self.lent(TransferId(self.pending.len() - 1), sent.ptr, sent.len))
+    }
+
+    /// The transfer `lent` was lent to, which must be one of this `Transfers`'.
+    fn mine(&self, lent: &Lent<'b>) -> TransferId {
+        let mine = self.pending.get(lent.id.0).is_some_and(|p| Arc::ptr_eq(&p.status, &lent.status));
+        assert!(mine, "a slice is given back by the Transfers it was lent to");
+        lent.id
+    }
+
     fn lent(&self, id: TransferId, ptr: *mut u8, len: usize) -> Lent<'b> {
         Lent { id, status: self.pending[id.0].status.clone(), ptr, len, slice: PhantomData }
     }
@@ -259,9 +289,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
     /// Wait for a lent slice's transfer, bounded by the op's deadline, and
     /// return the slice. On an error it stays lent until the scope ends.
     pub fn give_back(&self, lent: Lent<'b>) -> Result<&'b mut [u8]> {
-        let mine = self.pending.get(lent.id.0).is_some_and(|p| Arc::ptr_eq(&p.status, &lent.status));
-        assert!(mine, "a slice is given back by the Transfers it was lent to");
-        self.wait(lent.id)?;
+        self.wait(self.mine(&lent))?;
         // SAFETY: the transfer is done (the wait returned Ok), so the
         // transport no longer touches the slice; the Lent held the only
         // borrow of it, for 'b, and is consumed here.
@@ -276,7 +304,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
         // Transfers is dropped, and dropping it waits until `status` finishes.
         unsafe { self.transport.send(peer, key, data.as_ptr(), data.len(), status.clone(), self.deadline, None) }
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
-        self.pending.push(Pending { peer, recv_key: None, status, owned: None });
+        self.pending.push(Pending { peer, recv_key: None, status, owned: None, gate: None });
         Ok(TransferId(self.pending.len() - 1))
     }
 
@@ -340,7 +368,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
         // Transfers is dropped, which waits until `status` finishes.
         unsafe { self.transport.recv(peer, key, data, len, fold, status.clone()) }
             .map_err(|e| e.context(format!("rustc10d: {} failed", self.what)))?;
-        self.pending.push(Pending { peer, recv_key: Some(key), status, owned: None });
+        self.pending.push(Pending { peer, recv_key: Some(key), status, owned: None, gate: None });
         Ok(TransferId(self.pending.len() - 1))
     }
 
@@ -406,6 +434,11 @@ impl Drop for Transfers<'_, '_> {
     fn drop(&mut self) {
         let reason = Error::aborted(format!("rustc10d: {} was abandoned", self.what));
         for p in &self.pending {
+            // A receive still waiting for its send is never posted now.
+            if p.gate.as_ref().is_some_and(|g| g.withdraw()) {
+                p.status.finish(Err(reason.clone()));
+                continue;
+            }
             withdraw(self.transport, Some(p.peer), p.recv_key, &p.status, &reason);
             p.status.wait(None, Duration::ZERO);
         }
@@ -471,6 +504,55 @@ mod tests {
             .unwrap();
             assert_eq!(tr.give_back(lent).unwrap(), [3, 4, 0, 0]);
         });
+    }
+
+    /// A receive into a slice still being sent waits for the send: a message
+    /// that comes first is kept, and written only once the send has read
+    /// the slice (a held send reads it when released).
+    #[test]
+    fn a_receive_after_a_send_writes_only_once_the_send_has_read() {
+        let net = FakeNet::new(2);
+        let (out, back) = (Key::collective(0, 0), Key::collective(0, 1));
+        let (mut buf, mut got) = ([3u8; 4], [0u8; 4]);
+        net[0].hold(1);
+        scope(&*net[0], |tr| {
+            let sent = tr.send_mut(1, out, &mut buf).unwrap();
+            let lent = tr.recv_after(sent, 1, back, None).unwrap();
+            // Rank 1's answer comes before the send has gone.
+            scope(&*net[1], |tr| tr.send(0, back, &[9u8; 4]).and_then(|_| tr.wait_all())).unwrap();
+            assert!(tr.finished_by(lent.id(), Instant::now() + Duration::from_millis(50)).is_none());
+            net[0].release(1);
+            assert_eq!(tr.give_back(lent).unwrap(), [9; 4]);
+        });
+        scope(&*net[1], |tr| tr.recv(0, out, &mut got).and_then(|l| tr.give_back(l).map(drop))).unwrap();
+        assert_eq!(got, [3; 4], "the send read the slice before the receive wrote it");
+    }
+
+    /// A send that fails fails the receive that waited for it, which never
+    /// touches the slice; one that a scope left early is never posted.
+    #[test]
+    fn a_receive_after_a_failed_or_abandoned_send_leaves_the_slice_alone() {
+        let net = FakeNet::new(3);
+        let mut buf = [3u8; 4];
+        net[0].hold(1);
+        let r = scope(&*net[0], |tr| {
+            let sent = tr.send_mut(1, Key::collective(0, 0), &mut buf)?;
+            let lent = tr.recv_after(sent, 2, Key::collective(0, 1), None)?;
+            net[0].break_peer(1, &Error::io("cut"));
+            tr.give_back(lent).map(drop)
+        });
+        assert!(r.unwrap_err().message.contains("the send it waited for failed"), "names why");
+        let net = FakeNet::new(3);
+        net[0].hold(1);
+        let r: Result<()> = scope(&*net[0], |tr| {
+            let sent = tr.send_mut(1, Key::collective(1, 0), &mut buf)?;
+            let _never_given_back = tr.recv_after(sent, 2, Key::collective(1, 1), None)?;
+            Err(Error::aborted("the op failed elsewhere"))
+        });
+        assert!(r.is_err());
+        // Its message comes now: kept for a later receive, not written here.
+        scope(&*net[2], |tr| tr.send(0, Key::collective(1, 1), &[5u8; 4]).and_then(|_| tr.wait_all())).unwrap();
+        assert_eq!(buf, [3; 4]);
     }
 
     /// Another scope of the same lifetime, whose own transfer of the same

@@ -29,10 +29,10 @@ use crate::status::{Polling, Status};
 use crate::transport::group::arena::Arena;
 use crate::transport::group::waits::Wait;
 use crate::transport::links::frame::{Key, ABORT_MAX};
-use crate::transport::links::mailbox::Sources;
+use crate::transport::links::mailbox::{RecvBuf, Sources};
 use crate::transport::links::mesh_core::{describe_as, Core};
 use crate::transport::links::writer::SendReq;
-use crate::transport::{Fold, Ready, Transport};
+use crate::transport::{Fold, Gate, Ready, Transport};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -369,6 +369,20 @@ impl Transport for Channel {
         let (peer, key) = (self.members[peer], key.in_group(self.group));
         // SAFETY: the caller's contract, passed on.
         unsafe { self.core.recv_from(peer, key, data, len, fold, status) };
+        Ok(())
+    }
+
+    unsafe fn recv_after(
+        &self,
+        gate: &Arc<Gate>,
+        peer: usize,
+        key: Key,
+        buf: RecvBuf,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        let (peer, key) = (self.members[peer], key.in_group(self.group));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.recv_from_after(gate, peer, key, buf, status) };
         Ok(())
     }
 

@@ -19,13 +19,13 @@ use crate::transport::links::accept::{Listener, Listening};
 use crate::transport::links::auth::Identity;
 use crate::transport::links::endpoint::{PeerAddr, ShmEndpoint};
 use crate::transport::links::frame::Key;
-use crate::transport::links::mailbox::{Fold, Mailbox, Sources};
+use crate::transport::links::mailbox::{Fold, Mailbox, RecvBuf, Sources};
 use crate::transport::links::mesh_core::{describe, Core, PeerConns, PeerSlot};
 use crate::transport::links::peer::Peer;
 use crate::transport::links::peer_reads::PeerReadsGrant;
 use crate::transport::links::reactor::{Reactor, READABLE};
 use crate::transport::links::striping::Striping;
-use crate::transport::{Ready, Transport};
+use crate::transport::{Gate, Ready, Transport};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -227,6 +227,19 @@ impl Transport for Mesh {
     ) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
         unsafe { self.core.recv_from(peer, key, data, len, fold, status) };
+        Ok(())
+    }
+
+    unsafe fn recv_after(
+        &self,
+        gate: &Arc<Gate>,
+        peer: usize,
+        key: Key,
+        buf: RecvBuf,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.core.recv_from_after(gate, peer, key, buf, status) };
         Ok(())
     }
 

@@ -8,7 +8,7 @@
 use crate::error::{Error, Result};
 use crate::status::{Polling, Status};
 use crate::transport::group::arena::Arena;
-use crate::transport::{Fold, Key, Ready, Transport, Wait};
+use crate::transport::{Fold, Gate, Key, Ready, RecvBuf, Transport, Wait};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -76,6 +76,19 @@ impl Transport for Subgroup<'_> {
         // SAFETY: the caller's contract is the group's: passed on, for the
         // member this view's rank `peer` is.
         unsafe { self.group.recv(self.members[peer], key, data, len, fold, status) }
+    }
+
+    unsafe fn recv_after(
+        &self,
+        gate: &Arc<Gate>,
+        peer: usize,
+        key: Key,
+        buf: RecvBuf,
+        status: Arc<Status>,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the group's: passed on, for the
+        // member this view's rank `peer` is.
+        unsafe { self.group.recv_after(gate, self.members[peer], key, buf, status) }
     }
 
     /// Views are for collectives, whose receives name their sender.

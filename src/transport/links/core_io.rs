@@ -10,7 +10,7 @@ use crate::transport::links::link::Link;
 use crate::transport::links::mailbox::{PostedRecv, RecvBuf, Sources};
 use crate::transport::links::mesh_core::Core;
 use crate::transport::links::writer::SendReq;
-use crate::transport::{Fold, Ready};
+use crate::transport::{Fold, Gate, Ready};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -51,6 +51,26 @@ impl Core {
         let recv = PostedRecv { buf: RecvBuf { ptr: data, len, fold }, status, any_source: None };
         self.peers[peer].mailbox.lock().unwrap().post(key, recv);
         self.resume(peer);
+    }
+
+    /// `Transport::recv_after` from `peer`: `recv_from` once `gate`'s send is done.
+    /// # Safety
+    /// As for `Transport::recv_after`.
+    pub(in crate::transport) unsafe fn recv_from_after(
+        self: &Arc<Self>,
+        gate: &Arc<Gate>,
+        peer: usize,
+        key: Key,
+        buf: RecvBuf,
+        status: Arc<Status>,
+    ) {
+        let (core, posted) = (self.clone(), status.clone());
+        gate.post_after(status, move || {
+            let buf = buf;
+            // SAFETY: the caller's contract, passed on: the buffer stays valid,
+            // and untouched, until `posted` finishes.
+            unsafe { core.recv_from(peer, key, buf.ptr, buf.len, buf.fold, posted) }
+        });
     }
 
     /// `Transport::recv_any` from whichever of `peers` sends first, named as `sources` says.

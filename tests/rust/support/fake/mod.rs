@@ -1,14 +1,15 @@
 //! What the tests on the in-memory `FakeNet` share: W ranks as threads of
-//! one process, every op run through `algorithms::run` as the engine's job
+//! one process, every op run through `engine::lend::run` as the engine's job
 //! runs it (call check, algorithm, and on failure `abort_all`, as the
 //! engine's break_group does), values to check against plain arithmetic.
 //! Small segments, so that modest buffers take many pipelined steps. Each
 //! test file uses part of it.
 #![allow(dead_code, unused_imports)]
 
-pub use rustc10d::algorithms::{self, call_check, OpCtx, RawBuf, ScratchPool, What};
+pub use rustc10d::algorithms::{self, call_check, OpCtx, ScratchPool, What};
 pub use rustc10d::dtype::{DType, ReduceOp};
 pub use rustc10d::error::{Error, ErrorKind, Result};
+pub use rustc10d::ops::RawBuf;
 pub use rustc10d::ops::{Collective, Reduction, SparseGathered, SparseShape};
 pub use rustc10d::status::Status;
 pub use rustc10d::transport::fake::{FakeNet, FakeTransport};
@@ -75,7 +76,7 @@ impl Rank<'_> {
         let fingerprint = call_check::Fingerprint::of(&part);
         let plan = algorithms::Plan::of(&ctx, &part, true);
         let checked = if plan.checks_inline { Ok(()) } else { call_check::agree(&ctx, &fingerprint) };
-        let r = checked.and_then(|()| algorithms::run(&ctx, &part, &plan, &fingerprint));
+        let r = checked.and_then(|()| rustc10d::engine::lend::run(&ctx, &part, &plan, &fingerprint));
         if let Err(e) = &r {
             self.t.abort_all(e, seq);
         }

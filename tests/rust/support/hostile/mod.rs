@@ -9,10 +9,10 @@
 pub mod honest;
 pub mod impostor;
 
-pub use rustc10d::algorithms::RawBuf;
 pub use rustc10d::config::{Config, TransportMode};
 pub use rustc10d::dtype::{DType, ReduceOp};
 pub use rustc10d::engine::{Engine, Waited};
+pub use rustc10d::ops::RawBuf;
 pub use rustc10d::ops::{Collective, Reduction};
 pub use rustc10d::rendezvous::{connect, MemStore, Member, Store};
 pub use rustc10d::transport::links::auth::{

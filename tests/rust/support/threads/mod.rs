@@ -4,12 +4,12 @@
 //! Each test file uses part of it.
 #![allow(dead_code, unused_imports)]
 
-pub use rustc10d::algorithms::RawBuf;
 pub use rustc10d::config::{Config, TransportMode};
 pub use rustc10d::dtype::{DType, ReduceOp};
 pub use rustc10d::engine::{Engine, OpHandle, Waited};
 pub use rustc10d::error::Error;
 pub use rustc10d::fault::Faults;
+pub use rustc10d::ops::RawBuf;
 pub use rustc10d::ops::{Collective, OpKind, Reduction};
 pub use rustc10d::rendezvous::{connect, MemStore, Member, Store};
 pub use std::sync::{Arc, Mutex};

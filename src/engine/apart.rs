@@ -11,11 +11,11 @@
 //! rank's own block alone may be the very memory of its input (in place:
 //! the form every algorithm expects, and the one torch's in-place ops make).
 //! The op then computes what it would on separate tensors, and the slices
-//! its algorithm lends (`OpBufs`) never alias one another. An
+//! engine lends its algorithm (`lend.rs`) never alias one another. An
 //! op that shares nothing, the common case, costs a sort and copies nothing.
 
-use super::{take_front, OpCtx, RawBuf, Scratch};
-use crate::ops::Collective;
+use crate::algorithms::{take_front, OpCtx, Scratch};
+use crate::ops::{Collective, RawBuf};
 
 /// `part` made apart (see the top of this file): the op to run, and the
 /// outputs to copy out once it has succeeded (`copy_out`).
@@ -91,8 +91,9 @@ impl Apart {
     pub fn copy_out(&self, ctx: &OpCtx) {
         for &(written, output) in &self.out {
             // SAFETY: after the op: its scratch and the caller's output are this
-            // rank's alone, and other memory (the scratch is new).
-            unsafe { ctx.copy(output, written) };
+            // rank's alone, and other memory (the scratch is new); the same length.
+            let (written, output) = unsafe { (written.slice(0, written.len), output.slice_mut(0, output.len)) };
+            ctx.copy_into(output, written);
         }
     }
 }
