@@ -231,22 +231,20 @@ fn goes_as_address(ctx: &OpCtx, bytes: usize) -> bool {
     ctx.transport.single_copy_bytes().is_some_and(|from| bytes >= from)
 }
 
-/// Run one collective as `plan` says: `fp` is the call, which the
-/// algorithm checks where `plan.checks_inline` (the arena's rounds and the
-/// hosts' phases compare it in any case).
-pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Fingerprint) -> Result<()> {
+/// Run one collective as `plan` says, on its buffers `bufs` (lent by the
+/// engine, `engine::lend`): `fp` is the call, which the algorithm checks
+/// where `plan.checks_inline` (the arena's rounds and the hosts' phases
+/// compare it in any case).
+pub fn run(ctx: &OpCtx, part: &Collective, mut bufs: OpBufs, plan: &Plan, fp: &Fingerprint) -> Result<()> {
     use Algorithm::*;
     let rank = ctx.transport.rank();
-    // `part`'s buffers, lent once (each arm takes them from here).
-    let mut bufs = Some(bufs);
-    let mut lend = || bufs.take().expect("an arm lends the op's buffers once");
     let check = plan.checks_inline.then_some(fp);
     let apart = plan.hosts.as_ref();
     let hosts = || apart.expect("hierarchical algorithms are planned for groups on several hosts");
     match (plan.algorithm, part) {
-        (Arena, _) => run_in_arena(ctx, plan.arena.as_ref().expect("planned with its arena"), part, lend(), fp),
+        (Arena, _) => run_in_arena(ctx, plan.arena.as_ref().expect("planned with its arena"), part, bufs, fp),
         (algorithm, Collective::AllReduce { red, .. }) => {
-            let buf = one(&mut lend().outputs);
+            let buf = one(&mut bufs.outputs);
             let op = premultiply(buf, red);
             match algorithm {
                 SingleCopy => single_copy_allreduce(ctx, buf, red.dtype, op, fp),
@@ -257,7 +255,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Finge
         (algorithm, Collective::Reduce { root, red, .. }) => {
             // PREMUL_SUM scales the root's buffer, which the op overwrites, in
             // place; the others' must stay as they were, so they send a scaled copy.
-            let buf = one(&mut lend().outputs);
+            let buf = one(&mut bufs.outputs);
             let mut copy = Scratch::new(0);
             let (input, op) = match rank == *root {
                 true => {
@@ -274,7 +272,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Finge
             }
         }
         (algorithm, Collective::Broadcast { root, .. }) => {
-            let buf = one(&mut lend().outputs);
+            let buf = one(&mut bufs.outputs);
             match algorithm {
                 SingleCopy => single_copy_broadcast(ctx, buf, *root, fp),
                 Tree => tree_broadcast(ctx, buf, *root, apart, fp),
@@ -282,26 +280,26 @@ pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Finge
             }
         }
         (SingleCopy, Collective::AllGather { .. }) => {
-            let OpBufs { own, mut outputs, .. } = lend();
+            let OpBufs { own, mut outputs, .. } = bufs;
             single_copy_allgather(ctx, own, &mut outputs, fp)
         }
         (algorithm, Collective::AllGather { .. }) => {
-            let OpBufs { own, mut outputs, .. } = lend();
+            let OpBufs { own, mut outputs, .. } = bufs;
             match algorithm {
                 Hierarchical => hierarchical_allgather(ctx, own, &mut outputs, hosts(), fp),
                 _ => ring_allgather(ctx, own, &mut outputs),
             }
         }
         (_, Collective::Gather { root, .. }) => {
-            let OpBufs { own, mut outputs, .. } = lend();
+            let OpBufs { own, mut outputs, .. } = bufs;
             direct_gather(ctx, own, &mut outputs, *root)
         }
         (_, Collective::Scatter { root, .. }) => {
-            let OpBufs { inputs, own, mut outputs } = lend();
+            let OpBufs { inputs, own, mut outputs } = bufs;
             direct_scatter(ctx, &inputs, own, one(&mut outputs), *root)
         }
         (algorithm, Collective::ReduceScatter { red, .. }) => {
-            let OpBufs { mut inputs, mut own, mut outputs } = lend();
+            let OpBufs { mut inputs, mut own, mut outputs } = bufs;
             let output = one(&mut outputs);
             // PREMUL_SUM scales copies of the inputs, which the caller keeps.
             let mut copy;
@@ -328,7 +326,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Finge
             }
         }
         (_, Collective::AllToAll { .. }) => {
-            let OpBufs { inputs, own, mut outputs } = lend();
+            let OpBufs { inputs, own, mut outputs } = bufs;
             pairwise_alltoall(ctx, &inputs, own, &mut outputs)
         }
         // An all-reduce of one byte: nobody finishes before everybody has arrived.
@@ -341,7 +339,7 @@ pub fn run(ctx: &OpCtx, part: &Collective, bufs: OpBufs, plan: &Plan, fp: &Finge
         }
         (_, Collective::AllReduceSparse { indices, values, shape, out, .. }) => {
             let rows = shape.rows(indices, values).expect("checked by Collective::check");
-            let OpBufs { inputs, .. } = lend();
+            let OpBufs { inputs, .. } = bufs;
             *out.lock().unwrap() = sparse_allreduce(ctx, inputs[0], inputs[1], rows, shape)?;
             Ok(())
         }
