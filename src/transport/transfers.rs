@@ -2,17 +2,18 @@
 //! the op's deadline, and, whatever happens, done with before the memory
 //! they touch is let go.
 //!
-//! Memory is lent in one of two ways. Safely, inside `Transfers::scope`:
-//! `send` borrows the bytes for the scope, `recv` and `send_mut` take a
-//! mutable slice and hand back a `Lent`, which `give_back` returns as the
-//! slice once the transfer is done. The borrow checker then proves what the
-//! algorithms' SAFETY comments used to argue: nothing writes a range being
-//! sent, nothing touches one being received, and a slice whose transfer was
-//! never waited for stays lent until the scope ends, which waits for it (or
-//! withdraws it). The scope owns the `Transfers`, so it cannot be leaked
-//! (`mem::forget`) with memory still lent. Unsafely, by raw pointer
-//! (`send_raw`, `recv_raw`): for what has not moved to the scope yet, on the
-//! caller's word; dropping the `Transfers` waits for those too.
+//! Memory is lent inside `Transfers::scope`: `send` borrows the bytes for
+//! the scope, `recv` and `send_mut` take a mutable slice and hand back a
+//! `Lent`, which `give_back` returns as the slice once the transfer is done,
+//! and `recv_after` hands a slice lent to a send on to a receive that the
+//! transport posts once the send is done (`gate.rs`). The borrow checker then
+//! proves what the algorithms' SAFETY comments used to argue: nothing writes
+//! a range being sent, nothing touches one being received, and a slice whose
+//! transfer was never waited for stays lent until the scope ends, which waits
+//! for it (or withdraws it). The scope owns the `Transfers`, so it cannot be
+//! leaked (`mem::forget`) with memory still lent. A `Transfers` may also own
+//! a message's memory itself (`send_copy`, `recv_owned`): small messages a
+//! helper builds.
 //!
 //! What the compiler keeps: a slice is written only once it is given back,
 //!
@@ -298,7 +299,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
 
     /// # Safety
     /// `data` must stay valid and unchanged until this `Transfers` is dropped.
-    pub unsafe fn send_raw(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
+    unsafe fn send_raw(&mut self, peer: usize, key: Key, data: &[u8]) -> Result<TransferId> {
         let status = Status::costed(self.cost.clone());
         // SAFETY: the caller keeps `data` valid and unchanged until this
         // Transfers is dropped, and dropping it waits until `status` finishes.
@@ -344,7 +345,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
     /// `data` must stay valid, and not be read, until a wait for the transfer
     /// has returned Ok (one that timed out leaves it pending) or this
     /// `Transfers` is dropped.
-    pub unsafe fn recv_raw(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
+    unsafe fn recv_raw(&mut self, peer: usize, key: Key, data: *mut u8, len: usize) -> Result<TransferId> {
         // SAFETY: the same contract, passed on (without a fold nothing else
         // needs to stay away from the buffer: it is only written).
         unsafe { self.recv_folded_raw(peer, key, data, len, None) }
@@ -354,7 +355,7 @@ impl<'t, 'b> Transfers<'t, 'b> {
     ///
     /// # Safety
     /// As for `recv_raw`; nobody else may touch `data` until then either.
-    pub unsafe fn recv_folded_raw(
+    unsafe fn recv_folded_raw(
         &mut self,
         peer: usize,
         key: Key,
