@@ -38,12 +38,14 @@ impl Gate {
             if gate.state.compare_exchange(WAITING, POSTING, Ordering::AcqRel, Ordering::Acquire).is_err() {
                 return;
             }
-            match sent {
-                Ok(_) => post(),
-                Err(e) => {
-                    let why = format!("the send it waited for failed: {}", e.message);
-                    status.finish(Err(Error::new(e.kind, why)));
-                }
+            // Posted, or failed: a panic while posting fails the receive too,
+            // so that nobody waits for it (or for the gate) for ever.
+            let failed = match sent {
+                Ok(_) => crate::panics::contain("posting a receive", post).err(),
+                Err(e) => Some(Error::new(e.kind, format!("the send it waited for failed: {}", e.message))),
+            };
+            if let Some(e) = failed {
+                status.finish(Err(e));
             }
             gate.state.store(POSTED, Ordering::Release);
         }));
