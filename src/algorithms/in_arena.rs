@@ -8,7 +8,7 @@
 //! the ops that move their data elsewhere.
 
 use super::call_check::{mismatch, Fingerprint};
-use super::OpCtx;
+use super::{segment, OpCtx};
 use crate::error::{Error, Result};
 use crate::transport::group::arena::{Arena, Round, Shape, Stuck, TAG_BYTES};
 use crate::transport::group::waits::in_turn;
@@ -129,10 +129,10 @@ impl InArena<'_> {
 }
 
 /// Round `k`'s part of `len` bytes when every round takes `per_round` of
-/// them (empty once they are done).
+/// them (empty once they are done): segment k, as a range.
 pub fn part(len: usize, per_round: usize, k: usize) -> std::ops::Range<usize> {
-    let off = (k * per_round).min(len);
-    off..off + per_round.min(len - off)
+    let (off, n) = segment(len, per_round, k);
+    off..off + n
 }
 
 /// Round `k`'s part of `buf` (see `part`), to write.
