@@ -141,10 +141,13 @@ fn the_transport_is_the_one_asked_for() {
 fn injected_faults_fail_stall_and_drop() {
     let faults = "rank=1,op=allreduce,seq=2,action=fail; rank=0,op=barrier,action=stall,secs=0.3";
     let engines = group_with_faults(2, Duration::from_secs(10), faults);
+    // Timed from before either rank starts: rank 0 stalls after that, and no
+    // barrier ends before it has stalled. (Timed from its own start, rank 1
+    // once measured under 300 ms, scheduled late on a loaded machine.)
+    let before = Instant::now();
     let out = on_all(&engines, |_, e| {
-        let t0 = Instant::now();
         wait_ok(run(e, Collective::Barrier));
-        let stalled = t0.elapsed();
+        let stalled = before.elapsed();
         let mut v = vec![1i64; 4];
         wait_ok(all_reduce(e, raw(&mut v), DType::I64, ReduceOp::Sum));
         let second = all_reduce(e, raw(&mut v), DType::I64, ReduceOp::Sum).wait(None);
