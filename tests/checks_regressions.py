@@ -416,6 +416,11 @@ def buffers_that_share_memory_give_what_separate_tensors_give(ctx: Ctx):
         block(o, nxt).copy_(ar + r)
         dist.all_gather_into_tensor(o, block(o, nxt))
         ctx.expect_equal(o, torch.cat([ar + p for p in range(w)]), f"all_gather_into_tensor from another block, {n}")
+        # all_gather_into_tensor in place, the input its own block of the output (as FSDP2 calls it)
+        o = torch.zeros(w * n)
+        block(o, r).copy_(ar + r)
+        dist.all_gather_into_tensor(o, block(o, r))
+        ctx.expect_equal(o, torch.cat([ar + p for p in range(w)]), f"all_gather_into_tensor in place, {n}")
         # reduce_scatter_tensor, the output another rank's block of the input
         i = torch.cat([ar + r * 10 + p for p in range(w)])
         expected = ar * w + 10 * w * (w - 1) // 2 + w * r

@@ -5,8 +5,9 @@
 //! is written before the stage.
 //!
 //! Bytes copied (`Cost`), per rank, for blocks of b bytes: b into its slot
-//! and W b into place, (W + 1)/W per output byte. Stages: 1 per slot of the
-//! largest block.
+//! and W b into place, (W + 1)/W per output byte; in place, its own block
+//! already holds its part, so (W - 1) b into place, 1 per output byte.
+//! Stages: 1 per slot of the largest block.
 
 use super::call_check::Fingerprint;
 use super::in_arena::{in_rounds, part, part_mut};
@@ -31,7 +32,7 @@ pub fn arena_allgather(
         let mine = &input[part(input.len(), per_round, k)];
         ctx.copy_into(&mut r.own()[..mine.len()], mine);
         r.stage()?;
-        for (p, out) in outputs.iter_mut().enumerate() {
+        for (p, out) in outputs.iter_mut().enumerate().filter(|&(p, _)| p != rank || own.is_some()) {
             let dst = part_mut(out, per_round, k);
             ctx.copy_into(dst, &r.slot(p)[..dst.len()]);
         }

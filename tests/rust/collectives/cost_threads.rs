@@ -251,13 +251,40 @@ fn copied_bytes_match_each_algorithm_in_the_arena() {
     // As the all-reduce, but only the root copies out.
     assert_copied("reduce, arena", 0, &c.reduce, |rank| n + (W - 1) * n / W + if rank == 0 { n } else { 0 });
     // Every block into the slot and out (its own too).
-    assert_copied("all_to_all, arena", 0, &c.all_to_all, |_| 2 * W * BLOCK);
+    // The blocks for the others into the slot and out; its own straight across.
+    assert_copied("all_to_all, arena", 0, &c.all_to_all, |_| (2 * W - 1) * BLOCK);
     // Gather and scatter: W blocks through the root, one through each other rank.
     let through_root = |rank: usize| if rank == 0 { W * BLOCK } else { BLOCK };
     assert_copied("gather, arena", 0, &c.gather, through_root);
     assert_copied("scatter, arena", 0, &c.scatter, through_root);
     // A small all-reduce: one stage, every rank folds every slot.
     assert_copied("small all_reduce, arena", 0, &c.small_all_reduce, |_| 2 * SMALL + (W - 1) * SMALL);
+}
+
+/// In place, a rank's own block already holds its part: the arena's
+/// all-gather and all-to-all copy none of it (the others' still go through
+/// the slots).
+#[test]
+fn in_place_the_arena_copies_nothing_of_a_ranks_own_block() {
+    let engines = group_costed(false, true);
+    let all_gather = cost_of(&engines, OpKind::AllGather, |rank, e| {
+        let mut out: Vec<Vec<u8>> = (0..W).map(|p| vec![if p == rank { rank as u8 + 1 } else { 0 }; BLOCK]).collect();
+        let input = raw(&mut out[rank]);
+        let outputs = out.iter_mut().map(|o| raw(o)).collect();
+        wait_ok(run(e, Collective::AllGather { input, outputs, dtype: rustc10d::dtype::BYTES }));
+        assert!(out.iter().enumerate().all(|(p, o)| o.iter().all(|&b| b == p as u8 + 1)));
+    });
+    assert_copied("all_gather in place, arena", 0, &all_gather, |_| W * BLOCK);
+    let all_to_all = cost_of(&engines, OpKind::AllToAll, |rank, e| {
+        let mut ins: Vec<Vec<u8>> = (0..W).map(|p| vec![(rank * W + p) as u8; BLOCK]).collect();
+        let mut outs = vec![vec![0u8; BLOCK]; W];
+        outs[rank] = ins[rank].clone();
+        let inputs = (0..W).map(|p| if p == rank { raw(&mut outs[rank]) } else { raw(&mut ins[p]) }).collect();
+        let outputs = outs.iter_mut().map(|o| raw(o)).collect();
+        wait_ok(run(e, Collective::AllToAll { inputs, outputs, dtype: rustc10d::dtype::BYTES }));
+        assert!(outs.iter().enumerate().all(|(p, o)| o.iter().all(|&b| b == (p * W + rank) as u8)));
+    });
+    assert_copied("all_to_all in place, arena", 0, &all_to_all, |_| 2 * (W - 1) * BLOCK);
 }
 
 /// A rank waiting in the arena sleeps once per stage at most, however many
