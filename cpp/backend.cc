@@ -56,6 +56,10 @@ bool capturing(const c10::Stream& s) {
   }
 }
 
+// dtype::complex_parts reads the complex types by these numbers.
+static_assert(static_cast<int>(at::kComplexHalf) == 8 && static_cast<int>(at::kComplexFloat) == 9 &&
+                  static_cast<int>(at::kComplexDouble) == 10,
+              "torch's complex ScalarType numbers moved: update dtype::complex_parts");
 static_assert(static_cast<int>(at::ScalarType::NumOptions) + static_cast<int>(DType::Opaque) < 255,
               "a dtype code of a type the engine only moves must fit below the call check's NONE");
 

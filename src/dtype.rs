@@ -81,6 +81,20 @@ pub const BYTES: TypeCode = DType::U8 as TypeCode;
 /// Where the codes of types the engine only moves start (see `TypeCode`).
 pub const OPAQUE_BASE: u8 = 64;
 
+/// A complex type's code (torch's ComplexHalf, ComplexFloat, ComplexDouble:
+/// ScalarType 8, 9, 10, which the shim asserts): the real type of its two
+/// parts. SUM, AVG and PREMUL_SUM (a real factor) act on each part alone, so
+/// a complex tensor reduces by them as pairs of reals, as torch's all_reduce
+/// hands it on and NCCL reduces it; other ops have no such form.
+pub fn complex_parts(code: TypeCode) -> Option<DType> {
+    match code.checked_sub(OPAQUE_BASE)? {
+        8 => Some(DType::F16),
+        9 => Some(DType::F32),
+        10 => Some(DType::F64),
+        _ => None,
+    }
+}
+
 /// "torch.float32"; for a type the engine only moves, torch's ScalarType number.
 pub fn type_name(code: TypeCode) -> String {
     match DType::from_code(code) {

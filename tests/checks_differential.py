@@ -92,8 +92,8 @@ def gloo_skip(call: Call) -> str | None:
         return "Gloo's point-to-point and all_to_all_single need contiguous tensors"
     if call.op == "send_recv" and call.param("how") == "recv_any" and 0 in call.shape:
         return "Gloo never matches an empty message with a receive from any source (the send times out)"
-    if call.op == "gather" and call.dtype.is_complex:
-        return "torch passes gather's complex tensors on as complex, and Gloo has no complex"
+    if call.op in ("gather", "reduce", "reduce_scatter", "reduce_scatter_tensor") and call.dtype.is_complex:
+        return f"torch passes {call.op}'s complex tensors on as complex, and Gloo has no complex"
     if call.param("form") == "stack":
         return "Gloo's *_into_tensor / *_tensor need the blocks concatenated along dim 0"
     return None

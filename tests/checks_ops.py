@@ -127,6 +127,19 @@ for _dtype in MOVE_DTYPES:
 # complex tensors reach the backend as float pairs (torch.view_as_real), where torch allows them
 register("collectives", "all_reduce-complex64-SUM",
          functools.partial(sweep, case=all_reduce_case, dtype=torch.complex64, op="SUM", large=False))
+# reduce and reduce_scatter pass them on as complex: rustc10d reduces them as pairs of reals by
+# the ops that act on each part alone (SUM, AVG, PREMUL_SUM), as NCCL does
+NO_COMPLEX_REDUCTIONS = {"gloo": "Gloo has no complex reductions"}
+register("collectives", "reduce-complex128-AVG",
+         functools.partial(sweep, case=reduce_case, dtype=torch.complex128, op="AVG", rooted=True, large=False),
+         skip_on=NO_COMPLEX_REDUCTIONS)
+register("collectives", "reduce_scatter-complex64-PREMUL_SUM",
+         functools.partial(sweep, case=reduce_scatter_case, dtype=torch.complex64, op="PREMUL_SUM", large=False),
+         skip_on=NO_COMPLEX_REDUCTIONS)
+register("collectives", "reduce_scatter_tensor-complex64-SUM",
+         functools.partial(sweep, case=reduce_scatter_tensor_case, dtype=torch.complex64, op="SUM", scalar=False,
+                           large=False),
+         skip_on=NO_COMPLEX_REDUCTIONS)
 register("collectives", "broadcast-complex64",
          functools.partial(sweep, case=broadcast_case, dtype=torch.complex64, rooted=True, large=False))
 register("collectives", "all_gather_into_tensor-complex64",

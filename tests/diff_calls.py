@@ -212,7 +212,9 @@ def _good(rng: random.Random, base: dict) -> Call:
     params = []
     if op in REDUCING or op in ("all_reduce_coalesced", "coalescing_manager"):
         dtype = rng.choice(DTYPES)
-        if op == "all_reduce" and rng.random() < 0.08:  # torch reduces complex as (re, im) pairs
+        # complex: torch's all_reduce hands it on as (re, im) pairs; reduce and reduce_scatter
+        # pass it as complex, which rustc10d reduces as such pairs (by these ops), as NCCL does
+        if op in REDUCING and rng.random() < 0.08:
             dtype = rng.choice(COMPLEX_DTYPES)
             reduce_op = rng.choice(("SUM", "AVG", "PREMUL_SUM"))
             factor = rng.choice(PREMUL_FACTORS) if reduce_op == "PREMUL_SUM" else None
@@ -300,7 +302,7 @@ def _p2p_params(rng, op, ranks) -> list:
 # checks would name torch, not the backend, so calls torch refuses first are not generated).
 LOCAL_KINDS = {
     "reduce_op_for_dtype": REDUCING,  # AVG/PREMUL_SUM on integers and bool, BAND/BOR/BXOR on floats
-    "dtype_not_reducible": REDUCING,  # uint16/32/64, and complex where torch passes it on (reduce, reduce_scatter)
+    "dtype_not_reducible": REDUCING,  # uint16/32/64; complex by PRODUCT, MIN or MAX where torch passes it on
     "premul_tensor_factor": ("all_reduce", "reduce_scatter_tensor"),
     "root_out_of_range": ("broadcast", "reduce", "scatter", "gather"),
     "peer_out_of_range": ("send", "recv"),
@@ -326,9 +328,9 @@ def _local(rng: random.Random, base: dict) -> Call:
         call["reduce_op"] = rng.choice(rejected_ops(call["dtype"]) + (("PREMUL_SUM",) if not call["dtype"].is_floating_point else ()))
         call["factor"] = 0.3 if call["reduce_op"] == "PREMUL_SUM" else None
     elif kind == "dtype_not_reducible":
-        choices = WIDE_UNSIGNED + (COMPLEX_DTYPES if op != "all_reduce" else ())
-        call["dtype"] = rng.choice(choices)
-        call["reduce_op"] = "SUM"
+        # (torch's all_reduce refuses those ops on complex itself)
+        call["dtype"] = rng.choice(WIDE_UNSIGNED + (COMPLEX_DTYPES if op != "all_reduce" else ()))
+        call["reduce_op"] = rng.choice(("PRODUCT", "MIN", "MAX")) if call["dtype"].is_complex else "SUM"
     elif kind == "premul_tensor_factor":
         call["dtype"], call["reduce_op"], call["factor"] = rng.choice(DTYPES[:4]), "PREMUL_SUM", 0.5
     elif kind in ("root_out_of_range", "peer_out_of_range"):

@@ -43,9 +43,21 @@ pub(super) fn rank(r: i64, what: &str) -> Result<usize> {
     usize::try_from(r).map_err(|_| Error::invalid(format!("rustc10d: {what} rank {r} is negative")))
 }
 
-/// How `t` is reduced by `reduce` (PREMUL_SUM's factor: `premul`).
+/// How `t` is reduced by `reduce` (PREMUL_SUM's factor: `premul`). A
+/// complex tensor by SUM, AVG or PREMUL_SUM, as the pairs of reals it holds
+/// (`dtype::complex_parts`).
 pub(super) fn reduction(t: &bridge::TensorDesc, reduce: ReduceOpCode, premul: f64) -> Result<Reduction> {
-    let dtype = dtype_of(t.dtype)?;
+    let dtype = match dtype::complex_parts(t.dtype.repr) {
+        Some(parts) if matches!(reduce, ReduceOpCode::Sum | ReduceOpCode::Avg | ReduceOpCode::PremulSum) => parts,
+        Some(_) => {
+            let op = dtype::ReduceOp::from_code(reduce.repr)
+                .map_or_else(|_| format!("reduce op code {}", reduce.repr), |op| format!("ReduceOp.{}", op.name()));
+            return Err(Error::unsupported(format!(
+                "rustc10d does not support {op} on complex tensors (SUM, AVG and PREMUL_SUM reduce them)"
+            )));
+        }
+        None => dtype_of(t.dtype)?,
+    };
     if reduce == ReduceOpCode::PremulSum {
         return Ok(Reduction { dtype, op: dtype::ReduceOp::Sum, premul: Some(premul) });
     }
