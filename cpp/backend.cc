@@ -75,6 +75,9 @@ DType dtype_of(at::ScalarType type) {
     case at::kInt: return DType::Int32;
     case at::kLong: return DType::Int64;
     case at::kBool: return DType::Bool;
+    case at::kUInt16: return DType::UInt16;
+    case at::kUInt32: return DType::UInt32;
+    case at::kUInt64: return DType::UInt64;
     // A type the engine only moves: Opaque plus torch's ScalarType, so that
     // ranks passing complex64 and float8 still disagree (dtype::TypeCode).
     default: return static_cast<DType>(static_cast<uint8_t>(DType::Opaque) + static_cast<uint8_t>(type));

@@ -16,10 +16,13 @@ pub enum DType {
     I32 = 7,
     I64 = 8,
     Bool = 9,
+    U16 = 10,
+    U32 = 11,
+    U64 = 12,
 }
 
 impl DType {
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -30,6 +33,9 @@ impl DType {
         DType::I32,
         DType::I64,
         DType::Bool,
+        DType::U16,
+        DType::U32,
+        DType::U64,
     ];
 
     pub fn from_code(code: u8) -> Result<DType> {
@@ -41,9 +47,9 @@ impl DType {
 
     pub fn size(self) -> usize {
         match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
             DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
@@ -65,13 +71,16 @@ impl DType {
             DType::I32 => "torch.int32",
             DType::I64 => "torch.int64",
             DType::Bool => "torch.bool",
+            DType::U16 => "torch.uint16",
+            DType::U32 => "torch.uint32",
+            DType::U64 => "torch.uint64",
         }
     }
 }
 
 /// The element type of a buffer an op may only move: a `DType` code, or
 /// `OPAQUE_BASE` plus torch's ScalarType for a type the engine never
-/// reduces (complex, unsigned 16-64 bits, float8, ...), which ranks must
+/// reduces (complex, float8, ...), which ranks must
 /// still agree on.
 pub type TypeCode = u8;
 

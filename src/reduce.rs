@@ -241,6 +241,9 @@ fn reduce_into_any_cpu(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         DType::I16 => int_kernel!(i16, op, dst, src),
         DType::I32 => int_kernel!(i32, op, dst, src),
         DType::I64 => int_kernel!(i64, op, dst, src),
+        DType::U16 => int_kernel!(u16, op, dst, src),
+        DType::U32 => int_kernel!(u32, op, dst, src),
+        DType::U64 => int_kernel!(u64, op, dst, src),
         DType::Bool => match op {
             ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => zip_apply::<u8>(dst, src, |a, b| a | b),
             ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => zip_apply::<u8>(dst, src, |a, b| a & b),
@@ -414,6 +417,17 @@ mod tests {
         assert_eq!(run(DType::I64, ReduceOp::BAnd, &[0b1100i64], &[0b1010]), vec![0b1000]);
         assert_eq!(run(DType::I64, ReduceOp::BOr, &[0b1100i64], &[0b1010]), vec![0b1110]);
         assert_eq!(run(DType::I64, ReduceOp::BXor, &[0b1100i64], &[0b1010]), vec![0b0110]);
+    }
+
+    /// Wide unsigned types compare as unsigned: the top bit is the largest, not a sign.
+    #[test]
+    fn wide_unsigned_ops_wrap_and_compare_unsigned() {
+        assert_eq!(run(DType::U16, ReduceOp::Sum, &[65535u16, 2], &[1, 3]), vec![0, 5]);
+        assert_eq!(run(DType::U32, ReduceOp::Max, &[1u32 << 31, 7], &[1, 9]), vec![1 << 31, 9]);
+        assert_eq!(run(DType::U64, ReduceOp::Min, &[1u64 << 63, 7], &[1, 9]), vec![1, 7]);
+        assert_eq!(run(DType::U64, ReduceOp::Product, &[1u64 << 32, 3], &[1 << 32, 5]), vec![0, 15]);
+        assert_eq!(run(DType::U32, ReduceOp::BXor, &[0b1100u32], &[0b1010]), vec![0b0110]);
+        assert!(ReduceOp::Avg.check(DType::U64).is_err(), "an integer AVG has no integer result");
     }
 
     #[test]

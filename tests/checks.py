@@ -39,6 +39,10 @@ GROUP_TIMEOUT = timedelta(seconds=30)
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
+# torch implements few operations for these (no randint, no min or max, no eq on some
+# releases): they are drawn, reduced and compared as the signed type of their width, same bits.
+WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 ARITH_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 BITWISE_OPS = ("BAND", "BOR", "BXOR")
 # PREMUL_SUM multiplies every input by this factor before summing (dist._make_nccl_premul_sum);
@@ -173,6 +177,8 @@ def make_input(key: str, shape, dtype, op="") -> torch.Tensor:
     # crc32, not hash(): Python salts str hashes per process, and ranks must agree
     if dtype.is_complex:  # torch hands complex tensors to backends as (real, imag) pairs
         return torch.view_as_complex(make_input(key, (*shape, 2), dtype.to_real(), op))
+    if dtype in WIDE_UNSIGNED:  # (their reductions wrap, and are checked bit for bit)
+        return make_input(key, shape, SIGNED_OF[dtype], op).view(dtype)
     g = torch.Generator().manual_seed(zlib.crc32(f"{key}|{shape}|{dtype}|{op}".encode()))
     if dtype == torch.bool:
         # mostly True where the op is an AND, mostly False where it is an OR: results vary
@@ -204,10 +210,22 @@ def _int_range(dtype, op) -> tuple[int, int]:
 _BITWISE_FN = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
 
 
+def reduce_unsigned(inputs: list[torch.Tensor], op: str, reduce) -> torch.Tensor:
+    """The reduction of uint16/32/64 tensors by `reduce` (inputs, op) on the signed type of their
+    width: SUM, PRODUCT and the bitwise ops wrap alike on the same bits, and unsigned order is
+    signed order with the top bit flipped."""
+    dtype = inputs[0].dtype
+    signed = SIGNED_OF[dtype]
+    flip = torch.iinfo(signed).min if op in ("MIN", "MAX") else 0
+    return (reduce([t.view(signed) ^ flip for t in inputs], op) ^ flip).view(dtype)
+
+
 def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     """The exact reduction of all ranks' inputs: float64 for floating dtypes (compared with a
     tolerance), the input dtype otherwise (compared exactly)."""
     dtype = inputs[0].dtype
+    if dtype in WIDE_UNSIGNED:
+        return reduce_unsigned(inputs, op, reference)
     if op in _BITWISE_FN:
         return functools.reduce(_BITWISE_FN[op], inputs)
     stacked = torch.stack(inputs)
@@ -250,6 +268,8 @@ def equal_mismatch(got: torch.Tensor, expected: torch.Tensor, where: str) -> str
         top = int(got.contiguous().view(torch.uint8).max())
         if top > 1:
             return f"{where}: bool tensor stores byte {top}"
+    if got.dtype in SIGNED_OF:
+        got, expected = got.view(SIGNED_OF[got.dtype]), expected.view(SIGNED_OF[got.dtype])
     return None if torch.equal(got, expected) else f"{where}: {differences(got, expected, got != expected)}"
 
 

@@ -127,19 +127,26 @@ for _dtype in MOVE_DTYPES:
 # complex tensors reach the backend as float pairs (torch.view_as_real), where torch allows them
 register("collectives", "all_reduce-complex64-SUM",
          functools.partial(sweep, case=all_reduce_case, dtype=torch.complex64, op="SUM", large=False))
-# reduce and reduce_scatter pass them on as complex: rustc10d reduces them as pairs of reals by
-# the ops that act on each part alone (SUM, AVG, PREMUL_SUM), as NCCL does
-NO_COMPLEX_REDUCTIONS = {"gloo": "Gloo has no complex reductions"}
-register("collectives", "reduce-complex128-AVG",
-         functools.partial(sweep, case=reduce_case, dtype=torch.complex128, op="AVG", rooted=True, large=False),
-         skip_on=NO_COMPLEX_REDUCTIONS)
-register("collectives", "reduce_scatter-complex64-PREMUL_SUM",
-         functools.partial(sweep, case=reduce_scatter_case, dtype=torch.complex64, op="PREMUL_SUM", large=False),
-         skip_on=NO_COMPLEX_REDUCTIONS)
-register("collectives", "reduce_scatter_tensor-complex64-SUM",
-         functools.partial(sweep, case=reduce_scatter_tensor_case, dtype=torch.complex64, op="SUM", scalar=False,
-                           large=False),
-         skip_on=NO_COMPLEX_REDUCTIONS)
+# Reductions of the dtypes Gloo has none of, each against arithmetic. complex: torch's all_reduce
+# hands them on as pairs of reals (above), reduce and reduce_scatter as complex, which rustc10d
+# reduces as such pairs by the ops that act on each part alone (SUM, AVG, PREMUL_SUM), as NCCL
+# does. uint16/32/64 reduce like the other integers (wrapping, unsigned order).
+# name -> (case, sweep() options)
+_GLOOLESS_REDUCTIONS = {
+    "reduce-complex128-AVG": (reduce_case, {"dtype": torch.complex128, "op": "AVG", "rooted": True}),
+    "reduce_scatter-complex64-PREMUL_SUM": (reduce_scatter_case, {"dtype": torch.complex64, "op": "PREMUL_SUM"}),
+    "reduce_scatter_tensor-complex64-SUM":
+        (reduce_scatter_tensor_case, {"dtype": torch.complex64, "op": "SUM", "scalar": False}),
+    "all_reduce-uint64-MAX": (all_reduce_case, {"dtype": torch.uint64, "op": "MAX"}),
+    "all_reduce-uint32-SUM": (all_reduce_case, {"dtype": torch.uint32, "op": "SUM"}),
+    "reduce-uint16-PRODUCT": (reduce_case, {"dtype": torch.uint16, "op": "PRODUCT", "rooted": True}),
+    "reduce_scatter_tensor-uint64-MIN":
+        (reduce_scatter_tensor_case, {"dtype": torch.uint64, "op": "MIN", "scalar": False}),
+    "reduce_scatter-uint32-BXOR": (reduce_scatter_case, {"dtype": torch.uint32, "op": "BXOR"}),
+}
+for _name, (_case, _options) in _GLOOLESS_REDUCTIONS.items():
+    register("collectives", _name, functools.partial(sweep, case=_case, large=False, **_options),
+             skip_on={"gloo": f"Gloo has no {dtype_name(_options['dtype'])} reductions"})
 register("collectives", "broadcast-complex64",
          functools.partial(sweep, case=broadcast_case, dtype=torch.complex64, rooted=True, large=False))
 register("collectives", "all_gather_into_tensor-complex64",

@@ -25,11 +25,9 @@ import random
 
 import torch
 
-from checks import DTYPES, INT_DTYPES, dtype_name, rejected_ops, supported_ops
+from checks import DTYPES, INT_DTYPES, WIDE_UNSIGNED, dtype_name, rejected_ops, supported_ops
 
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
-# moved by rustc10d like any bytes, never reduced (README: "Not yet ... unsigned 16/32/64-bit")
-WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
 MOVE_DTYPES = DTYPES + COMPLEX_DTYPES + WIDE_UNSIGNED
 # PREMUL_SUM factors: not powers of two, one negative, so a factor dropped, applied twice or
 # applied to the wrong rank's data shows up
@@ -211,7 +209,7 @@ def _good(rng: random.Random, base: dict) -> Call:
     call = {**base, "kind": "good", "op": op, "group": group, "ranks": ranks}
     params = []
     if op in REDUCING or op in ("all_reduce_coalesced", "coalescing_manager"):
-        dtype = rng.choice(DTYPES)
+        dtype = rng.choice(WIDE_UNSIGNED) if op in REDUCING and rng.random() < 0.1 else rng.choice(DTYPES)
         # complex: torch's all_reduce hands it on as (re, im) pairs; reduce and reduce_scatter
         # pass it as complex, which rustc10d reduces as such pairs (by these ops), as NCCL does
         if op in REDUCING and rng.random() < 0.08:
@@ -302,7 +300,8 @@ def _p2p_params(rng, op, ranks) -> list:
 # checks would name torch, not the backend, so calls torch refuses first are not generated).
 LOCAL_KINDS = {
     "reduce_op_for_dtype": REDUCING,  # AVG/PREMUL_SUM on integers and bool, BAND/BOR/BXOR on floats
-    "dtype_not_reducible": REDUCING,  # uint16/32/64; complex by PRODUCT, MIN or MAX where torch passes it on
+    # complex by PRODUCT, MIN or MAX, where torch passes it on (its all_reduce refuses them itself)
+    "dtype_not_reducible": ("reduce", "reduce_scatter", "reduce_scatter_tensor"),
     "premul_tensor_factor": ("all_reduce", "reduce_scatter_tensor"),
     "root_out_of_range": ("broadcast", "reduce", "scatter", "gather"),
     "peer_out_of_range": ("send", "recv"),
@@ -324,13 +323,11 @@ def _local(rng: random.Random, base: dict) -> Call:
             "shape": (rng.randrange(1, 40),), "dtype": rng.choice(DTYPES)}
     params = [("bad", kind)]
     if kind == "reduce_op_for_dtype":
-        call["dtype"] = rng.choice([d for d in DTYPES if rejected_ops(d)])
+        call["dtype"] = rng.choice([d for d in DTYPES + WIDE_UNSIGNED if rejected_ops(d)])
         call["reduce_op"] = rng.choice(rejected_ops(call["dtype"]) + (("PREMUL_SUM",) if not call["dtype"].is_floating_point else ()))
         call["factor"] = 0.3 if call["reduce_op"] == "PREMUL_SUM" else None
     elif kind == "dtype_not_reducible":
-        # (torch's all_reduce refuses those ops on complex itself)
-        call["dtype"] = rng.choice(WIDE_UNSIGNED + (COMPLEX_DTYPES if op != "all_reduce" else ()))
-        call["reduce_op"] = rng.choice(("PRODUCT", "MIN", "MAX")) if call["dtype"].is_complex else "SUM"
+        call["dtype"], call["reduce_op"] = rng.choice(COMPLEX_DTYPES), rng.choice(("PRODUCT", "MIN", "MAX"))
     elif kind == "premul_tensor_factor":
         call["dtype"], call["reduce_op"], call["factor"] = rng.choice(DTYPES[:4]), "PREMUL_SUM", 0.5
     elif kind in ("root_out_of_range", "peer_out_of_range"):

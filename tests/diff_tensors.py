@@ -12,12 +12,8 @@ import zlib
 
 import torch
 
-from checks import differences, make_input, tolerance
-from diff_calls import WIDE_UNSIGNED, Call
-
-# Signed dtypes of the same size, through which wide unsigned tensors are compared: torch
-# implements few operations for uint16/32/64 (no randint, no eq on some releases).
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+from checks import SIGNED_OF, WIDE_UNSIGNED, differences, make_input, reduce_unsigned, tolerance
+from diff_calls import Call
 
 
 def _seed(key: str) -> torch.Generator:
@@ -31,7 +27,7 @@ def element_size(dtype) -> int:
 def make(key: str, shape, dtype, op: str = "", values: str = "plain") -> torch.Tensor:
     """checks.make_input, plus the dtypes it lacks and the value flavours of diff_calls."""
     if dtype in WIDE_UNSIGNED:
-        return make(key, shape, _SIGNED[dtype], "", values).view(dtype)
+        return make(key, shape, SIGNED_OF[dtype], "", values).view(dtype)
     if values == "wrap" and not dtype.is_floating_point:
         op = "MAX"  # make_input's full integer range: SUM and PRODUCT wrap around
     t = make_input(key, tuple(shape), dtype, op)
@@ -130,6 +126,8 @@ def reduction(inputs: list[torch.Tensor], op: str, factor: float | None = None) 
     dtype = inputs[0].dtype
     if dtype.is_complex:
         return torch.view_as_complex(reduction([torch.view_as_real(t) for t in inputs], op, factor))
+    if dtype in WIDE_UNSIGNED:
+        return reduce_unsigned(inputs, op, lambda ts, o: reduction(ts, o, factor))
     if op in _BITWISE:
         return functools.reduce(_BITWISE[op], inputs)
     stacked = torch.stack(inputs)
@@ -189,8 +187,8 @@ def expect_same(got: torch.Tensor, expected: torch.Tensor, where: str) -> str | 
 
 
 def _comparable(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype in _SIGNED:
-        return t.contiguous().view(_SIGNED[t.dtype])
+    if t.dtype in SIGNED_OF:
+        return t.contiguous().view(SIGNED_OF[t.dtype])
     if t.is_complex():
         return torch.view_as_real(t.contiguous())
     return t

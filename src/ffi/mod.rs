@@ -48,6 +48,9 @@ pub mod bridge {
         Int32,
         Int64,
         Bool,
+        UInt16,
+        UInt32,
+        UInt64,
         Opaque = 64,
     }
 
@@ -511,6 +514,7 @@ const _: () = {
     use ops::OpKind as K;
     assert!(bridge::DType::Float32.repr == D::F32 as u8 && bridge::DType::Bool.repr == D::Bool as u8);
     assert!(bridge::DType::BFloat16.repr == D::BF16 as u8 && bridge::DType::Int64.repr == D::I64 as u8);
+    assert!(bridge::DType::UInt16.repr == D::U16 as u8 && bridge::DType::UInt64.repr == D::U64 as u8);
     assert!(ReduceOpCode::Sum.repr == R::Sum as u8 && ReduceOpCode::BXor.repr == R::BXor as u8);
     assert!(OpKind::AllReduce.repr == K::AllReduce as u8 && OpKind::Recv.repr == K::Recv as u8);
     assert!(OpKind::AllReduceSparse.repr == K::AllReduceSparse as u8);
