@@ -265,9 +265,18 @@ class OpBuilder {
     call.reduce = static_cast<ReduceOpCode>(op.op_);
     if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
       auto* s = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
-      TORCH_CHECK(s && !s->tensor_factor.defined(), "rustc10d: ", op_,
-                  " supports PREMUL_SUM with a Python scalar factor only");
-      call.premul = s->double_factor;
+      TORCH_CHECK(s, "rustc10d: ", op_, " got PREMUL_SUM without its factor");
+      const at::Tensor& factor = s->tensor_factor;
+      if (!factor.defined()) {
+        call.premul = s->double_factor;
+        return;
+      }
+      // Read here, once: of any floating dtype (NCCL wants the input's), on any device (one on
+      // a GPU is read once the caller's current stream has made it: the call waits for that).
+      TORCH_CHECK(factor.numel() == 1 && at::isFloatingType(factor.scalar_type()), "rustc10d: ", op_,
+                  " does not support a PREMUL_SUM factor of dtype ", factor.scalar_type(), " and ",
+                  factor.numel(), " element(s); pass one floating-point element, or a Python scalar");
+      call.premul = factor.item<double>();
     }
   }
 

@@ -25,6 +25,7 @@ from checks import (
     DTYPES,
     GROUP_TIMEOUT,
     MEDIUM,
+    PREMUL_FACTOR,
     Ctx,
     all_gather_case,
     all_gather_coalesced_case,
@@ -37,6 +38,7 @@ from checks import (
     broadcast_case,
     check,
     check_group_usable,
+    expect_unsupported,
     coalesced_case,
     dtype_name,
     gather_case,
@@ -151,6 +153,27 @@ register("collectives", "broadcast-complex64",
          functools.partial(sweep, case=broadcast_case, dtype=torch.complex64, rooted=True, large=False))
 register("collectives", "all_gather_into_tensor-complex64",
          functools.partial(sweep, case=all_gather_into_tensor_case, dtype=torch.complex64, scalar=False, large=False))
+
+
+@check("collectives", skip_on={"gloo": "Gloo has no PREMUL_SUM"})
+def premul_sum_takes_a_one_element_tensor_factor(ctx: Ctx):
+    """dist._make_nccl_premul_sum(tensor): of the input's dtype, as NCCL wants it, or another
+    floating one; an integer factor is refused (torch refuses more than one element itself),
+    and the group stays usable."""
+    for dtype, factor_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float64)):
+        premul = dist._make_nccl_premul_sum(torch.tensor([PREMUL_FACTOR], dtype=factor_dtype))
+        inputs = ctx.inputs((37, 3), dtype, "PREMUL_SUM")
+        t = inputs[ctx.rank].clone()
+        dist.all_reduce(t, op=premul)
+        ctx.expect_reduced(t, inputs, "PREMUL_SUM", f"all_reduce {dtype}, factor a {factor_dtype} tensor")
+        out = torch.zeros(37, 3, dtype=dtype)
+        stacked = ctx.inputs((ctx.world * 37, 3), dtype, "PREMUL_SUM", salt="scatter")
+        dist.reduce_scatter_tensor(out, stacked[ctx.rank], op=premul)
+        to_me = [x[ctx.rank * 37:(ctx.rank + 1) * 37] for x in stacked]
+        ctx.expect_reduced(out, to_me, "PREMUL_SUM", f"reduce_scatter_tensor {dtype}, factor a {factor_dtype} tensor")
+    whole = dist._make_nccl_premul_sum(torch.tensor([2]))
+    expect_unsupported(ctx, lambda: dist.all_reduce(torch.ones(4), op=whole), "PREMUL_SUM with an int64 factor")
+    check_group_usable(ctx, "after a refused PREMUL_SUM factor")
 
 
 @check("collectives")

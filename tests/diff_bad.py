@@ -60,10 +60,8 @@ def local_call(env: Env) -> Bad:
     c, b = env.call, Bad(env)
     kind, op, n, s = c.param("bad"), c.op, env.n, c.shape
     g = {"group": env.pg}
-    if kind in ("reduce_op_for_dtype", "dtype_not_reducible", "premul_tensor_factor"):
+    if kind in ("reduce_op_for_dtype", "dtype_not_reducible"):
         rop = reduce_op(c.reduce_op, c.factor)
-        if kind == "premul_tensor_factor":
-            rop = dist._make_nccl_premul_sum(torch.tensor([c.factor], dtype=torch.float64))
         if op == "all_reduce":
             x = b.t("tensor")
             b.fn = lambda: dist.all_reduce(x, op=rop, **g)

@@ -219,6 +219,8 @@ def _good(rng: random.Random, base: dict) -> Call:
         else:
             reduce_op, factor = _reduce_op(rng, dtype)
         call.update(dtype=dtype, reduce_op=reduce_op, factor=factor, values=_values(rng, dtype, reduce_op))
+        if reduce_op == "PREMUL_SUM" and rng.random() < 0.3:
+            params.append(("factor_as", "tensor"))  # dist._make_nccl_premul_sum(a one-element tensor)
     elif op == "sparse_all_reduce":
         call.update(dtype=rng.choice((torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                       torch.int64, torch.int32, torch.uint8, torch.bool)), reduce_op="SUM")
@@ -302,7 +304,6 @@ LOCAL_KINDS = {
     "reduce_op_for_dtype": REDUCING,  # AVG/PREMUL_SUM on integers and bool, BAND/BOR/BXOR on floats
     # complex by PRODUCT, MIN or MAX, where torch passes it on (its all_reduce refuses them itself)
     "dtype_not_reducible": ("reduce", "reduce_scatter", "reduce_scatter_tensor"),
-    "premul_tensor_factor": ("all_reduce", "reduce_scatter_tensor"),
     "root_out_of_range": ("broadcast", "reduce", "scatter", "gather"),
     "peer_out_of_range": ("send", "recv"),
     "wrong_list_length": ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"),
@@ -328,8 +329,6 @@ def _local(rng: random.Random, base: dict) -> Call:
         call["factor"] = 0.3 if call["reduce_op"] == "PREMUL_SUM" else None
     elif kind == "dtype_not_reducible":
         call["dtype"], call["reduce_op"] = rng.choice(COMPLEX_DTYPES), rng.choice(("PRODUCT", "MIN", "MAX"))
-    elif kind == "premul_tensor_factor":
-        call["dtype"], call["reduce_op"], call["factor"] = rng.choice(DTYPES[:4]), "PREMUL_SUM", 0.5
     elif kind in ("root_out_of_range", "peer_out_of_range"):
         call["root"] = len(ranks) + rng.randrange(0, 3)  # a group rank past the end
         call["by_group_rank"] = True

@@ -68,7 +68,11 @@ class Env:
         return {group_name: self.members.index(rank)} if self.call.by_group_rank else {global_name: rank}
 
     def op(self):
-        return reduce_op(self.call.reduce_op, self.call.factor)
+        factor = self.call.factor
+        if self.call.param("factor_as") == "tensor":  # of the call's dtype, as NCCL wants it
+            dtype = self.call.dtype.to_real() if self.call.dtype.is_complex else self.call.dtype
+            factor = torch.tensor([factor], dtype=dtype)
+        return reduce_op(self.call.reduce_op, factor)
 
 
 # ----------------------------------------------------------------------------- collectives
