@@ -886,9 +886,9 @@ def barrier_waits_for_all(ctx: Ctx):
 @check("collectives")
 def unsupported_dtype_is_rejected(ctx: Ctx):
     """A dtype outside the supported set, which torch hands to the backend without complaint
-    (uint32), is refused with a RuntimeError rather than reduced as something else."""
-    t = torch.ones(4, dtype=torch.uint32)
-    expect_unsupported(ctx, lambda: dist.all_reduce(t), "all_reduce of a uint32 tensor")
+    (float8), is refused with a RuntimeError rather than reduced as something else."""
+    t = torch.ones(4).to(torch.float8_e4m3fn)
+    expect_unsupported(ctx, lambda: dist.all_reduce(t), "all_reduce of a float8_e4m3fn tensor")
     check_group_usable(ctx, "after the rejected op")
 
 
