@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checks import BACKEND, JOB_TIMEOUTS, WORLD_SIZES, Ctx, new_group, register, wait_done
+from checks import BACKEND, JOB_TIMEOUTS, WIDE_UNSIGNED, WORLD_SIZES, Ctx, new_group, register, wait_done
 from diff_bad import local_call, mismatch_call, refused_locally
-from diff_calls import WIDE_UNSIGNED, Call, generate, groups
+from diff_calls import Call, generate, groups
 from diff_run import ISSUE, Env
 
 DEFAULT_SEED = 1

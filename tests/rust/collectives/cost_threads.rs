@@ -250,7 +250,6 @@ fn copied_bytes_match_each_algorithm_in_the_arena() {
     assert_copied("reduce_scatter, arena", 0, &c.reduce_scatter, |_| 2 * W * BLOCK);
     // As the all-reduce, but only the root copies out.
     assert_copied("reduce, arena", 0, &c.reduce, |rank| n + (W - 1) * n / W + if rank == 0 { n } else { 0 });
-    // Every block into the slot and out (its own too).
     // The blocks for the others into the slot and out; its own straight across.
     assert_copied("all_to_all, arena", 0, &c.all_to_all, |_| (2 * W - 1) * BLOCK);
     // Gather and scatter: W blocks through the root, one through each other rank.
